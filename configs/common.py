@@ -1,0 +1,85 @@
+"""Shared pieces of every experiment config.
+
+`base_config()` holds every key the code reads, with the paper's values where the paper has one;
+each experiment file starts from it, changes what differs and returns it locked, so that
+`--config.key=value` with an unknown key is an error that names the key.
+"""
+
+import ml_collections
+
+
+def base_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+
+    # --- data
+    c.dataset = 'embedded'  # 'embedded' (Debian trans-de-en), 'tfds', or 'tsv'
+    c.tfds_name = 'wmt14_translate/de-en'
+    c.source_lang = 'en'
+    c.target_lang = 'de'
+    c.train_split = 'train'
+    c.eval_split = 'validation'
+    c.test_split = 'test'
+    c.tsv_files = ml_collections.ConfigDict({'train': '', 'validation': '', 'test': ''})
+    c.data_dir = 'data'  # prepared datasets, tokenizers and packed caches live here
+    c.vocab_size = 32000  # one sentencepiece vocabulary shared by source and target
+    c.vocab_path = ''  # '' -> derived from data_dir, dataset and vocab_size
+    c.tokenizer_sentences = 1_000_000  # sentences (source + target) used to train sentencepiece
+    c.max_len = 256  # tokens per side of one packed training row; longer pairs are skipped
+    c.max_eval_len = 256  # evaluation pairs longer than this are skipped (and counted)
+    c.batch_size = 128  # packed rows per global batch (~ batch_size * max_len * fill target tokens)
+    c.eval_batch_size = 64  # sentences per evaluation batch (unpacked, last batch padded)
+    c.pack = True
+    c.shuffle_seed = 0
+
+    # --- model (the paper's base) ---------------------------------------------------------------
+    c.d_model = 512
+    c.d_ff = 2048
+    c.num_heads = 8
+    c.num_encoder_layers = 6
+    c.num_decoder_layers = 6
+    c.dropout_rate = 0.1  # sub-layer outputs and embeddings + positions
+    c.attention_dropout_rate = 0.0  # on attention weights (tensor2tensor's base: 0.0)
+    c.relu_dropout_rate = 0.0  # on the feed-forward's ReLU activations
+    c.pre_ln = False  # the paper is post-LN: LayerNorm(x + Sublayer(x))
+    c.position_embedding = 'sinusoidal'  # 'sinusoidal', 'learned' or 'rope'
+    c.max_position = 1024  # size of the position table (learned / sinusoidal)
+    c.scale_attention = True  # divide logits by sqrt(d_k)
+    c.scale_embeddings = True  # multiply embeddings by sqrt(d_model)
+    c.share_embeddings = True  # one embedding for source and target
+    c.tie_output = True  # the output projection is the (target) embedding transposed
+    c.dtype = 'float32'  # compute dtype: 'float32' or 'bfloat16' (parameters stay float32)
+    # 'xla' (einsum + softmax) or 'dot_product' (jax.nn.dot_product_attention: cuDNN on GPU)
+    c.attention_impl = 'xla'
+
+    # --- optimization
+    c.learning_rate_scale = 1.0  # lr = scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
+    c.warmup_steps = 4000
+    c.adam_b1 = 0.9
+    c.adam_b2 = 0.98
+    c.adam_eps = 1e-9
+    c.weight_decay = 0.0
+    c.clip_grad_norm = 0.0  # 0 = off
+    c.label_smoothing = 0.1
+    c.grad_accum_steps = 1  # micro-batches per update; batch_size is split across them
+    c.num_train_steps = 100_000
+    c.train_time_budget_s = 0.0  # > 0: stop (and save) after this many seconds of training
+    c.skip_nonfinite = False  # True: skip a step whose loss is NaN/inf instead of stopping
+    c.seed = 0
+
+    # --- loop, checkpoints, evaluation
+    c.log_every_steps = 100
+    c.eval_every_steps = 5000
+    c.checkpoint_every_steps = 5000
+    c.keep_checkpoints = 20
+    c.num_eval_batches = 20  # validation batches for eval loss (-1 = all)
+    c.eval_bleu_sentences = 256  # validation sentences decoded for BLEU at each eval (0 = off)
+
+    # --- decoding
+    c.beam_size = 4
+    c.length_penalty_alpha = 0.6
+    c.max_decode_extra = 50  # max output length = source length + this
+    c.max_decode_len = 256  # static length bound of the decode buffers
+
+    # --- devices
+    c.mesh_shape = (-1, 1, 1)  # (data, fsdp, tensor); -1 takes the remaining devices
+    return c

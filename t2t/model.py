@@ -1,0 +1,507 @@
+"""The Transformer of "Attention Is All You Need" (Vaswani et al., 2017) as Flax Linen modules.
+
+The defaults are the paper's: post-LN residual blocks LayerNorm(x + Dropout(Sublayer(x))),
+sinusoidal positions, embeddings multiplied by sqrt(d_model), one embedding shared by source and
+target and tied to the output projection, ReLU feed-forward, scaled dot-product attention. Options
+cover what ablations ask for: pre-LN, learned or rotary positions, head count, no 1/sqrt(d_k)
+scaling, separate embeddings, bfloat16 compute (parameters stay float32), and
+jax.nn.dot_product_attention (cuDNN flash attention on GPU).
+
+Shape letters: B batch, S source length, T target length, L any length, D d_model, H heads,
+K head dim (d_k = d_v = D / H), F d_ff, V vocabulary.
+
+Masks (padding, causality, packed segments) are built once at the top of encode()/decode() and
+passed down. In decode mode (config.decode) the decoder runs one token per call and keeps its
+keys/values in the 'cache' collection: the first apply without a cache creates it (self-attention
+buffers of config.decode_len, cross-attention keys/values projected once from the encoder output).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+
+PAD_ID = 0  # padding; also the decoder's start token (targets are shifted right with it)
+EOS_ID = 1
+
+Array = jax.Array
+_DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
+_POSITIONS = ('sinusoidal', 'learned', 'rope')
+_ATTENTION_IMPLS = ('xla', 'dot_product')
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """Static model hyperparameters; hashable, so it may be closed over by jitted code."""
+
+    vocab_size: int
+    d_model: int = 512
+    d_ff: int = 2048
+    num_heads: int = 8
+    num_encoder_layers: int = 6
+    num_decoder_layers: int = 6
+    dropout_rate: float = 0.1
+    attention_dropout_rate: float = 0.0
+    relu_dropout_rate: float = 0.0
+    pre_ln: bool = False
+    position_embedding: str = 'sinusoidal'
+    max_position: int = 1024
+    scale_attention: bool = True
+    scale_embeddings: bool = True
+    share_embeddings: bool = True
+    tie_output: bool = True
+    dtype: Any = jnp.float32
+    attention_impl: str = 'xla'
+    layer_norm_epsilon: float = 1e-6
+    deterministic: bool = False
+    decode: bool = False
+    decode_len: int = 0  # length of the self-attention cache in decode mode
+
+    def __post_init__(self):
+        if self.d_model % self.num_heads:
+            raise ValueError(
+                f'd_model={self.d_model} is not divisible by num_heads={self.num_heads}')
+        if self.position_embedding not in _POSITIONS:
+            raise ValueError(f'position_embedding={self.position_embedding!r}; one of {_POSITIONS}')
+        if self.attention_impl not in _ATTENTION_IMPLS:
+            raise ValueError(f'attention_impl={self.attention_impl!r}; one of {_ATTENTION_IMPLS}')
+        if self.position_embedding == 'rope' and (self.d_model // self.num_heads) % 2:
+            raise ValueError('rope needs an even head dimension d_model / num_heads')
+        if self.attention_impl == 'dot_product' and self.attention_dropout_rate > 0:
+            raise ValueError(
+                "attention_impl='dot_product' has no dropout on attention weights: "
+                'set attention_dropout_rate=0 or attention_impl=xla'
+            )
+
+    @classmethod
+    def from_config(cls, config, **overrides) -> TransformerConfig:
+        """The boundary from a ConfigDict (never passed to jitted code) to this frozen dataclass."""
+        if config.dtype not in _DTYPES:
+            raise ValueError(f'dtype={config.dtype!r}; one of {tuple(_DTYPES)}')
+        kwargs = {f.name: config[f.name] for f in dataclasses.fields(cls) if f.name in config}
+        kwargs['dtype'] = _DTYPES[config.dtype]
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    def replace(self, **changes) -> TransformerConfig:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+
+# ----------------------------------------------------------------------------------------------
+# Positions
+
+
+def sinusoidal_table(num_positions: int, d_model: int) -> np.ndarray:
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d)); [L, D]."""
+    pos = np.arange(num_positions, dtype=np.float64)[:, None]
+    two_i = np.arange(0, d_model, 2, dtype=np.float64)[None, :]
+    angle = pos / np.power(10000.0, two_i / d_model)
+    table = np.zeros((num_positions, d_model), dtype=np.float64)
+    table[:, 0::2] = np.sin(angle)
+    table[:, 1::2] = np.cos(angle[:, : d_model // 2])
+    return table.astype(np.float32)
+
+
+def apply_rope(x_BLHK: Array, positions_BL: Array) -> Array:
+    """Rotary position embedding (Su et al. 2021) on the last axis, pairs (i, i + K/2)."""
+    k = x_BLHK.shape[-1]
+    inv_freq = 1.0 / (10000.0 ** (jnp.arange(0, k, 2, dtype=jnp.float32) / k))
+    angle_BLK2 = positions_BL[..., None].astype(jnp.float32) * inv_freq
+    sin, cos = jnp.sin(angle_BLK2)[:, :, None, :], jnp.cos(angle_BLK2)[:, :, None, :]
+    x1, x2 = jnp.split(x_BLHK.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BLHK.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Masks, built once at the top of encode()/decode()
+
+
+def attention_mask(q_valid_BQ: Array, k_valid_BK: Array, q_segment_BQ=None, k_segment_BK=None,
+                   causal: bool = False) -> Array:
+    """Boolean [B, 1, Q, K]: True where query q may attend to key k."""
+    mask = q_valid_BQ[:, :, None] & k_valid_BK[:, None, :]
+    if q_segment_BQ is not None:
+        mask &= q_segment_BQ[:, :, None] == k_segment_BK[:, None, :]
+    if causal:
+        q, k = mask.shape[1], mask.shape[2]
+        mask &= jnp.arange(q)[:, None] >= jnp.arange(k)[None, :]
+    return mask[:, None, :, :]
+
+
+def shift_right(targets_BT: Array, segment_ids_BT=None) -> Array:
+    """Decoder inputs: targets moved right by one, PAD_ID as start token, per packed segment."""
+    shifted = jnp.pad(targets_BT, ((0, 0), (1, 0)), constant_values=PAD_ID)[:, :-1]
+    if segment_ids_BT is not None:
+        # The first token of each packed segment must see the start token, not the previous pair.
+        prev_segment = jnp.pad(segment_ids_BT, ((0, 0), (1, 0)), constant_values=-1)[:, :-1]
+        shifted = jnp.where(segment_ids_BT == prev_segment, shifted, PAD_ID)
+    return shifted
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention
+
+
+def dot_product_attention(q_BQHK: Array, k_BKHK: Array, v_BKHK: Array, mask_B1QK: Array, *,
+                          scale: float, dropout_rate: float = 0.0, dropout_rng=None,
+                          impl: str = 'xla') -> Array:
+    """softmax(q k^T * scale + mask) v with the softmax in float32; returns [B, Q, H, K]."""
+    if impl == 'dot_product':
+        return jax.nn.dot_product_attention(q_BQHK, k_BKHK, v_BKHK, mask=mask_B1QK, scale=scale)
+    logits_BHQK = jnp.einsum('bqhk,bshk->bhqs', q_BQHK, k_BKHK) * jnp.asarray(scale, q_BQHK.dtype)
+    logits_BHQK = jnp.where(mask_B1QK, logits_BHQK.astype(jnp.float32), -1e10)
+    weights_BHQK = jax.nn.softmax(logits_BHQK, axis=-1)
+    if dropout_rate > 0.0 and dropout_rng is not None:
+        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights_BHQK.shape)
+        weights_BHQK = jnp.where(keep, weights_BHQK / (1.0 - dropout_rate), 0.0)
+    return jnp.einsum('bhqs,bshk->bqhk', weights_BHQK.astype(v_BKHK.dtype), v_BKHK)
+
+
+def _dense_init(names):
+    return nn.with_logical_partitioning(nn.initializers.xavier_uniform(), names)
+
+
+def _zeros(names):
+    return nn.with_logical_partitioning(nn.initializers.zeros_init(), names)
+
+
+class HeadProjection(nn.Module):
+    """x W + b between [.., D] and [.., H, K] ('in': q/k/v projections; 'out': the output one).
+
+    Written out rather than nn.DenseGeneral so the kernel is created in its true 3-D shape and
+    carries one logical name per dimension.
+    """
+
+    config: TransformerConfig
+    direction: str = 'in'
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.config
+        d, h, k = cfg.d_model, cfg.num_heads, cfg.head_dim
+        if self.direction == 'in':
+            names, shape, bias_names, bias_shape = ('embed', 'heads', 'kv'), (d, h, k), \
+                ('heads', 'kv'), (h, k)
+            fan_in, fan_out, spec = d, h * k, 'bld,dhk->blhk'
+        else:
+            names, shape, bias_names, bias_shape = ('heads', 'kv', 'embed'), (h, k, d), \
+                ('embed',), (d,)
+            fan_in, fan_out, spec = h * k, d, 'blhk,hkd->bld'
+        # Glorot uniform over the flattened (fan_in, fan_out) matrix, as for a plain Dense layer.
+        limit = math.sqrt(6.0 / (fan_in + fan_out))
+        kernel_init = nn.with_logical_partitioning(
+            lambda key, shp, dtype: jax.random.uniform(key, shp, dtype, -limit, limit), names)
+        kernel = self.param('kernel', kernel_init, shape, jnp.float32)
+        bias = self.param('bias', _zeros(bias_names), bias_shape, jnp.float32)
+        y = jnp.einsum(spec, x.astype(cfg.dtype), kernel.astype(cfg.dtype))
+        return y + bias.astype(cfg.dtype)
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention with q, k, v, o projections (with biases, as the paper counts them).
+
+    kind: 'self' (keys from x itself, causal if `causal`, a growing cache in decode mode) or
+    'cross' (keys from the encoder output, projected once and cached in decode mode).
+    """
+
+    config: TransformerConfig
+    kind: str = 'self'
+    causal: bool = False
+
+    def _project(self, name, x_BLD):
+        cfg = self.config
+        return HeadProjection(cfg, 'in', name=name)(x_BLD)
+
+    @nn.compact
+    def __call__(self, x_BQD, kv_BSD, mask_B1QS, q_positions_BQ=None, kv_positions_BS=None,
+                 cache_index=None):
+        cfg = self.config
+        rope = cfg.position_embedding == 'rope' and self.kind == 'self'
+        q_BQHK = self._project('query', x_BQD)
+        if rope:
+            q_BQHK = apply_rope(q_BQHK, q_positions_BQ)
+
+        if cfg.decode and self.kind == 'cross':
+            k_BSHK, v_BSHK = self._cross_cache(kv_BSD)
+        else:
+            k_BSHK = self._project('key', kv_BSD)
+            v_BSHK = self._project('value', kv_BSD)
+            if rope:
+                k_BSHK = apply_rope(k_BSHK, kv_positions_BS)
+            if cfg.decode:
+                k_BSHK, v_BSHK, mask_B1QS = self._self_cache(k_BSHK, v_BSHK, cache_index)
+        q_BQHK = nn.with_logical_constraint(q_BQHK, ('batch', 'length', 'heads', 'kv'))
+
+        scale = cfg.head_dim ** -0.5 if cfg.scale_attention else 1.0
+        dropout_rng = None
+        if not cfg.deterministic and cfg.attention_dropout_rate > 0:
+            dropout_rng = self.make_rng('dropout')
+        out_BQHK = dot_product_attention(
+            q_BQHK, k_BSHK, v_BSHK, mask_B1QS, scale=scale,
+            dropout_rate=cfg.attention_dropout_rate, dropout_rng=dropout_rng,
+            impl=cfg.attention_impl,
+        )
+        out_BQD = HeadProjection(cfg, 'out', name='out')(out_BQHK)
+        return nn.with_logical_constraint(out_BQD, ('batch', 'length', 'embed'))
+
+    def _self_cache(self, k_B1HK, v_B1HK, cache_index):
+        """Writes this step's key/value at cache_index; attends to positions <= cache_index."""
+        cfg = self.config
+        b, _, h, k = k_B1HK.shape
+        initialized = self.has_variable('cache', 'cached_key')
+        shape = (b, cfg.decode_len, h, k)
+        ck = self.variable('cache', 'cached_key', jnp.zeros, shape, k_B1HK.dtype)
+        cv = self.variable('cache', 'cached_value', jnp.zeros, shape, v_B1HK.dtype)
+        if not initialized:  # the call that creates the cache does not decode a token
+            return k_B1HK, v_B1HK, jnp.ones((b, 1, 1, 1), bool)
+        ck.value = jax.lax.dynamic_update_slice(ck.value, k_B1HK, (0, cache_index, 0, 0))
+        cv.value = jax.lax.dynamic_update_slice(cv.value, v_B1HK, (0, cache_index, 0, 0))
+        mask_B11L = (jnp.arange(cfg.decode_len) <= cache_index)[None, None, None, :]
+        return ck.value, cv.value, jnp.broadcast_to(mask_B11L, (b, 1, 1, cfg.decode_len))
+
+    def _cross_cache(self, encoded_BSD):
+        """Keys/values of the encoder output, projected once when the cache is created."""
+        ck = self.variable('cache', 'cross_key', lambda: self._project('key', encoded_BSD))
+        cv = self.variable('cache', 'cross_value', lambda: self._project('value', encoded_BSD))
+        return ck.value, cv.value
+
+
+# ----------------------------------------------------------------------------------------------
+# Blocks
+
+
+class FeedForward(nn.Module):
+    """FFN(x) = max(0, x W1 + b1) W2 + b2, with optional dropout on the ReLU activations."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x_BLD):
+        cfg = self.config
+        h_BLF = nn.Dense(cfg.d_ff, dtype=cfg.dtype, name='wi', kernel_init=_dense_init(
+            ('embed', 'mlp')), bias_init=_zeros(('mlp',)))(x_BLD)
+        h_BLF = nn.relu(h_BLF)
+        h_BLF = nn.with_logical_constraint(h_BLF, ('batch', 'length', 'mlp'))
+        h_BLF = nn.Dropout(cfg.relu_dropout_rate)(h_BLF, deterministic=cfg.deterministic)
+        return nn.Dense(cfg.d_model, dtype=cfg.dtype, name='wo', kernel_init=_dense_init(
+            ('mlp', 'embed')), bias_init=_zeros(('embed',)))(h_BLF)
+
+
+def _layer_norm(cfg: TransformerConfig, name: str):
+    return nn.LayerNorm(
+        epsilon=cfg.layer_norm_epsilon, dtype=cfg.dtype, name=name,
+        scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), ('embed',)),
+        bias_init=_zeros(('embed',)),
+    )
+
+
+class Residual(nn.Module):
+    """Post-LN: LayerNorm(x + Dropout(f(x))) (the paper). Pre-LN: x + Dropout(f(LayerNorm(x)))."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x_BLD, sublayer):
+        cfg = self.config
+        norm = _layer_norm(cfg, 'norm')
+        y_BLD = sublayer(norm(x_BLD) if cfg.pre_ln else x_BLD)
+        y_BLD = nn.Dropout(cfg.dropout_rate)(y_BLD, deterministic=cfg.deterministic)
+        out_BLD = x_BLD + y_BLD
+        return out_BLD if cfg.pre_ln else norm(out_BLD)
+
+
+class EncoderLayer(nn.Module):
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x_BSD, mask_B1SS, positions_BS):
+        cfg = self.config
+        attn = MultiHeadAttention(cfg, 'self', name='self_attention')
+        x_BSD = Residual(cfg, name='attention_block')(
+            x_BSD, lambda h: attn(h, h, mask_B1SS, positions_BS, positions_BS))
+        x_BSD = Residual(cfg, name='ffn_block')(x_BSD, FeedForward(cfg, name='ffn'))
+        return x_BSD
+
+
+class DecoderLayer(nn.Module):
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, y_BTD, encoded_BSD, self_mask_B1TT, cross_mask_B1TS, positions_BT,
+                 cache_index=None):
+        cfg = self.config
+        self_attn = MultiHeadAttention(cfg, 'self', causal=True, name='self_attention')
+        cross_attn = MultiHeadAttention(cfg, 'cross', name='cross_attention')
+        y_BTD = Residual(cfg, name='self_attention_block')(
+            y_BTD, lambda h: self_attn(h, h, self_mask_B1TT, positions_BT, positions_BT,
+                                       cache_index=cache_index))
+        y_BTD = Residual(cfg, name='cross_attention_block')(
+            y_BTD, lambda h: cross_attn(h, encoded_BSD, cross_mask_B1TS))
+        y_BTD = Residual(cfg, name='ffn_block')(y_BTD, FeedForward(cfg, name='ffn'))
+        return y_BTD
+
+
+class Embedder(nn.Module):
+    """Token embedding (x sqrt(D)) plus positions, with dropout; also the tied output projection."""
+
+    config: TransformerConfig
+
+    def setup(self):
+        cfg = self.config
+        self.embedding = self.param(
+            'embedding',
+            nn.with_logical_partitioning(
+                nn.initializers.normal(stddev=cfg.d_model ** -0.5), ('vocab', 'embed')),
+            (cfg.vocab_size, cfg.d_model), jnp.float32,
+        )
+        if cfg.position_embedding == 'learned':
+            self.position_table = self.param(
+                'position_embedding',
+                nn.with_logical_partitioning(nn.initializers.normal(stddev=0.02), (None, 'embed')),
+                (cfg.max_position, cfg.d_model), jnp.float32,
+            )
+        self.dropout = nn.Dropout(cfg.dropout_rate)
+
+    def __call__(self, ids_BL, positions_BL):
+        cfg = self.config
+        x_BLD = jnp.take(self.embedding, ids_BL, axis=0)
+        if cfg.scale_embeddings:
+            x_BLD = x_BLD * math.sqrt(cfg.d_model)
+        if cfg.position_embedding == 'sinusoidal':
+            table = jnp.asarray(sinusoidal_table(cfg.max_position, cfg.d_model))
+            x_BLD = x_BLD + jnp.take(table, positions_BL, axis=0)
+        elif cfg.position_embedding == 'learned':
+            x_BLD = x_BLD + jnp.take(self.position_table, positions_BL, axis=0)
+        x_BLD = self.dropout(x_BLD.astype(cfg.dtype), deterministic=cfg.deterministic)
+        return nn.with_logical_constraint(x_BLD, ('batch', 'length', 'embed'))
+
+    def attend(self, y_BTD):
+        """Output logits y E^T in float32 (bf16 inputs, f32 accumulation)."""
+        e_VD = self.embedding.astype(self.config.dtype)
+        return jnp.einsum('btd,vd->btv', y_BTD, e_VD, preferred_element_type=jnp.float32)
+
+
+class DecodePosition(nn.Module):
+    """The position of the token being decoded: a cache counter advanced by one per call."""
+
+    @nn.compact
+    def __call__(self):
+        existed = self.has_variable('cache', 'index')
+        index = self.variable('cache', 'index', lambda: jnp.zeros((), jnp.int32))
+        position = index.value
+        if existed:  # the call that creates the cache decodes nothing and does not advance it
+            index.value = position + 1
+        return position
+
+
+# ----------------------------------------------------------------------------------------------
+# The model
+
+
+class Transformer(nn.Module):
+    """Encoder-decoder; __call__ is the teacher-forced training/eval pass: logits [B, T, V]."""
+
+    config: TransformerConfig
+
+    def setup(self):
+        cfg = self.config
+        self.source_embedder = Embedder(cfg, name='embedder' if cfg.share_embeddings
+                                        else 'source_embedder')
+        self.target_embedder = (self.source_embedder if cfg.share_embeddings
+                                else Embedder(cfg, name='target_embedder'))
+        self.encoder_layers = [EncoderLayer(cfg, name=f'encoder_{i}')
+                               for i in range(cfg.num_encoder_layers)]
+        self.decoder_layers = [DecoderLayer(cfg, name=f'decoder_{i}')
+                               for i in range(cfg.num_decoder_layers)]
+        if cfg.pre_ln:  # pre-LN stacks end with a LayerNorm; post-LN outputs are normed already
+            self.encoder_norm = _layer_norm(cfg, 'encoder_norm')
+            self.decoder_norm = _layer_norm(cfg, 'decoder_norm')
+        if cfg.decode:
+            self.decode_position = DecodePosition(name='decode_position')
+        if not cfg.tie_output:
+            self.output_projection = nn.DenseGeneral(
+                cfg.vocab_size, dtype=cfg.dtype, use_bias=False, name='output_projection',
+                kernel_init=_dense_init(('embed', 'vocab')))
+
+    def encode(self, inputs_BS, inputs_positions_BS=None, inputs_segment_ids_BS=None):
+        """Encoder output [B, S, D]."""
+        valid_BS = inputs_BS != PAD_ID
+        mask_B1SS = attention_mask(valid_BS, valid_BS, inputs_segment_ids_BS, inputs_segment_ids_BS)
+        if inputs_positions_BS is None:
+            inputs_positions_BS = _arange_like(inputs_BS)
+        x_BSD = self.source_embedder(inputs_BS, inputs_positions_BS)
+        for layer in self.encoder_layers:
+            x_BSD = layer(x_BSD, mask_B1SS, inputs_positions_BS)
+        if self.config.pre_ln:
+            x_BSD = self.encoder_norm(x_BSD)
+        return x_BSD
+
+    def decode(self, encoded_BSD, inputs_BS, targets_BT, targets_positions_BT=None,
+               inputs_segment_ids_BS=None, targets_segment_ids_BT=None):
+        """Logits [B, T, V] (float32).
+
+        Training: `targets_BT` are the gold targets; they are shifted right here (teacher forcing).
+        Decode mode: `targets_BT` is [B, 1], the previous output token (PAD_ID at the first step);
+        the step's position is the cache index, advanced by one per call.
+        """
+        cfg = self.config
+        src_valid_BS = inputs_BS != PAD_ID
+        cache_index = None
+        if cfg.decode:
+            y_in_BT = targets_BT
+            cache_index = self.decode_position()
+            targets_positions_BT = jnp.full(targets_BT.shape, cache_index, jnp.int32)
+            self_mask_B1TT = None  # the cache builds it
+            cross_mask_B1TS = attention_mask(jnp.ones(targets_BT.shape, bool), src_valid_BS)
+        else:
+            y_in_BT = shift_right(targets_BT, targets_segment_ids_BT)
+            if targets_positions_BT is None:
+                targets_positions_BT = _arange_like(targets_BT)
+            tgt_valid_BT = targets_BT != PAD_ID
+            self_mask_B1TT = attention_mask(tgt_valid_BT, tgt_valid_BT, targets_segment_ids_BT,
+                                            targets_segment_ids_BT, causal=True)
+            cross_mask_B1TS = attention_mask(tgt_valid_BT, src_valid_BS, targets_segment_ids_BT,
+                                             inputs_segment_ids_BS)
+        y_BTD = self.target_embedder(y_in_BT, targets_positions_BT)
+        for layer in self.decoder_layers:
+            y_BTD = layer(y_BTD, encoded_BSD, self_mask_B1TT, cross_mask_B1TS,
+                          targets_positions_BT, cache_index=cache_index)
+        if cfg.pre_ln:
+            y_BTD = self.decoder_norm(y_BTD)
+        if cfg.tie_output:
+            logits_BTV = self.target_embedder.attend(y_BTD)
+        else:
+            logits_BTV = self.output_projection(y_BTD).astype(jnp.float32)
+        return nn.with_logical_constraint(logits_BTV, ('batch', 'length', 'vocab'))
+
+    def __call__(self, inputs_BS, targets_BT, inputs_positions_BS=None, targets_positions_BT=None,
+                 inputs_segment_ids_BS=None, targets_segment_ids_BT=None):
+        encoded_BSD = self.encode(inputs_BS, inputs_positions_BS, inputs_segment_ids_BS)
+        return self.decode(encoded_BSD, inputs_BS, targets_BT, targets_positions_BT,
+                           inputs_segment_ids_BS, targets_segment_ids_BT)
+
+
+def _arange_like(ids_BL: Array) -> Array:
+    return jnp.broadcast_to(jnp.arange(ids_BL.shape[1], dtype=jnp.int32), ids_BL.shape)
+
+
+def batch_forward_args(batch: dict) -> dict:
+    """Keyword arguments of Transformer.__call__ from a (possibly packed) data batch."""
+    return dict(
+        inputs_BS=batch['inputs'], targets_BT=batch['targets'],
+        inputs_positions_BS=batch.get('inputs_positions'),
+        targets_positions_BT=batch.get('targets_positions'),
+        inputs_segment_ids_BS=batch.get('inputs_segment_ids'),
+        targets_segment_ids_BT=batch.get('targets_segment_ids'),
+    )

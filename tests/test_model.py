@@ -1,0 +1,200 @@
+"""The model against the paper: attention, masks, positions, caching, parameter counts."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+
+from t2t import summary
+from t2t.model import (
+    PAD_ID,
+    Transformer,
+    TransformerConfig,
+    attention_mask,
+    dot_product_attention,
+    shift_right,
+    sinusoidal_table,
+)
+
+SMALL = dict(vocab_size=40, d_model=32, d_ff=64, num_heads=4, num_encoder_layers=2,
+             num_decoder_layers=2, deterministic=True)
+
+
+def _init(cfg, src, tgt):
+    return nn.unbox(Transformer(cfg).init(jax.random.key(0), src, tgt)['params'])
+
+
+def _ids(rng, shape, low=2, high=40):
+    return jnp.asarray(rng.integers(low, high, shape), jnp.int32)
+
+
+def test_attention_equals_naive_numpy():
+    rng = np.random.default_rng(0)
+    b, q, s, h, k = 2, 3, 5, 2, 4
+    q_, k_, v_ = (rng.normal(size=(b, n, h, k)).astype(np.float32) for n in (q, s, s))
+    mask = rng.random((b, 1, q, s)) > 0.3
+    mask[..., 0] = True  # every query sees at least one key
+    got = dot_product_attention(q_, k_, v_, jnp.asarray(mask), scale=k ** -0.5)
+    want = np.zeros((b, q, h, k), np.float32)
+    for bi in range(b):
+        for hi in range(h):
+            logits = q_[bi, :, hi] @ k_[bi, :, hi].T / np.sqrt(k)
+            logits = np.where(mask[bi, 0], logits, -np.inf)
+            w = np.exp(logits - logits.max(-1, keepdims=True))
+            w /= w.sum(-1, keepdims=True)
+            want[bi, :, hi] = w @ v_[bi, :, hi]
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
+    got_dp = dot_product_attention(q_, k_, v_, jnp.asarray(mask), scale=k ** -0.5,
+                                   impl='dot_product')
+    np.testing.assert_allclose(np.asarray(got_dp), want, atol=1e-5)
+
+
+def test_sinusoidal_table_matches_paper_formula():
+    table = sinusoidal_table(50, 16)
+    for pos in (0, 1, 7, 49):
+        for i in range(8):
+            np.testing.assert_allclose(table[pos, 2 * i], np.sin(pos / 10000 ** (2 * i / 16)),
+                                       atol=1e-6)
+            np.testing.assert_allclose(table[pos, 2 * i + 1], np.cos(pos / 10000 ** (2 * i / 16)),
+                                       atol=1e-6)
+
+
+def test_decoder_is_causal_through_gradients():
+    # Separate, untied embeddings: the target table feeds only the decoder inputs, so the gradient
+    # of output t w.r.t. the row of target token j is the dependence of output t on target j.
+    cfg = TransformerConfig(**SMALL, share_embeddings=False, tie_output=False)
+    src = jnp.asarray([[20, 21, 22, 23, 24, 25]], jnp.int32)
+    tgt = jnp.asarray([[3, 4, 5, 6, 7, 8, 9]], jnp.int32)  # distinct: one table row per position
+    params = _init(cfg, src, tgt)
+    model = Transformer(cfg)
+    encoded = model.apply({'params': params}, src, method=Transformer.encode)
+    table_VD = params['target_embedder']['embedding']
+
+    def output_t(table, t):
+        p = dict(params, target_embedder={'embedding': table})
+        return model.apply({'params': p}, encoded, src, tgt, method=Transformer.decode)[0, t].sum()
+
+    for t in range(tgt.shape[1]):
+        grad_VD = jax.grad(output_t)(table_VD, t)
+        per_target = np.asarray(jnp.abs(grad_VD[tgt[0]]).sum(-1))
+        # Targets are shifted right: output t sees targets 0..t-1 and never t or later.
+        assert np.all(per_target[t:] == 0), (t, per_target)
+        assert np.all(per_target[:t] > 0), (t, per_target)
+
+
+def test_padding_the_source_leaves_real_positions_unchanged():
+    cfg = TransformerConfig(**SMALL)
+    rng = np.random.default_rng(2)
+    src, tgt = _ids(rng, (2, 5)), _ids(rng, (2, 6))
+    params = _init(cfg, src, tgt)
+    model = Transformer(cfg)
+    logits = model.apply({'params': params}, src, tgt)
+    src_padded = jnp.pad(src, ((0, 0), (0, 4)), constant_values=PAD_ID)
+    tgt_padded = jnp.pad(tgt, ((0, 0), (0, 3)), constant_values=PAD_ID)
+    logits_padded = model.apply({'params': params}, src_padded, tgt_padded)
+    np.testing.assert_allclose(logits_padded[:, :6], logits, atol=1e-5)
+
+
+def test_packed_batch_equals_sequences_one_by_one():
+    for position_embedding in ('sinusoidal', 'rope'):
+        cfg = TransformerConfig(**SMALL, position_embedding=position_embedding)
+        rng = np.random.default_rng(3)
+        pairs = [(_ids(rng, (1, 4)), _ids(rng, (1, 3))), (_ids(rng, (1, 3)), _ids(rng, (1, 5)))]
+        params = _init(cfg, *pairs[0])
+        model = Transformer(cfg)
+        singles = [model.apply({'params': params}, s, t) for s, t in pairs]
+
+        def pack(parts, length):
+            ids = jnp.concatenate([p[0] for p in parts])
+            seg = jnp.concatenate([jnp.full(p.shape[1], i + 1) for i, p in enumerate(parts)])
+            pos = jnp.concatenate([jnp.arange(p.shape[1]) for p in parts])
+            pad = length - ids.shape[0]
+            return [jnp.pad(x, (0, pad))[None].astype(jnp.int32) for x in (ids, seg, pos)]
+
+        src, src_seg, src_pos = pack([s for s, _ in pairs], 9)
+        tgt, tgt_seg, tgt_pos = pack([t for _, t in pairs], 10)
+        packed = model.apply({'params': params}, src, tgt, src_pos, tgt_pos, src_seg, tgt_seg)
+        np.testing.assert_allclose(packed[0, :3], singles[0][0], atol=1e-5)
+        np.testing.assert_allclose(packed[0, 3:8], singles[1][0], atol=1e-5)
+
+
+def test_shift_right_restarts_each_segment():
+    tgt = jnp.asarray([[5, 6, 7, 8, 9, 0]])
+    seg = jnp.asarray([[1, 1, 2, 2, 2, 0]])
+    np.testing.assert_array_equal(shift_right(tgt, seg), [[0, 5, 0, 7, 8, 0]])
+    np.testing.assert_array_equal(shift_right(tgt), [[0, 5, 6, 7, 8, 9]])
+
+
+def test_attention_mask_segments_and_causality():
+    valid = jnp.asarray([[True, True, True, False]])
+    seg = jnp.asarray([[1, 1, 2, 0]])
+    m = np.asarray(attention_mask(valid, valid, seg, seg, causal=True))[0, 0]
+    np.testing.assert_array_equal(m, [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 0]])
+
+
+@pytest.mark.parametrize('variant', [
+    dict(), dict(position_embedding='rope', pre_ln=True), dict(position_embedding='learned'),
+    dict(share_embeddings=False, tie_output=False),
+])
+def test_cached_decoding_equals_teacher_forcing(variant):
+    cfg = TransformerConfig(**SMALL, **variant)
+    rng = np.random.default_rng(4)
+    src = _ids(rng, (2, 7)).at[1, 5:].set(PAD_ID)
+    tgt = _ids(rng, (2, 6))
+    params = _init(cfg, src, tgt)
+    model = Transformer(cfg)
+    want = model.apply({'params': params}, src, tgt)
+
+    decoder = Transformer(cfg.replace(decode=True, decode_len=tgt.shape[1]))
+    encoded = model.apply({'params': params}, src, method=Transformer.encode)
+    prev = jnp.zeros((2, 1), jnp.int32)
+    _, variables = decoder.apply({'params': params}, encoded, src, prev,
+                                 method=Transformer.decode, mutable=['cache'])
+    steps = []
+    for t in range(tgt.shape[1]):
+        logits, variables = decoder.apply({'params': params, 'cache': variables['cache']},
+                                          encoded, src, prev, method=Transformer.decode,
+                                          mutable=['cache'])
+        steps.append(logits[:, 0])
+        prev = tgt[:, t:t + 1]
+    np.testing.assert_allclose(jnp.stack(steps, 1), want, atol=1e-4)
+
+
+def test_bfloat16_compute_keeps_float32_params_and_logits():
+    cfg = TransformerConfig(**SMALL, dtype=jnp.bfloat16)
+    rng = np.random.default_rng(5)
+    src, tgt = _ids(rng, (2, 5)), _ids(rng, (2, 4))
+    params = _init(cfg, src, tgt)
+    assert {x.dtype for x in jax.tree_util.tree_leaves(params)} == {jnp.dtype('float32')}
+    logits = Transformer(cfg).apply({'params': params}, src, tgt)
+    assert logits.dtype == jnp.float32
+    ref = Transformer(TransformerConfig(**SMALL)).apply({'params': params}, src, tgt)
+    assert float(jnp.abs(logits - ref).max()) < 0.1 * float(jnp.abs(ref).max())
+
+
+@pytest.mark.parametrize('name,d,ff,heads,want', [
+    ('base', 512, 2048, 8, 63_082_496), ('big', 1024, 4096, 16, 214_245_376)])
+def test_parameter_counts_equal_the_papers_architecture(name, d, ff, heads, want):
+    cfg = TransformerConfig(vocab_size=37000, d_model=d, d_ff=ff, num_heads=heads)
+    assert summary.count_params(summary.abstract_params(cfg)) == want, name
+
+
+def test_variants_change_parameter_counts_as_expected():
+    base = TransformerConfig(vocab_size=1000, d_model=64, d_ff=128, num_heads=4)
+    n = summary.count_params(summary.abstract_params(base))
+    pre = summary.count_params(summary.abstract_params(base.replace(pre_ln=True)))
+    assert pre == n + 2 * 2 * 64  # one final LayerNorm (scale + bias) per stack
+    untied = summary.count_params(summary.abstract_params(
+        base.replace(share_embeddings=False, tie_output=False)))
+    assert untied == n + 2 * 1000 * 64
+    learned = summary.count_params(summary.abstract_params(
+        base.replace(position_embedding='learned')))
+    assert learned == n + base.max_position * 64
+
+
+def test_bad_model_configs_are_rejected():
+    with pytest.raises(ValueError, match='num_heads'):
+        TransformerConfig(vocab_size=10, d_model=30, num_heads=4)
+    with pytest.raises(ValueError, match='position_embedding'):
+        TransformerConfig(vocab_size=10, position_embedding='alibi')
