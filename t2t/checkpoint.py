@@ -1,0 +1,358 @@
+"""Checkpoints: orbax CheckpointManager with the train state, the data iterator and metadata.
+
+Layout: WORKDIR/checkpoints/<step>/{state, data, meta}. `state` is the train state pytree (any
+pytree of arrays, typed PRNG keys included), `data` the grain iterator state (one JSON file per
+process), `meta` a small JSON object: t2t version, step, time, the config, and a checksum per array.
+
+Atomicity: orbax writes a step into a temporary directory and renames it when every item is
+complete, so a crash mid-save leaves no half-written step (leftovers are removed at the next start).
+
+Integrity: orbax stores large arrays as raw chunks without a checksum, so a flipped byte on disk
+restores silently wrong values (seen with orbax 0.12.8). `save` therefore records a bitwise
+fingerprint of every array and `restore` / `restore_params` check it; any unreadable, incomplete or
+corrupt checkpoint raises CheckpointError with a one-line message that names the step directory.
+
+Multi-process: call `save` and `restore` on every process (orbax coordinates the writes);
+`restore_params` and `average_checkpoints` may run on one process alone.
+"""
+
+import contextlib
+import dataclasses
+import importlib.metadata
+import json
+import time
+from collections.abc import Iterator, Sequence
+
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+STATE, DATA, META = 'state', 'data', 'meta'
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or corrupt."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Manager:
+    """The orbax manager plus what every save records beside the state."""
+
+    manager: ocp.CheckpointManager
+    directory: epath.Path
+    config: dict | None  # the experiment config as JSON-compatible data, stored in each step
+
+
+def checkpoint_dir(workdir) -> epath.Path:
+    return epath.Path(workdir) / 'checkpoints'
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version('t2t')
+    except importlib.metadata.PackageNotFoundError:
+        return 'unknown'
+
+
+def _config_data(config) -> dict | None:
+    if config is None:
+        return None
+    if hasattr(config, 'to_json_best_effort'):
+        return json.loads(config.to_json_best_effort())
+    return json.loads(json.dumps(config, default=str))
+
+
+def make_manager(workdir, config, async_: bool = True) -> Manager:
+    """A manager writing to WORKDIR/checkpoints, keeping the newest config.keep_checkpoints steps.
+
+    With async_=True `save` returns once the arrays are copied to host memory (the caller may
+    donate or overwrite the state right away) and the write continues in a background thread.
+    """
+    directory = checkpoint_dir(workdir)
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=config.keep_checkpoints if config is not None else None,
+        enable_async_checkpointing=async_,
+        cleanup_tmp_directories=True,  # remove what a crash mid-save left behind
+        create=True,
+    )
+    handlers = {
+        STATE: ocp.StandardCheckpointHandler(),
+        DATA: grain.checkpoint.CheckpointHandler(),
+        META: ocp.JsonCheckpointHandler(),
+    }
+    manager = ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+    return Manager(manager=manager, directory=directory, config=_config_data(config))
+
+
+@contextlib.contextmanager
+def _reader(workdir) -> Iterator[ocp.CheckpointManager]:
+    """A read-only manager whose state handler allows restoring a subtree without a target."""
+    directory = checkpoint_dir(workdir)
+    if not directory.exists():
+        raise CheckpointError(f'no checkpoint directory {directory}')
+    options = ocp.CheckpointManagerOptions(
+        read_only=True, create=False, save_interval_steps=0, enable_async_checkpointing=False
+    )
+    handlers = {
+        STATE: ocp.PyTreeCheckpointHandler(),
+        DATA: grain.checkpoint.CheckpointHandler(),
+        META: ocp.JsonCheckpointHandler(),
+    }
+    manager = ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+    try:
+        yield manager
+    finally:
+        manager.close()
+
+
+def latest_step(manager: Manager) -> int | None:
+    return manager.manager.latest_step()
+
+
+def all_steps(manager: Manager) -> list[int]:
+    return sorted(manager.manager.all_steps())
+
+
+def wait(manager: Manager) -> None:
+    """Blocks until the pending asynchronous save (if any) is on disk; re-raises its error."""
+    manager.manager.wait_until_finished()
+
+
+def close(manager: Manager) -> None:
+    manager.manager.close()
+
+
+# --- fingerprints -------------------------------------------------------------------------------
+
+_UINT_OF_WIDTH = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+def _leaf_fingerprint(x):
+    """sum(bits_i * (2i + 1)) mod 2^32 over the flat index i: any one flipped bit changes it.
+
+    Integer sums do not depend on the reduction order, so the value is the same for every
+    sharding; the index is built from iotas so that a sharded array is never reshaped.
+    """
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    width = x.dtype.itemsize
+    # 8-byte values become pairs of uint32 (a trailing axis of 2).
+    x = jax.lax.bitcast_convert_type(x, _UINT_OF_WIDTH.get(width, jnp.uint32)).astype(jnp.uint32)
+    position = jnp.zeros(x.shape, jnp.uint32)
+    stride = 1
+    for axis in reversed(range(x.ndim)):
+        iota = jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis)
+        position = position + iota * jnp.uint32(stride % 2**32)
+        stride *= x.shape[axis]
+    return jnp.sum(x * (2 * position + 1), dtype=jnp.uint32)
+
+
+_fingerprints = jax.jit(lambda tree: jax.tree.map(_leaf_fingerprint, tree))
+
+
+def _key_name(key) -> str:
+    for attr in ('key', 'name', 'idx'):  # DictKey / FlattenedIndexKey, GetAttrKey, SequenceKey
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _path_name(path) -> str:
+    # The same name for a dataclass field and a dict key, so {'params': p} matches state.params.
+    return '/'.join(_key_name(k) for k in path)
+
+
+def checksums(tree) -> dict[str, list]:
+    """{'params/.../kernel': [dtype, fingerprint]} for every array leaf of `tree`."""
+    tree = jax.tree.map(jnp.asarray, tree)
+    sums = _fingerprints(tree)
+    # Scalars are replicated, so every process holds the value locally.
+    sums = jax.tree.map(lambda s: int(np.asarray(s.addressable_data(0))), sums)
+    named = jax.tree_util.tree_flatten_with_path(sums)[0]
+    dtypes = jax.tree.leaves(jax.tree.map(lambda x: str(x.dtype), tree))
+    return {_path_name(p): [d, s] for (p, s), d in zip(named, dtypes, strict=True)}
+
+
+def _verify(stored: dict | None, tree, step_dir) -> None:
+    if not stored:
+        return  # written without checksums: nothing to compare
+    bad = [
+        name
+        for name, (dtype, value) in checksums(tree).items()
+        if name in stored and stored[name][0] == dtype and stored[name][1] != value
+    ]
+    if bad:
+        raise CheckpointError(
+            f'checkpoint {step_dir} is corrupt: checksum mismatch in {", ".join(bad[:3])}'
+            + (f' and {len(bad) - 3} more arrays' if len(bad) > 3 else '')
+        )
+
+
+# --- save / restore -----------------------------------------------------------------------------
+
+
+def _step_dir(manager: ocp.CheckpointManager, step: int) -> epath.Path:
+    return epath.Path(manager.directory) / str(step)
+
+
+def _one_line(step_dir, error: Exception) -> CheckpointError:
+    first = (str(error).strip().splitlines() or [''])[0][:300]
+    return CheckpointError(
+        f'checkpoint {step_dir} is unreadable (incomplete or corrupt): '
+        f'{type(error).__name__}: {first}'
+    )
+
+
+def _resolve_step(manager: ocp.CheckpointManager, step: int | None) -> int:
+    steps = sorted(manager.all_steps())
+    if not steps:
+        raise CheckpointError(f'no checkpoints in {manager.directory}')
+    if step is None:
+        return steps[-1]
+    if step not in steps:
+        raise CheckpointError(f'no checkpoint for step {step} in {manager.directory}; have {steps}')
+    return step
+
+
+def save(manager: Manager, step: int, state, data_iter=None, force: bool = False) -> bool:
+    """Starts saving `state` (and the iterator position) as checkpoint `step`.
+
+    Returns False without saving when `step` is already saved (e.g. the final save right after a
+    periodic one) or, unless force=True, when it is not newer than the latest checkpoint. Waits
+    for the previous asynchronous save first; call `wait` before exiting.
+    """
+    mgr = manager.manager
+    if step in mgr.all_steps() or not (force or mgr.should_save(step)):
+        return False  # checked first: the checksums below cost a pass over the state
+    meta = {
+        't2t_version': _version(),
+        'step': int(step),
+        'saved_at': time.time(),
+        'config': manager.config,
+        'checksums': checksums(state),
+    }
+    items = {STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)}
+    if data_iter is not None:
+        items[DATA] = grain.checkpoint.CheckpointSave(data_iter)
+    return mgr.save(step, args=ocp.args.Composite(**items), force=force)
+
+
+def restore(manager: Manager, step: int | None, abstract_state, data_iter=None):
+    """Restores checkpoint `step` (None: the latest) into the shapes, dtypes and shardings of
+    `abstract_state` (a pytree of jax.ShapeDtypeStruct with sharding, e.g. from jax.eval_shape).
+
+    When `data_iter` is given, its position is set to the saved one.
+    """
+    mgr = manager.manager
+    step = _resolve_step(mgr, step)
+    step_dir = _step_dir(mgr, step)
+    items = {STATE: ocp.args.StandardRestore(abstract_state), META: ocp.args.JsonRestore()}
+    if data_iter is not None:
+        if not (step_dir / DATA).exists():
+            raise CheckpointError(f'checkpoint {step_dir} holds no data iterator state')
+        items[DATA] = grain.checkpoint.CheckpointRestore(data_iter)
+    try:
+        restored = mgr.restore(step, args=ocp.args.Composite(**items))
+    except Exception as e:  # orbax / tensorstore raise many types; name the step either way
+        raise _one_line(step_dir, e) from e
+    _verify((restored[META] or {}).get('checksums'), restored[STATE], step_dir)
+    return restored[STATE]
+
+
+def read_metadata(workdir, step: int | None = None) -> dict:
+    """The JSON metadata of checkpoint `step` (None: the latest): version, step, config, ..."""
+    with _reader(workdir) as mgr:
+        step = _resolve_step(mgr, step)
+        try:
+            args = ocp.args.Composite(**{META: ocp.args.JsonRestore()})
+            return mgr.restore(step, args=args)[META]
+        except Exception as e:
+            raise _one_line(_step_dir(mgr, step), e) from e
+
+
+def _restore_params(mgr: ocp.CheckpointManager, step: int, abstract_params=None):
+    step_dir = _step_dir(mgr, step)
+    try:
+        if abstract_params is None:
+            # The structure comes from the checkpoint's own metadata; numpy arrays on the host
+            # work whatever devices the checkpoint was written from.
+            tree = mgr.item_metadata(step)[STATE]
+            tree = getattr(tree, 'tree', tree)['params']
+            item = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree)
+            restore_args = jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+        else:
+            item = abstract_params
+            restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_params)
+        state_args = ocp.args.PyTreeRestore(
+            item={'params': item}, restore_args={'params': restore_args}, partial_restore=True
+        )
+        restored = mgr.restore(
+            step, args=ocp.args.Composite(**{STATE: state_args, META: ocp.args.JsonRestore()})
+        )
+    except Exception as e:
+        raise _one_line(step_dir, e) from e
+    params = restored[STATE]['params']
+    _verify((restored[META] or {}).get('checksums'), {'params': params}, step_dir)
+    return params
+
+
+def restore_params(workdir, step: int | None = None, abstract_params=None):
+    """The model parameters of checkpoint `step` (None: the latest), for evaluation.
+
+    Without `abstract_params` the parameter tree is read from the checkpoint's metadata and comes
+    back as numpy arrays on the host (nothing about the optimizer or the model needs to be known);
+    with it, as jax arrays in its shardings. Only the params are read from disk.
+    """
+    with _reader(workdir) as mgr:
+        return _restore_params(mgr, _resolve_step(mgr, step), abstract_params)
+
+
+def average_checkpoints(workdir, steps: Sequence[int]):
+    """The element-wise mean of the params of `steps`, summed in float32, cast back per leaf."""
+    if not steps:
+        raise ValueError('average_checkpoints needs at least one step')
+    total = reference = None
+    with _reader(workdir) as mgr:
+        for step in steps:
+            params = _restore_params(mgr, _resolve_step(mgr, step))
+            as_f32 = jax.tree.map(lambda x: np.asarray(x, np.float32), params)
+            if total is None:
+                total, reference = as_f32, params
+                continue
+            try:
+                total = jax.tree.map(np.add, total, as_f32)
+            except (ValueError, TypeError) as e:
+                raise CheckpointError(
+                    f'checkpoint {_step_dir(mgr, step)} has different params than '
+                    f'step {steps[0]}: {e}'
+                ) from e
+    return jax.tree.map(lambda t, r: (t / len(steps)).astype(r.dtype), total, reference)
+
+
+def write_averaged(
+    workdir_out, params, step: int, config=None, extra_metadata: dict | None = None
+) -> epath.Path:
+    """Writes `params` as checkpoint `step` of WORKDIR_OUT (state {'params': params} + metadata),
+    readable with `restore_params(workdir_out)`. Returns the step directory."""
+    manager = make_manager(workdir_out, None, async_=False)
+    mgr = manager.manager
+    if step in mgr.all_steps():
+        raise CheckpointError(f'checkpoint {_step_dir(mgr, step)} already exists')
+    meta = {
+        't2t_version': _version(),
+        'step': int(step),
+        'saved_at': time.time(),
+        'config': _config_data(config),
+        'checksums': checksums({'params': params}),
+        **(extra_metadata or {}),
+    }
+    items = {STATE: ocp.args.StandardSave({'params': params}), META: ocp.args.JsonSave(meta)}
+    mgr.save(step, args=ocp.args.Composite(**items), force=True)
+    mgr.wait_until_finished()
+    mgr.close()
+    return _step_dir(mgr, step)

@@ -1,0 +1,284 @@
+"""Beam search and greedy decoding, model-agnostic and fully jitted.
+
+The model is seen only through a closure
+
+    tokens_to_logits(ids_N1: int32[N, 1], cache) -> (logits_NV: float[N, V], new_cache)
+
+that feeds one token per row, advances its decode cache by one position and returns the logits
+of the next token. Rows are beams flattened batch-major: row n = b * K + k. The first token fed
+is 0 (PAD acts as BOS, as the model shifts targets right with 0).
+
+The cache handed to `beam_search` is the model's decode cache for B sequences: every leaf of
+ndim >= 1 has leading dim B (e.g. the encoder output and the self-attention key/value buffers);
+leaves of ndim 0 (e.g. a shared cache index) are shared by all rows. `beam_search` repeats each
+example's leaves K times itself and re-gathers them by parent beam after every step; the model
+glue only runs the encoder once and initialises the cache for B sequences.
+
+Both searches are pure functions built from `lax.while_loop` with static shapes, meant to be
+called inside `jax.jit` with `tokens_to_logits` closed over, e.g.
+
+    @functools.partial(jax.jit, static_argnames=('beam_size', 'max_decode_len'))
+    def predict(params, cache, max_lengths, *, beam_size, max_decode_len):
+        return beam_search(functools.partial(tokens_to_logits, params), cache, ...)
+
+One compile per (batch_size, beam_size, max_decode_len); `max_lengths` and `alpha` may be traced.
+
+Shape letters:
+  B  batch size
+  K  beam size
+  N  B * K rows fed to the model (B for greedy), batch-major
+  C  2 * K candidates kept per example at each step
+  M  3 * K = K finished + C candidates, the pool the finished set is chosen from
+  L  max_decode_len, the number of generated positions returned
+  T  L + 1, the internal token buffer: position 0 holds BOS (0), position t the t-th token
+  V  vocabulary size
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax import lax
+
+NEG_INF = float('-inf')
+
+TokensToLogits = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
+
+
+def length_penalty(length, alpha):
+    """GNMT length penalty ((5 + |Y|) / 6) ** alpha (Wu et al. 2016), as float32.
+
+    |Y| counts the generated tokens including the final EOS and excluding the BOS, as in
+    tensor2tensor and flax examples/wmt. A hypothesis cut at its length limit without EOS has
+    |Y| = the limit. Its score is sum(log p) / length_penalty(|Y|, alpha).
+    """
+    length = jnp.asarray(length, jnp.float32)
+    return jnp.power((5.0 + length) / 6.0, jnp.asarray(alpha, jnp.float32))
+
+
+def _length_limits(batch_size, max_decode_len, max_lengths):
+    """int32[B] number of tokens each example may generate, within the static buffer."""
+    if max_lengths is None:
+        return jnp.full((batch_size,), max_decode_len, jnp.int32)
+    max_lengths = jnp.asarray(max_lengths, jnp.int32)
+    if max_lengths.shape != (batch_size,):
+        raise ValueError(f'max_lengths has shape {max_lengths.shape}, expected ({batch_size},)')
+    return jnp.clip(max_lengths, 1, max_decode_len)
+
+
+def _tile_beams(cache, batch_size, beam_size):
+    """Repeats each example's cache rows beam_size times: [B, ...] -> [B * K, ...]."""
+
+    def tile(path, x):
+        x = jnp.asarray(x)
+        if x.ndim == 0:
+            return x
+        if x.shape[0] != batch_size:
+            raise ValueError(
+                f'cache leaf {jax.tree_util.keystr(path)} has shape {x.shape}; leaves must be '
+                f'scalars or have leading dim batch_size={batch_size}'
+            )
+        return jnp.repeat(x, beam_size, axis=0)
+
+    return jax.tree_util.tree_map_with_path(tile, cache)
+
+
+def _gather_beams(x_BK, beam_idx_BJ):
+    """x[b, beam_idx[b, j]] for an array whose dims 0, 1 are (batch, beam): -> [B, J, ...]."""
+    batch_idx_B1 = jnp.arange(x_BK.shape[0])[:, None]
+    return x_BK[batch_idx_B1, beam_idx_BJ]
+
+
+def _gather_cache(cache, beam_idx_BK):
+    """Re-orders the flat cache rows [B * K, ...] so row b * K + k holds beam beam_idx[b, k]."""
+    batch_size, beam_size = beam_idx_BK.shape
+    rows_N = (jnp.arange(batch_size)[:, None] * beam_size + beam_idx_BK).reshape(-1)
+    return jax.tree.map(lambda x: x if x.ndim == 0 else jnp.take(x, rows_N, axis=0), cache)
+
+
+@struct.dataclass
+class BeamState:
+    """Loop carry of `beam_search`."""
+
+    step: jax.Array  # int32[]: tokens generated so far; alive_seqs[:, :, step] is fed next
+    alive_seqs_BKT: jax.Array  # int32: BOS, then the tokens of the unfinished beams
+    alive_log_probs_BK: jax.Array  # float32: sum of log-probs; -inf marks an empty beam
+    alive_cache: Any  # model cache, leaves [N, ...] (or scalars), rows aligned with alive beams
+    finished_seqs_BKT: jax.Array  # int32: ended hypotheses, EOS then 0 padding
+    finished_scores_BK: jax.Array  # float32: log-prob / length penalty, sorted best first
+    finished_flags_BK: jax.Array  # bool: slot holds a real hypothesis
+
+
+def beam_search(
+    tokens_to_logits: TokensToLogits,
+    cache,
+    *,
+    batch_size: int,
+    beam_size: int,
+    alpha,
+    eos_id: int,
+    max_decode_len: int,
+    max_lengths=None,
+):
+    """Beam search with the GNMT length penalty (alive / finished, 2K top-k per step).
+
+    Args:
+      tokens_to_logits: (ids_N1 int32[N, 1], cache) -> (logits_NV float[N, V], new_cache), N = B*K.
+      cache: the decode cache for B sequences; leaves of ndim >= 1 have leading dim B, scalar
+        leaves are shared. Tiled to B * K rows here and gathered by parent beam every step.
+      batch_size, beam_size, max_decode_len, eos_id: static ints. max_decode_len is the buffer
+        length: the most tokens (EOS included) any hypothesis may have.
+      alpha: length-penalty exponent (0.6 in the paper); a float or a traced scalar.
+      max_lengths: optional int32[B], each example's own token limit (the paper: source length
+        + 50), clipped to [1, max_decode_len].
+
+    A hypothesis ends when it emits EOS or reaches its example's limit; one cut at the limit is
+    scored like one that emitted EOS there (|Y| = limit), so no hypothesis is dropped: if no beam
+    emits EOS the best sequences at the limit are returned. The loop stops as soon as, for every
+    example, no alive beam can still beat the worst of its K finished hypotheses (log-probs only
+    fall, so the best an alive beam can reach is its log-prob over the largest penalty ahead), or
+    when every example is at its limit. Early stopping never changes the result.
+
+    Returns:
+      sequences int32[B, K, max_decode_len]: generated tokens (BOS excluded), EOS, then 0s;
+      scores float32[B, K]: sum log-prob / length_penalty(|Y|, alpha), sorted best first.
+      A slot is -inf only when fewer than K hypotheses exist at all (a tiny vocabulary).
+    """
+    B, K, L = batch_size, beam_size, max_decode_len
+    T = L + 1
+    limit_B = _length_limits(B, L, max_lengths)
+
+    # Only beam 0 is live at first; the others would duplicate it.
+    init_log_probs_BK = jnp.tile(jnp.array([0.0] + [NEG_INF] * (K - 1), jnp.float32), (B, 1))
+    state = BeamState(
+        step=jnp.array(0, jnp.int32),
+        alive_seqs_BKT=jnp.zeros((B, K, T), jnp.int32),
+        alive_log_probs_BK=init_log_probs_BK,
+        alive_cache=_tile_beams(cache, B, K),
+        finished_seqs_BKT=jnp.zeros((B, K, T), jnp.int32),
+        finished_scores_BK=jnp.full((B, K), NEG_INF, jnp.float32),
+        finished_flags_BK=jnp.zeros((B, K), jnp.bool_),
+    )
+
+    def cond_fn(state: BeamState):
+        # Largest penalty over the lengths still reachable (monotone in length, either sign of
+        # alpha); dividing a non-positive log-prob by it gives the best reachable score.
+        max_penalty_B = jnp.maximum(
+            length_penalty(state.step + 1, alpha), length_penalty(limit_B, alpha)
+        )
+        best_alive_B = jnp.max(state.alive_log_probs_BK, axis=1) / max_penalty_B
+        worst_finished_B = jnp.where(
+            jnp.all(state.finished_flags_BK, axis=1),
+            jnp.min(state.finished_scores_BK, axis=1),
+            NEG_INF,
+        )
+        can_improve_B = best_alive_B > worst_finished_B
+        return (state.step < L) & jnp.any(can_improve_B)
+
+    def body_fn(state: BeamState):
+        i = state.step
+        ids_N1 = state.alive_seqs_BKT[:, :, i].reshape(B * K, 1)
+        logits_NV, cache = tokens_to_logits(ids_N1, state.alive_cache)
+        V = logits_NV.shape[-1]
+        log_probs_BKV = jax.nn.log_softmax(logits_NV.astype(jnp.float32)).reshape(B, K, V)
+        cand_log_probs_BKV = state.alive_log_probs_BK[:, :, None] + log_probs_BKV
+
+        # 2K candidates: at most K of them end in EOS, so K can always stay alive.
+        top_log_probs_BC, top_flat_BC = lax.top_k(cand_log_probs_BKV.reshape(B, K * V), 2 * K)
+        parent_BC = top_flat_BC // V
+        token_BC = (top_flat_BC % V).astype(jnp.int32)
+        seqs_BCT = _gather_beams(state.alive_seqs_BKT, parent_BC).at[:, :, i + 1].set(token_BC)
+
+        length = i + 1
+        ended_BC = (token_BC == eos_id) | (length >= limit_B[:, None])
+
+        # Alive: the best K candidates that have not ended.
+        alive_log_probs_BK, alive_pos_BK = lax.top_k(
+            jnp.where(ended_BC, NEG_INF, top_log_probs_BC), K
+        )
+        alive_seqs_BKT = _gather_beams(seqs_BCT, alive_pos_BK)
+        alive_parent_BK = jnp.take_along_axis(parent_BC, alive_pos_BK, axis=1)
+        alive_cache = _gather_cache(cache, alive_parent_BK)
+
+        # Finished: the best K of the old finished and the candidates that ended now. Old ones
+        # come first so ties keep them (top_k prefers the lower index).
+        new_flags_BC = ended_BC & (top_log_probs_BC > NEG_INF)
+        new_scores_BC = jnp.where(
+            new_flags_BC, top_log_probs_BC / length_penalty(length, alpha), NEG_INF
+        )
+        pool_scores_BM = jnp.concatenate([state.finished_scores_BK, new_scores_BC], axis=1)
+        pool_flags_BM = jnp.concatenate([state.finished_flags_BK, new_flags_BC], axis=1)
+        pool_seqs_BMT = jnp.concatenate([state.finished_seqs_BKT, seqs_BCT], axis=1)
+        finished_scores_BK, finished_pos_BK = lax.top_k(pool_scores_BM, K)
+
+        return BeamState(
+            step=i + 1,
+            alive_seqs_BKT=alive_seqs_BKT,
+            alive_log_probs_BK=alive_log_probs_BK,
+            alive_cache=alive_cache,
+            finished_seqs_BKT=_gather_beams(pool_seqs_BMT, finished_pos_BK),
+            finished_scores_BK=finished_scores_BK,
+            finished_flags_BK=_gather_beams(pool_flags_BM, finished_pos_BK),
+        )
+
+    state = lax.while_loop(cond_fn, body_fn, state)
+    return state.finished_seqs_BKT[:, :, 1:], state.finished_scores_BK
+
+
+@struct.dataclass
+class GreedyState:
+    """Loop carry of `greedy_search`."""
+
+    step: jax.Array  # int32[]: tokens generated so far; seqs[:, step] is fed next
+    seqs_BT: jax.Array  # int32: BOS, generated tokens, EOS, then 0s
+    cache: Any  # model cache, leaves [B, ...] (or scalars)
+    finished_B: jax.Array  # bool: emitted EOS or reached its limit
+
+
+def greedy_search(
+    tokens_to_logits: TokensToLogits,
+    cache,
+    *,
+    batch_size: int,
+    eos_id: int,
+    max_decode_len: int,
+    max_lengths=None,
+):
+    """Greedy (argmax) decoding with the conventions of `beam_search`, one row per example (N = B).
+
+    The cache is used as given (leading dim B, no tiling). An example stops at EOS or at its
+    limit (max_lengths clipped to [1, max_decode_len]); later positions are 0. The loop stops
+    when all examples have stopped.
+
+    Returns:
+      sequences int32[B, max_decode_len]: generated tokens (BOS excluded), EOS, then 0s.
+    """
+    B, L = batch_size, max_decode_len
+    limit_B = _length_limits(B, L, max_lengths)
+    state = GreedyState(
+        step=jnp.array(0, jnp.int32),
+        seqs_BT=jnp.zeros((B, L + 1), jnp.int32),
+        cache=cache,
+        finished_B=jnp.zeros((B,), jnp.bool_),
+    )
+
+    def cond_fn(state: GreedyState):
+        return (state.step < L) & ~jnp.all(state.finished_B)
+
+    def body_fn(state: GreedyState):
+        i = state.step
+        logits_BV, cache = tokens_to_logits(state.seqs_BT[:, i][:, None], state.cache)
+        token_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+        token_B = jnp.where(state.finished_B, 0, token_B)
+        finished_B = state.finished_B | (token_B == eos_id) | (i + 1 >= limit_B)
+        return GreedyState(
+            step=i + 1,
+            seqs_BT=state.seqs_BT.at[:, i + 1].set(token_B),
+            cache=cache,
+            finished_B=finished_B,
+        )
+
+    state = lax.while_loop(cond_fn, body_fn, state)
+    return state.seqs_BT[:, 1:]

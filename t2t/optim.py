@@ -1,0 +1,59 @@
+"""The paper's learning-rate schedule and optimizer (section 5.3).
+
+lr(step) = scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5), Adam(0.9, 0.98, 1e-9).
+
+Step numbering: optax calls a schedule with `count`, the number of updates already applied, so the
+first update sees count 0. The paper's step number is count + 1; using count directly would give
+the first update a learning rate of exactly 0 (a wasted step) and shift the peak off `warmup`.
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+def learning_rate_schedule(d_model: int, warmup_steps: int, scale: float = 1.0) -> optax.Schedule:
+    """Linear warmup for `warmup_steps` updates, then decay with the inverse square root of step.
+
+    The returned function takes optax's `count` (0 for the first update) and peaks at count
+    warmup_steps - 1, i.e. at the paper's step `warmup_steps`, at scale * (d_model*warmup)^-0.5.
+    """
+    if d_model <= 0 or warmup_steps <= 0:
+        raise ValueError(f'd_model and warmup_steps must be > 0, got {d_model}, {warmup_steps}')
+    # Python floats so the constants do not depend on x64 mode.
+    lr_0 = scale * d_model**-0.5
+    warmup_factor = warmup_steps**-1.5
+
+    def schedule(count):
+        step = jnp.asarray(count, jnp.float32) + 1.0  # the paper counts from 1
+        return lr_0 * jnp.minimum(jax.lax.rsqrt(step), step * warmup_factor)
+
+    return schedule
+
+
+def _decay_mask(params):
+    # Decay weight matrices and embeddings only; biases and LayerNorm scales (ndim <= 1) are exempt.
+    return jax.tree.map(lambda p: jnp.ndim(p) > 1, params)
+
+
+def make_optimizer(config) -> optax.GradientTransformation:
+    """Adam with the warmup-rsqrt schedule; optional global-norm clipping and AdamW decay.
+
+    Reads d_model, warmup_steps, learning_rate_scale, adam_b1, adam_b2, adam_eps, clip_grad_norm
+    (> 0 clips before Adam) and weight_decay (> 0: decoupled decay, optax convention: the update
+    subtracts lr * weight_decay * param, on parameters with ndim > 1). Gradient accumulation is done
+    by the train step, not here.
+    """
+    schedule = learning_rate_schedule(
+        config.d_model, config.warmup_steps, config.learning_rate_scale
+    )
+    adam_kwargs = dict(b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps)
+    if config.weight_decay > 0:
+        tx = optax.adamw(
+            schedule, weight_decay=config.weight_decay, mask=_decay_mask, **adam_kwargs
+        )
+    else:
+        tx = optax.adam(schedule, **adam_kwargs)
+    if config.clip_grad_norm > 0:
+        tx = optax.chain(optax.clip_by_global_norm(config.clip_grad_norm), tx)
+    return tx
