@@ -1,4 +1,15 @@
-"""Train a Transformer: python train.py --config=configs/default.py --workdir=DIR [--dry_run]."""
+"""Train a Transformer.
+
+    python train.py --config=configs/default.py --workdir=workdirs/default
+    python train.py --config=configs/wmt14_ende_base.py --config.batch_size=208 --workdir=runs/base
+    python train.py --config=configs/wmt14_ende_big.py --dry_run     # parameters and FLOPs only
+
+A workdir that holds checkpoints is resumed from the latest one. Multi-host: run the same command
+on every host; jax.distributed is initialized from --coordinator_address/--num_processes/
+--process_id, or detected automatically on TPU pods and SLURM/Open MPI clusters (--distributed).
+"""
+
+import logging
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -6,6 +17,11 @@ from ml_collections import config_flags
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Experiment config.')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Checkpoints, metrics and logs go here.')
 _DRY_RUN = flags.DEFINE_bool('dry_run', False, 'Build the abstract model, print its summary, exit.')
+_DISTRIBUTED = flags.DEFINE_bool('distributed', False,
+                                 'Call jax.distributed.initialize() with auto-detection.')
+_COORDINATOR = flags.DEFINE_string('coordinator_address', None, 'host:port of process 0.')
+_NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Processes in the job.')
+_PROCESS_ID = flags.DEFINE_integer('process_id', None, 'This process, 0 .. num_processes-1.')
 
 
 def main(argv):
@@ -17,7 +33,21 @@ def main(argv):
 
         print(summary.summarize(config))
         return
-    raise app.UsageError('training lands with the training issue; use --dry_run')
+    if not _WORKDIR.value:
+        raise app.UsageError('--workdir is required (checkpoints, metrics and logs go there)')
+    import jax
+
+    if _COORDINATOR.value:
+        jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    elif _DISTRIBUTED.value:
+        jax.distributed.initialize()
+    logging.getLogger().setLevel(logging.INFO)
+
+    from t2t import loop
+
+    result = loop.train_and_evaluate(config, _WORKDIR.value)
+    print(f'finished at step {result.step} ({result.stopped_by}); '
+          + ' '.join(f'{k}={v:.4g}' for k, v in result.eval_metrics.items()))
 
 
 if __name__ == '__main__':

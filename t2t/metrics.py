@@ -78,8 +78,12 @@ class MetricWriter:
 
 
 def read_jsonl(path) -> list[dict]:
-    """The records of a metrics.jsonl (a file or its directory), one per step, the latest write
-    winning, sorted by step. A torn last line (crash mid-write) is ignored."""
+    """The records of a metrics.jsonl (a file or its directory), one per step, sorted by step.
+
+    Lines of the same step are merged (training and evaluation scalars are written separately);
+    where a key repeats, the later write wins (a resumed run rewrites steps after its checkpoint).
+    A torn last line (crash mid-write) is ignored.
+    """
     path = os.fspath(path)
     if os.path.isdir(path):
         path = os.path.join(path, JSONL_NAME)
@@ -90,7 +94,7 @@ def read_jsonl(path) -> list[dict]:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            by_step[record['step']] = record
+            by_step.setdefault(record['step'], {}).update(record)
     return [by_step[s] for s in sorted(by_step)]
 
 

@@ -24,7 +24,7 @@ def test_writer_jsonl_stdout_and_events(tmp_path):
     assert out.getvalue().splitlines()[0] == 'step 10 | loss 2.5 | lr 0.001'
     assert any(f.startswith('events.out.tfevents') for f in os.listdir(tmp_path))
 
-    # A resumed run appends; the rewritten step wins when reading back.
+    # A resumed run appends; lines of one step merge, the rewritten keys win when reading back.
     with metrics.MetricWriter(tmp_path, stream=out, tensorboard=False) as writer:
         writer.write_scalars(20, {'loss': 1.0})
         writer.write_scalars(30, {'loss': 0.5})
@@ -33,7 +33,7 @@ def test_writer_jsonl_stdout_and_events(tmp_path):
     assert len((tmp_path / 'metrics.jsonl').read_text().splitlines()) == 5
     assert metrics.read_jsonl(tmp_path) == [
         {'step': 10, 'loss': 2.5, 'lr': 1e-3},
-        {'step': 20, 'loss': 1.0},
+        {'step': 20, 'loss': 1.0, 'lr': 2e-3},
         {'step': 30, 'loss': 0.5},
     ]
 

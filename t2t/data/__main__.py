@@ -1,0 +1,57 @@
+"""Prepares the data of a config and prints one line per split.
+
+    python -m t2t.data --config=configs/default.py [--config.key=value ...]
+
+Downloads / builds the corpus if needed, trains the tokenizer if missing, builds the packed training
+cache, and reports examples, skips (and why) and token lengths (EOS included) of each split.
+"""
+
+import numpy as np
+from absl import app
+from ml_collections import config_flags
+
+from t2t.data import cache, pipeline
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'experiment config file',
+                                          lock_config=True)
+
+
+def _skips(counts: dict[str, int]) -> str:
+    total = sum(counts.values())
+    return f'skipped={total}' + (' (' + ', '.join(f'{k}={v}' for k, v in sorted(counts.items()))
+                                 + ')' if total else '')
+
+
+def _stats(stats: dict) -> str:
+    return ' '.join(f'{s}_tokens mean={stats[f"{s}_mean"]:.1f} p95={stats[f"{s}_p95"]:.0f} '
+                    f'max={stats[f"{s}_max"]}' for s in ('src', 'tgt'))
+
+
+def report(config) -> list[str]:
+    tokenizer = pipeline.get_tokenizer(config)
+    lines = []
+    train = cache.packed_split(config, tokenizer, config.train_split).meta
+    lines.append(f'train: split={config.train_split} examples={train["examples"]} '
+                 f'{_skips(train["skipped"])} {_stats(train["stats"])} packed_rows={train["rows"]} '
+                 f'fill={train["fill"]:.3f} vocab={tokenizer.vocab_size}')
+    for label, split in (('validation', config.eval_split), ('test', config.test_split)):
+        ev = pipeline.eval_split(config, tokenizer, split)
+        skips = dict(ev.read_skipped)
+        if ev.skipped:
+            skips[f'longer_than_max_eval_len_{config.max_eval_len}'] = len(ev.skipped)
+        stats = cache.length_stats(np.array([len(x) for x in ev.inputs]),
+                                   np.array([len(x) for x in ev.targets]))
+        lines.append(f'{label}: split={split} examples={len(ev.sources) - len(ev.skipped)} '
+                     f'{_skips(skips)} {_stats(stats)}')
+    return lines
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+    for line in report(_CONFIG.value):
+        print(line, flush=True)
+
+
+if __name__ == '__main__':
+    app.run(main)

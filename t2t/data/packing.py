@@ -1,0 +1,86 @@
+"""Sequence packing: many (source, target) pairs per fixed-length row, as pure numpy functions.
+
+Shapes: N pairs, R rows, L = max_len slots per side. A row holds pairs 1..k as segments: segment
+ids 1..k on their tokens and 0 on padding, positions restarting at 0 in each segment.
+"""
+
+import numpy as np
+
+MIN_PAIR_LEN = 2  # a non-empty text is >= 1 piece, + EOS: a row with less room is full
+
+
+def first_fit(src_lens: np.ndarray, tgt_lens: np.ndarray, max_len: int,
+              max_open: int = 32) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """Places each pair in the first open row where both sides fit (pairs are <= max_len).
+
+    At most `max_open` rows are open; opening one more closes the oldest, which keeps the cost
+    O(N * max_open) and the placement deterministic. Returns per pair (row, source offset,
+    target offset, segment id) and the number of rows.
+    """
+    n = len(src_lens)
+    row, src_off, tgt_off, seg = (np.zeros(n, np.int64) for _ in range(4))
+    bins = []  # open rows: [row, source used, target used, segments]
+    num_rows = 0
+    for i, (ls, lt) in enumerate(zip(src_lens.tolist(), tgt_lens.tolist(), strict=True)):
+        for b in bins:
+            if b[1] + ls <= max_len and b[2] + lt <= max_len:
+                break
+        else:
+            if len(bins) == max_open:
+                bins.pop(0)
+            b = [num_rows, 0, 0, 0]
+            bins.append(b)
+            num_rows += 1
+        row[i], src_off[i], tgt_off[i] = b[0], b[1], b[2]
+        b[1] += ls
+        b[2] += lt
+        b[3] += 1
+        seg[i] = b[3]
+        if max_len - b[1] < MIN_PAIR_LEN or max_len - b[2] < MIN_PAIR_LEN:
+            bins.remove(b)
+    return row, src_off, tgt_off, seg, num_rows
+
+
+def one_per_row(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """The placement without packing: pair i alone in row i."""
+    zeros = np.zeros(n, np.int64)
+    return np.arange(n), zeros, zeros.copy(), np.ones(n, np.int64), n
+
+
+def _scatter(seqs: list[list[int]], row, offset, seg, num_rows: int, max_len: int,
+             dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens [R, L] and segment ids [R, L] with seqs[i] at (row[i], offset[i]:)."""
+    lens = np.fromiter((len(s) for s in seqs), np.int64, len(seqs))
+    flat = np.fromiter((t for s in seqs for t in s), dtype, int(lens.sum()))
+    starts = np.cumsum(lens) - lens  # where each sequence begins in `flat`
+    dest = np.repeat(row * max_len + offset - starts, lens) + np.arange(len(flat))
+    tokens = np.zeros((num_rows, max_len), dtype)
+    segments = np.zeros((num_rows, max_len), np.uint16)
+    tokens.reshape(-1)[dest] = flat
+    segments.reshape(-1)[dest] = np.repeat(seg, lens)
+    return tokens, segments
+
+
+def pack(src: list[list[int]], tgt: list[list[int]], max_len: int, packed: bool = True,
+         dtype=np.int32) -> dict[str, np.ndarray]:
+    """Rows [R, L] of `inputs`, `targets` and their `_segment_ids` (EOS already appended)."""
+    if packed:
+        lens_s = np.fromiter(map(len, src), np.int64, len(src))
+        lens_t = np.fromiter(map(len, tgt), np.int64, len(tgt))
+        row, off_s, off_t, seg, num_rows = first_fit(lens_s, lens_t, max_len)
+    else:
+        row, off_s, off_t, seg, num_rows = one_per_row(len(src))
+    inputs, inputs_seg = _scatter(src, row, off_s, seg, num_rows, max_len, dtype)
+    targets, targets_seg = _scatter(tgt, row, off_t, seg, num_rows, max_len, dtype)
+    return {'inputs': inputs, 'targets': targets,
+            'inputs_segment_ids': inputs_seg, 'targets_segment_ids': targets_seg}
+
+
+def positions(segment_ids: np.ndarray) -> np.ndarray:
+    """Positions [R, L] restarting at 0 where a segment starts; 0 on padding."""
+    length = segment_ids.shape[-1]
+    idx = np.broadcast_to(np.arange(length), segment_ids.shape)
+    starts = np.ones(segment_ids.shape, bool)
+    starts[..., 1:] = segment_ids[..., 1:] != segment_ids[..., :-1]
+    first = np.maximum.accumulate(np.where(starts, idx, 0), axis=-1)
+    return np.where(segment_ids > 0, idx - first, 0).astype(np.int32)

@@ -1,0 +1,98 @@
+"""Sentence pairs behind one interface, chosen by `config.dataset`:
+
+- 'embedded': Debian trans-de-en (t2t/data/embedded.py), prepared once as a local TFDS dataset;
+- 'tfds': a TFDS translation dataset such as wmt14_translate/de-en (t2t/data/tfds_wmt.py);
+- 'tsv': your own files (t2t/data/tsv.py).
+
+`open_split` gives a random-access `Pairs`: len(), [i] -> (source, target) in the configured
+direction, `read(start, stop)`, a `name` for messages, and `skipped` (lines dropped while reading).
+"""
+
+import collections
+import hashlib
+import os
+from typing import Protocol
+
+from t2t.data import embedded, tfds_wmt, tsv
+
+DATASETS = ('embedded', 'tfds', 'tsv')
+
+
+class Pairs(Protocol):
+    name: str
+    skipped: collections.Counter
+
+    def __len__(self) -> int: ...
+    def __getitem__(self, i: int) -> tuple[str, str]: ...
+    def read(self, start: int, stop: int) -> list[tuple[str, str]]: ...
+
+
+class ListPairs:
+    """Pairs held in memory (the TSV source)."""
+
+    def __init__(self, pairs: list[tuple[str, str]], name: str, skipped: collections.Counter):
+        self._pairs, self.name, self.skipped = pairs, name, skipped
+
+    def __len__(self) -> int:
+        return len(self._pairs)
+
+    def __getitem__(self, i: int) -> tuple[str, str]:
+        return self._pairs[i]
+
+    def read(self, start: int, stop: int) -> list[tuple[str, str]]:
+        return self._pairs[start:stop]
+
+
+def _check_dataset(config) -> None:
+    if config.dataset not in DATASETS:
+        raise ValueError(f'config.dataset={config.dataset!r}: expected one of {DATASETS}')
+
+
+def _tsv_spec(config, split: str) -> str:
+    spec = config.tsv_files.get(split, '')
+    if not spec:
+        raise ValueError(f'dataset=tsv needs --config.tsv_files.{split}=FILE.tsv or "SRC,TGT" '
+                         f'(split {split!r} has no file)')
+    return spec
+
+
+def open_split(config, split: str) -> Pairs:
+    """The pairs of one split (preparing the embedded corpus on first use)."""
+    _check_dataset(config)
+    src, tgt = config.source_lang, config.target_lang
+    if config.dataset == 'tsv':
+        spec = _tsv_spec(config, split)
+        pairs, skipped = tsv.read_pairs(spec)
+        return ListPairs(pairs, f'tsv:{spec}', skipped)
+    if config.dataset == 'tfds':
+        pairs = tfds_wmt.open_split(config.tfds_name, config.data_dir, split, src, tgt)
+    else:
+        tfds_wmt.check_direction(embedded.LANGUAGES, src, tgt, 'the embedded trans-de-en corpus')
+        if split not in embedded.SPLITS:
+            raise ValueError(f'split {split!r}: the embedded corpus has {embedded.SPLITS}')
+        ds = embedded.builder(config.data_dir).as_data_source(split=split)
+        pairs = tfds_wmt.RecordPairs(ds, src, tgt, f'trans_de_en/{split}')
+    pairs.skipped = collections.Counter()
+    return pairs
+
+
+def dataset_id(config) -> str:
+    """A file-name-safe name of the training data, for vocabulary and cache paths."""
+    _check_dataset(config)
+    if config.dataset == 'embedded':
+        return f'trans_de_en-{embedded.DATASET_VERSION}'
+    if config.dataset == 'tfds':
+        return config.tfds_name.replace('/', '-')
+    spec = _tsv_spec(config, config.train_split)
+    stamp = [spec] + [f'{os.path.getsize(p)}:{os.path.getmtime(p)}'
+                      for p in spec.split(',') if os.path.exists(p.strip())]
+    return 'tsv-' + hashlib.sha256('|'.join(stamp).encode()).hexdigest()[:12]
+
+
+def split_fingerprint(config, split: str) -> str:
+    """Changes whenever the texts of `split` may have changed (the packed cache key)."""
+    if config.dataset == 'tsv':
+        spec = _tsv_spec(config, split)
+        return spec + '|' + '|'.join(f'{os.path.getsize(p.strip())}:{os.path.getmtime(p.strip())}'
+                                     for p in spec.split(','))
+    return f'{dataset_id(config)}|{split}'

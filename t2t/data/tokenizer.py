@@ -1,0 +1,83 @@
+"""One SentencePiece (unigram) vocabulary shared by source and target.
+
+Ids: PAD=0, EOS=1, UNK=2 and no BOS, the same constants as t2t/model.py. `encode` adds no EOS; the
+pipelines append it, so the tokenizer stays a plain text <-> pieces map.
+"""
+
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+
+import sentencepiece as spm
+
+PAD_ID = 0
+EOS_ID = 1
+UNK_ID = 2
+
+
+class Tokenizer:
+    """A trained SentencePiece model; pickles by path so worker processes can rebuild it."""
+
+    def __init__(self, path: str):
+        self.path = str(path)
+        self._sp = spm.SentencePieceProcessor(model_file=self.path)
+        if (self._sp.pad_id(), self._sp.eos_id(), self._sp.unk_id()) != (PAD_ID, EOS_ID, UNK_ID):
+            raise ValueError(f'{self.path}: expected pad/eos/unk ids 0/1/2, got '
+                             f'{self._sp.pad_id()}/{self._sp.eos_id()}/{self._sp.unk_id()}')
+
+    @property
+    def vocab_size(self) -> int:
+        return self._sp.get_piece_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text)
+
+    def encode_batch(self, texts: Sequence[str], num_threads: int = 0) -> list[list[int]]:
+        """Many texts at once in C++ threads (0 = all cores): the fast path for whole splits."""
+        return self._sp.encode(list(texts), num_threads=num_threads or os.cpu_count() or 1)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids` up to the first EOS; PAD is ignored."""
+        kept = []
+        for i in ids:
+            i = int(i)
+            if i == EOS_ID:
+                break
+            if i != PAD_ID:
+                kept.append(i)
+        return self._sp.decode(kept)
+
+    def __getstate__(self):
+        return {'path': self.path}
+
+    def __setstate__(self, state):
+        self.__init__(state['path'])
+
+
+def train_tokenizer(sentences: Iterable[str], path: str, vocab_size: int,
+                    max_sentences: int) -> Tokenizer:
+    """Trains a unigram model on `sentences` and writes it to `path` atomically (.model + .vocab).
+
+    `hard_vocab_limit=False` lets a small corpus give a smaller vocabulary instead of failing;
+    callers size embeddings by `Tokenizer.vocab_size`, which is then <= `vocab_size`.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        prefix = os.path.join(tmp, 'spm')
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(sentences),
+            model_prefix=prefix,
+            model_type='unigram',
+            vocab_size=vocab_size,
+            hard_vocab_limit=False,
+            pad_id=PAD_ID, eos_id=EOS_ID, unk_id=UNK_ID, bos_id=-1,
+            input_sentence_size=max_sentences,
+            shuffle_input_sentence=True,
+            num_threads=2,
+            minloglevel=2,
+        )
+        base = path[:-len('.model')] if path.endswith('.model') else path
+        os.replace(prefix + '.vocab', base + '.vocab')
+        os.replace(prefix + '.model', path)
+    return Tokenizer(path)

@@ -1,0 +1,242 @@
+"""The training loop: data -> train_step -> metrics, with evaluation, checkpoints and preemption.
+
+Everything here is orchestration with I/O; the maths lives in t2t/train_lib.py. A workdir that
+holds checkpoints is resumed from the latest one (state, data iterator position and rng), so a
+stopped and resumed run computes exactly what an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+
+import jax
+import numpy as np
+
+from t2t import checkpoint, flops, metrics, optim, sharding, train_lib
+from t2t.preemption import PreemptionFlag
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss or the gradient became NaN or inf."""
+
+
+@dataclasses.dataclass
+class TrainResult:
+    step: int
+    stopped_by: str  # 'num_train_steps', 'time_budget' or 'preemption'
+    train_metrics: dict
+    eval_metrics: dict
+
+
+def to_global(batch_np: dict, mesh) -> dict:
+    """This process's rows of a batch -> global arrays split over the mesh's data axes."""
+    batch_sharding = sharding.batch_sharding(mesh)
+    return {k: jax.make_array_from_process_local_data(batch_sharding, np.asarray(v))
+            for k, v in batch_np.items()}
+
+
+def _all_processes_agree(flag: bool) -> bool:
+    """Process 0's decision, so every process leaves the loop at the same step."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
+
+
+def evaluate_loss(eval_fn, params, batches, mesh, num_batches: int) -> dict:
+    """Validation loss/NLL/accuracy over the first num_batches batches (-1: all)."""
+    total = None
+    for i, batch in enumerate(batches):
+        if 0 <= num_batches <= i:
+            break
+        model_batch = {k: v for k, v in batch.items() if k in train_lib.BATCH_KEYS}
+        sums = jax.device_get(eval_fn(params, to_global(model_batch, mesh)))
+        total = sums if total is None else {k: total[k] + sums[k] for k in total}
+    if total is None:
+        raise ValueError('the evaluation split gave no batch')
+    return train_lib.summarize_metrics(total)
+
+
+def _check_batch_sizes(config, mesh) -> None:
+    """Batches are split over the data-parallel devices: their sizes must divide evenly."""
+    parallel = mesh.shape['data'] * mesh.shape['fsdp']
+    micro = config.batch_size // max(config.grad_accum_steps, 1)
+    for name, rows in (('batch_size', config.batch_size), ('eval_batch_size',
+                                                           config.eval_batch_size)):
+        if rows % parallel:
+            raise ValueError(f'{name}={rows} is not divisible by the {parallel} data-parallel '
+                             f'devices of mesh {dict(mesh.shape)}')
+    if config.batch_size % config.grad_accum_steps or micro % parallel:
+        raise ValueError(f'batch_size={config.batch_size} / grad_accum_steps='
+                         f'{config.grad_accum_steps} must be a multiple of {parallel} devices')
+
+
+class _Interval:
+    """Per-step device metrics since the last log, fetched one step behind the device."""
+
+    def __init__(self):
+        self.pending = []  # (step, device metrics dict)
+        self.start_time = time.perf_counter()
+        self.start_step = None
+
+    def add(self, step, device_metrics):
+        if self.start_step is None:
+            self.start_step = step - 1
+        self.pending.append((step, device_metrics))
+
+    def drain(self, skip_nonfinite: bool):
+        """Host copies of the pending metrics; checks each step for a non-finite loss."""
+        fetched = jax.device_get(self.pending)
+        self.pending = []
+        for step, m in fetched:
+            if m['nonfinite'] and not skip_nonfinite:
+                raise NonFiniteLossError(
+                    f'step {step}: the loss or the gradient is not finite (loss sum '
+                    f'{float(m["loss_sum"])}, grad norm {float(m["grad_norm"])}); set '
+                    'skip_nonfinite=True to skip such steps')
+        return fetched
+
+
+def train_and_evaluate(config, workdir: str) -> TrainResult:
+    """Trains config in workdir (resuming from its latest checkpoint) and returns final metrics."""
+    from t2t import data  # grain / tfds / sentencepiece stay out of the model path
+
+    mesh = sharding.make_mesh(config.mesh_shape)
+    logging.info('mesh %s over %d devices (%d processes)', dict(mesh.shape), mesh.size,
+                 jax.process_count())
+    _check_batch_sizes(config, mesh)
+    tokenizer = data.get_tokenizer(config)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(f'tokenizer {tokenizer.path} has {tokenizer.vocab_size} pieces but '
+                         f'config.vocab_size={config.vocab_size}')
+    if tokenizer.vocab_size < config.vocab_size:  # a small corpus can't fill the vocabulary
+        logging.warning('tokenizer %s has %d pieces < config.vocab_size=%d: rows unused',
+                        tokenizer.path, tokenizer.vocab_size, config.vocab_size)
+    train_iter = data.train_iterator(config, tokenizer, process_index=jax.process_index(),
+                                     process_count=jax.process_count())
+
+    tx = optim.make_optimizer(config)
+    schedule = optim.learning_rate_schedule(config.d_model, config.warmup_steps,
+                                            config.learning_rate_scale)
+    manager = checkpoint.make_manager(workdir, config)
+    latest = checkpoint.latest_step(manager)
+    abstract = train_lib.abstract_state(config, mesh, tx)
+    state_shardings = jax.tree_util.tree_map(lambda x: x.sharding, abstract)
+    if latest is None:
+        state, _ = train_lib.create_sharded_state(config, mesh, tx)
+    else:
+        logging.info('resuming from checkpoint %d in %s', latest, workdir)
+        state = checkpoint.restore(manager, latest, abstract, train_iter)
+
+    step_config = train_lib.StepConfig.from_config(config)
+    train_step = train_lib.jit_train_step(step_config, tx, state_shardings, mesh, schedule)
+    eval_step = train_lib.jit_eval_step(step_config, state_shardings.params, mesh)
+    eval_data = data.eval_split(config, tokenizer, config.eval_split)
+
+    writer = metrics.MetricWriter(workdir, enabled=jax.process_index() == 0)
+    flops_per_step = flops.config_flops_per_step(config)
+    peak = metrics.peak_flops_per_device()
+    bleu_eval = _make_bleu_eval(config, tokenizer, eval_data, mesh)
+
+    step = int(jax.device_get(state.step))
+    start_step = step
+    train_start = time.perf_counter()
+    interval = _Interval()
+    stopped_by = 'num_train_steps'
+    train_summary, eval_summary = {}, {}
+    preemption = PreemptionFlag().install()
+    try:
+        while step < config.num_train_steps:
+            batch = to_global(next(train_iter), mesh)
+            state, step_metrics = train_step(state, batch)
+            step += 1
+            interval.add(step, step_metrics)
+
+            is_last = step == config.num_train_steps
+            if step % config.log_every_steps == 0 or is_last:
+                train_summary = _log_train(writer, interval, config, step, flops_per_step,
+                                           peak, mesh.size)
+                interval = _Interval()
+                elapsed = time.perf_counter() - train_start
+                if config.train_time_budget_s > 0 and _all_processes_agree(
+                        elapsed >= config.train_time_budget_s):
+                    stopped_by = 'time_budget'
+                if preemption.any_process():
+                    stopped_by = 'preemption'
+
+            stopping = stopped_by != 'num_train_steps' or is_last
+            if step % config.eval_every_steps == 0 or stopping:
+                eval_summary = evaluate_loss(
+                    eval_step, state.params,
+                    eval_data.batches(config.eval_batch_size, jax.process_index(),
+                                      jax.process_count()),
+                    mesh, config.num_eval_batches)
+                eval_summary = {f'eval_{k}': v for k, v in eval_summary.items()}
+                if bleu_eval is not None:
+                    eval_summary.update(bleu_eval(state.params))
+                writer.write_scalars(step, eval_summary)
+            if step % config.checkpoint_every_steps == 0 or stopping:
+                checkpoint.save(manager, step, state, train_iter)
+            if stopping:
+                break
+        if step == start_step:
+            logging.info('nothing to train: step %d >= num_train_steps', step)
+    finally:
+        preemption.uninstall()
+        checkpoint.wait(manager)
+        checkpoint.close(manager)
+        writer.close()
+    return TrainResult(step=step, stopped_by=stopped_by, train_metrics=train_summary,
+                       eval_metrics=eval_summary)
+
+
+def _log_train(writer, interval: _Interval, config, step, flops_per_step, peak, num_devices):
+    fetched = interval.drain(config.skip_nonfinite)
+    elapsed = time.perf_counter() - interval.start_time
+    steps = len(fetched)
+    sums = {k: sum(float(m[k]) for _, m in fetched)
+            for k in ('loss_sum', 'nll_sum', 'correct_sum', 'tokens')}
+    last = fetched[-1][1]
+    step_time = elapsed / max(steps, 1)
+    scalars = dict(train_lib.summarize_metrics(sums))
+    scalars.update(
+        learning_rate=float(last['learning_rate']),
+        grad_norm=float(last['grad_norm']),
+        step_time_s=step_time,
+        target_tokens_per_s=sums['tokens'] / max(elapsed, 1e-9),
+    )
+    skipped = sum(float(m['nonfinite']) for _, m in fetched)
+    if skipped:
+        scalars['skipped_steps'] = skipped
+    utilization = metrics.mfu(flops_per_step, step_time, num_devices, peak)
+    if not math.isnan(utilization):
+        scalars['mfu'] = utilization
+    writer.write_scalars(step, scalars)
+    return scalars
+
+
+def _make_bleu_eval(config, tokenizer, eval_data, mesh):
+    """A function params -> {'eval_bleu': ...} decoding the first eval_bleu_sentences, or None."""
+    if config.eval_bleu_sentences <= 0:
+        return None
+    from t2t import bleu, inference
+
+    predict = inference.make_predict_fn(
+        train_lib.StepConfig.from_config(config).model, beam_size=config.beam_size,
+        alpha=config.length_penalty_alpha, max_decode_len=config.max_decode_len,
+        max_decode_extra=config.max_decode_extra)
+    count = min(config.eval_bleu_sentences, len(eval_data.references))
+
+    def run(params):
+        batches = eval_data.batches(config.eval_batch_size, 0, 1)
+        hyps = inference.translate_batches(predict, params, batches, tokenizer, count)
+        refs = eval_data.references[:count]
+        scores = bleu.score_all(hyps, refs, lang=config.target_lang)
+        return {'eval_bleu': scores['sacrebleu'], 'eval_chrf': scores['chrf']}
+
+    del mesh
+    return run

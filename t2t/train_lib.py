@@ -1,0 +1,239 @@
+"""Train state, loss, train_step and eval_step: pure functions, no I/O.
+
+train_step(state, batch) -> (state, metrics) is jitted once (see `jit_train_step`) with the state's
+shardings and the state donated. The dropout rng of a step is folded from the state's rng and the
+step number, so a resumed run draws the same masks as an uninterrupted one. Metrics are token sums
+left on device; `summarize_metrics` turns them into means at the log interval.
+
+Shape letters: B batch rows, T target length, V vocabulary, M micro-batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import linen as nn
+from flax import struct
+
+from t2t import sharding
+from t2t.model import PAD_ID, Transformer, TransformerConfig, batch_forward_args
+
+BATCH_KEYS = ('inputs', 'targets', 'inputs_segment_ids', 'targets_segment_ids',
+              'inputs_positions', 'targets_positions')
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: updates applied so far
+    params: Any
+    opt_state: Any
+    rng: jax.Array  # uint32[2] raw key: the run's base key for dropout
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """The static part of a training step (hashable: safe to close over in jitted code)."""
+
+    model: TransformerConfig
+    label_smoothing: float = 0.1
+    grad_accum_steps: int = 1
+    skip_nonfinite: bool = False
+
+    @classmethod
+    def from_config(cls, config) -> StepConfig:
+        return cls(model=TransformerConfig.from_config(config),
+                   label_smoothing=config.label_smoothing,
+                   grad_accum_steps=config.grad_accum_steps,
+                   skip_nonfinite=config.skip_nonfinite)
+
+
+# ----------------------------------------------------------------------------------------------
+# Loss
+
+
+def label_smoothed_cross_entropy(logits_BTV, targets_BT, smoothing: float):
+    """Per-token cross-entropy against the smoothed target distribution, and the plain NLL.
+
+    The smoothed distribution puts 1 - smoothing on the gold token and smoothing / (V - 1) on every
+    other token (tensor2tensor's convention). Both are float32 [B, T].
+    """
+    vocab = logits_BTV.shape[-1]
+    logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
+    gold_BT = jnp.take_along_axis(logp_BTV, targets_BT[..., None], axis=-1)[..., 0]
+    confidence, low = 1.0 - smoothing, smoothing / (vocab - 1)
+    # sum_v q_v log p_v with q = low everywhere plus (confidence - low) on the gold token.
+    smoothed_BT = -(confidence - low) * gold_BT - low * logp_BTV.sum(-1)
+    return smoothed_BT, -gold_BT
+
+
+def loss_sums(params, batch, rng, step_config: StepConfig, deterministic: bool):
+    """Token sums over the batch's non-pad targets: (smoothed loss sum, metrics dict)."""
+    model_config = step_config.model.replace(deterministic=deterministic)
+    logits_BTV = Transformer(model_config).apply(
+        {'params': params}, **batch_forward_args(batch),
+        rngs=None if deterministic else {'dropout': rng})
+    targets_BT = batch['targets']
+    weights_BT = (targets_BT != PAD_ID).astype(jnp.float32)
+    smoothed_BT, nll_BT = label_smoothed_cross_entropy(logits_BTV, targets_BT,
+                                                       step_config.label_smoothing)
+    correct_BT = (jnp.argmax(logits_BTV, -1) == targets_BT).astype(jnp.float32)
+    sums = {
+        'loss_sum': (smoothed_BT * weights_BT).sum(),
+        'nll_sum': (nll_BT * weights_BT).sum(),
+        'correct_sum': (correct_BT * weights_BT).sum(),
+        'tokens': weights_BT.sum(),
+    }
+    return sums['loss_sum'], sums
+
+
+# ----------------------------------------------------------------------------------------------
+# State
+
+
+def init_state(rng, model_config: TransformerConfig, tx: optax.GradientTransformation,
+               batch_shape: tuple[int, int]) -> TrainState:
+    """A fresh state; parameters are boxed with logical axis names (see sharding.init_sharded)."""
+    init_rng, dropout_rng = jax.random.split(rng)
+    ids = jnp.ones(batch_shape, jnp.int32)
+    model = Transformer(model_config.replace(deterministic=True))
+    params = model.init(init_rng, ids, ids)['params']
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                      rng=dropout_rng)
+
+
+def create_sharded_state(config, mesh, tx):
+    """(state, state_shardings): initialized under jit, each device creating only its shard."""
+    model_config = TransformerConfig.from_config(config)
+    rng = jax.random.PRNGKey(config.seed)
+    init = functools.partial(init_state, model_config=model_config, tx=tx,
+                             batch_shape=(1, config.max_len))
+    return sharding.init_sharded(init, mesh, rng)
+
+
+def abstract_state(config, mesh, tx):
+    """Shapes, dtypes and shardings of the state without allocating it (for restoring)."""
+    model_config = TransformerConfig.from_config(config)
+    init = functools.partial(init_state, model_config=model_config, tx=tx,
+                             batch_shape=(1, config.max_len))
+    rng = jax.random.PRNGKey(config.seed)
+    boxed = jax.eval_shape(init, rng)
+    shardings = sharding.tree_shardings(boxed, mesh)
+    return jax.tree_util.tree_map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), nn.unbox(boxed),
+        shardings)
+
+
+# ----------------------------------------------------------------------------------------------
+# Steps
+
+
+def _split_micro_batches(batch, num: int):
+    """[B, ...] -> [M, B / M, ...] for gradient accumulation."""
+    def split(x):
+        if x.shape[0] % num:
+            raise ValueError(f'batch of {x.shape[0]} rows does not split into {num} micro-batches')
+        return x.reshape((num, x.shape[0] // num) + x.shape[1:])
+    return jax.tree_util.tree_map(split, batch)
+
+
+def train_step(state: TrainState, batch, *, step_config: StepConfig,
+               tx: optax.GradientTransformation, schedule=None):
+    """One update on the batch (accumulated over step_config.grad_accum_steps micro-batches).
+
+    The loss is the mean over all non-pad target tokens of the whole batch, so accumulating M
+    micro-batches gives the same gradient as one batch M times larger.
+    """
+    step_rng = jax.random.fold_in(state.rng, state.step)
+    grad_fn = jax.grad(loss_sums, has_aux=True)
+    num_micro = step_config.grad_accum_steps
+
+    if num_micro == 1:
+        grads, sums = grad_fn(state.params, batch, step_rng, step_config, False)
+    else:
+        micro = _split_micro_batches(batch, num_micro)
+
+        def accumulate(carry, inputs):
+            grads_acc, sums_acc = carry
+            index, micro_batch = inputs
+            g, s = grad_fn(state.params, micro_batch, jax.random.fold_in(step_rng, index),
+                           step_config, False)
+            return (jax.tree_util.tree_map(jnp.add, grads_acc, g),
+                    jax.tree_util.tree_map(jnp.add, sums_acc, s)), None
+
+        zeros_grads = jax.tree_util.tree_map(jnp.zeros_like, state.params)
+        zeros_sums = {k: jnp.zeros((), jnp.float32)
+                      for k in ('loss_sum', 'nll_sum', 'correct_sum', 'tokens')}
+        (grads, sums), _ = jax.lax.scan(accumulate, (zeros_grads, zeros_sums),
+                                        (jnp.arange(num_micro), micro))
+
+    denom = jnp.maximum(sums['tokens'], 1.0)
+    grads = jax.tree_util.tree_map(lambda g: g / denom, grads)
+    updates, new_opt_state = tx.update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(sums['loss_sum']) & jnp.isfinite(grad_norm)
+    if step_config.skip_nonfinite:
+        # Keep the old parameters and optimizer state; the step counter still advances.
+        keep = lambda new, old: jax.tree_util.tree_map(
+            lambda n, o: jnp.where(finite, n, o), new, old)
+        new_params = keep(new_params, state.params)
+        new_opt_state = keep(new_opt_state, state.opt_state)
+
+    metrics = dict(sums, grad_norm=grad_norm, nonfinite=1.0 - finite.astype(jnp.float32))
+    if schedule is not None:
+        metrics['learning_rate'] = schedule(state.step)
+    new_state = state.replace(step=state.step + 1, params=new_params, opt_state=new_opt_state)
+    return new_state, metrics
+
+
+def eval_step(params, batch, *, step_config: StepConfig):
+    """Token sums of the loss, NLL and accuracy on a batch, without dropout."""
+    _, sums = loss_sums(params, batch, None, step_config, True)
+    return sums
+
+
+def jit_train_step(step_config: StepConfig, tx, state_shardings, mesh, schedule=None):
+    """train_step compiled once for the mesh: state sharded as derived, batch split over data."""
+    step = functools.partial(train_step, step_config=step_config, tx=tx, schedule=schedule)
+    jitted = jax.jit(step, in_shardings=(state_shardings, sharding.batch_sharding(mesh)),
+                     out_shardings=(state_shardings, sharding.replicated(mesh)),
+                     donate_argnums=(0,))
+    return _under_mesh(jitted, mesh)
+
+
+def jit_eval_step(step_config: StepConfig, params_shardings, mesh):
+    step = functools.partial(eval_step, step_config=step_config)
+    jitted = jax.jit(step, in_shardings=(params_shardings, sharding.batch_sharding(mesh)),
+                     out_shardings=sharding.replicated(mesh))
+    return _under_mesh(jitted, mesh)
+
+
+def _under_mesh(fn, mesh):
+    """Calls fn with the mesh and the logical axis rules active (for the model's constraints)."""
+    @functools.wraps(fn)
+    def wrapped(*args):
+        with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.LOGICAL_AXIS_RULES):
+            return fn(*args)
+    return wrapped
+
+
+# ----------------------------------------------------------------------------------------------
+# Metrics
+
+
+def summarize_metrics(sums: dict) -> dict:
+    """Token sums (possibly added over several steps) -> loss, nll, perplexity, accuracy."""
+    tokens = max(float(sums['tokens']), 1.0)
+    nll = float(sums['nll_sum']) / tokens
+    return {
+        'loss': float(sums['loss_sum']) / tokens,
+        'nll': nll,
+        'perplexity': float(jnp.exp(jnp.minimum(nll, 50.0))),
+        'accuracy': float(sums['correct_sum']) / tokens,
+    }

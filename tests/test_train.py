@@ -1,0 +1,181 @@
+"""Training: loss, accumulation, a few steps of learning, and bitwise-exact resume."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from t2t import checkpoint, loop, metrics, optim, sharding, train_lib
+from tests import toy_corpus
+
+
+def test_label_smoothed_loss_equals_hand_computation():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(2, 3, 5)).astype(np.float32)
+    targets = np.array([[1, 4, 0], [2, 2, 3]], np.int32)
+    smoothed, nll = train_lib.label_smoothed_cross_entropy(jnp.asarray(logits),
+                                                           jnp.asarray(targets), 0.1)
+    for b in range(2):
+        for t in range(3):
+            logp = logits[b, t] - np.log(np.exp(logits[b, t]).sum())
+            q = np.full(5, 0.1 / 4)
+            q[targets[b, t]] = 0.9
+            np.testing.assert_allclose(smoothed[b, t], -(q * logp).sum(), rtol=1e-5)
+            np.testing.assert_allclose(nll[b, t], -logp[targets[b, t]], rtol=1e-5)
+
+
+def _synthetic_batch(rows, length, vocab, seed=0):
+    rng = np.random.default_rng(seed)
+    inputs = rng.integers(2, vocab, (rows, length)).astype(np.int32)
+    targets = np.flip(inputs, axis=1).copy()  # learnable: the reversed source
+    inputs[:, -2:] = 0  # some padding
+    targets[:, -3:] = 0
+    return {'inputs': inputs, 'targets': targets}
+
+
+def _setup(config, mesh_shape=(-1, 1, 1)):
+    mesh = sharding.make_mesh(mesh_shape)
+    tx = optim.make_optimizer(config)
+    state, shardings = train_lib.create_sharded_state(config, mesh, tx)
+    return mesh, tx, state, shardings
+
+
+def _tiny(**overrides):
+    from configs import tiny
+
+    c = tiny.get_config()
+    c.max_len, c.batch_size, c.vocab_size = 12, 8, 50
+    for k, v in overrides.items():
+        setattr(c, k, v)
+    return c
+
+
+def test_a_few_steps_lower_the_loss():
+    config = _tiny(dropout_rate=0.0, warmup_steps=5, learning_rate_scale=3.0)
+    mesh, tx, state, shardings = _setup(config)
+    step = train_lib.jit_train_step(train_lib.StepConfig.from_config(config), tx, shardings, mesh)
+    batch = loop.to_global(_synthetic_batch(8, 12, 50), mesh)
+    losses = []
+    for _ in range(12):
+        state, m = step(state, batch)
+        losses.append(float(m['loss_sum'] / m['tokens']))
+    assert int(state.step) == 12
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_accumulating_4_micro_batches_equals_one_4x_batch():
+    # Plain SGD makes the parameter change the gradient itself: Adam's first step is about
+    # lr * sign(g), which amplifies float noise in gradients that are nearly zero.
+    config = _tiny(dropout_rate=0.0, batch_size=8)
+    mesh = sharding.make_mesh((2, 2, 2))
+    tx = optax.sgd(1.0)
+    state, shardings = train_lib.create_sharded_state(config, mesh, tx)
+    batch = loop.to_global(_synthetic_batch(8, 12, 50, seed=1), mesh)
+    results = []
+    for accum in (1, 4):
+        step_config = train_lib.StepConfig.from_config(config).__class__(
+            model=train_lib.StepConfig.from_config(config).model, grad_accum_steps=accum)
+        step = train_lib.jit_train_step(step_config, tx, shardings, mesh)
+        fresh = jax.tree_util.tree_map(jnp.copy, state)
+        new_state, m = step(fresh, batch)
+        results.append((jax.device_get(new_state.params), jax.device_get(m)))
+    (p1, m1), (p4, m4) = results
+    np.testing.assert_allclose(m1['loss_sum'], m4['loss_sum'], rtol=1e-5)
+    assert m1['tokens'] == m4['tokens']
+    np.testing.assert_allclose(m1['grad_norm'], m4['grad_norm'], rtol=1e-4)
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-7), p1, p4)
+    moved = jax.tree_util.tree_map(lambda a, b: np.abs(a - b).max(), p1,
+                                   jax.device_get(state.params))
+    assert max(jax.tree_util.tree_leaves(moved)) > 1e-3  # the step did change the parameters
+
+
+def test_nonfinite_loss_stops_with_the_step_or_is_skipped():
+    config = _tiny(dropout_rate=0.0)
+    mesh, tx, state, shardings = _setup(config)
+    params = jax.tree_util.tree_map(np.array, jax.device_get(state.params))  # writable copies
+    params['embedder']['embedding'][3] = np.nan  # a token the batch uses
+    bad = state.replace(params=jax.device_put(params, shardings.params))
+    batch = _synthetic_batch(8, 12, 50)
+    batch['inputs'][0, 0] = 3
+    skip = train_lib.jit_train_step(
+        train_lib.StepConfig.from_config(config).__class__(
+            model=train_lib.StepConfig.from_config(config).model, skip_nonfinite=True),
+        tx, shardings, mesh)
+    before = jax.device_get(bad.params)
+    after_state, m = skip(bad, loop.to_global(batch, mesh))
+    assert float(m['nonfinite']) == 1.0 and int(after_state.step) == 1
+    np.testing.assert_array_equal(jax.device_get(after_state.params)['encoder_0']['ffn']['wi']
+                                  ['kernel'], before['encoder_0']['ffn']['wi']['kernel'])
+    interval = loop._Interval()
+    interval.add(7, m)
+    with pytest.raises(loop.NonFiniteLossError, match='step 7'):
+        interval.drain(skip_nonfinite=False)
+
+
+@pytest.fixture(scope='module')
+def corpus(tmp_path_factory):
+    return toy_corpus.make_corpus(tmp_path_factory.mktemp('corpus'))
+
+
+def _run_config(corpus, **overrides):
+    settings = dict(num_train_steps=6, log_every_steps=2, eval_every_steps=6,
+                    checkpoint_every_steps=3, keep_checkpoints=5, eval_bleu_sentences=0,
+                    num_eval_batches=2, max_len=32, eval_batch_size=8)
+    settings.update(overrides)
+    return toy_corpus.tiny_config(corpus, **settings)
+
+
+def test_resumed_run_is_bitwise_equal_to_an_uninterrupted_one(corpus, tmp_path):
+    config = _run_config(corpus)
+    full = loop.train_and_evaluate(config, str(tmp_path / 'full'))
+    assert full.step == 6
+
+    first = _run_config(corpus, num_train_steps=3)
+    assert loop.train_and_evaluate(first, str(tmp_path / 'resumed')).step == 3
+    resumed = loop.train_and_evaluate(config, str(tmp_path / 'resumed'))
+    assert resumed.step == 6
+
+    from t2t import data
+
+    tokenizer = data.get_tokenizer(config)
+    mesh = sharding.make_mesh(config.mesh_shape)
+    tx = optim.make_optimizer(config)
+    abstract = train_lib.abstract_state(config, mesh, tx)
+    states, next_batches = [], []
+    for name in ('full', 'resumed'):
+        manager = checkpoint.make_manager(str(tmp_path / name), config)
+        it = data.train_iterator(config, tokenizer)
+        states.append(jax.device_get(checkpoint.restore(manager, 6, abstract, it)))
+        next_batches.append(next(it))
+        checkpoint.close(manager)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, states[0], states[1])
+    jax.tree_util.tree_map(np.testing.assert_array_equal, next_batches[0], next_batches[1])
+    # The metrics of the steps both runs logged agree too (to print precision).
+    full_log = {r['step']: r for r in metrics.read_jsonl(tmp_path / 'full')}
+    resumed_log = {r['step']: r for r in metrics.read_jsonl(tmp_path / 'resumed')}
+    assert full_log[6]['loss'] == resumed_log[6]['loss']
+
+
+def test_train_leaves_checkpoints_events_and_metrics(corpus, tmp_path):
+    config = _run_config(corpus, num_train_steps=4, checkpoint_every_steps=2, keep_checkpoints=1,
+                         eval_every_steps=4)
+    workdir = tmp_path / 'run'
+    result = loop.train_and_evaluate(config, str(workdir))
+    assert result.stopped_by == 'num_train_steps'
+    assert sorted(os.listdir(workdir / 'checkpoints')) == ['4']
+    assert any(name.startswith('events.out.tfevents') for name in os.listdir(workdir))
+    records = [json.loads(line) for line in open(workdir / 'metrics.jsonl')]
+    train_records = [r for r in records if 'loss' in r]
+    assert [r['step'] for r in train_records] == [2, 4]
+    for key in ('loss', 'nll', 'accuracy', 'learning_rate', 'grad_norm', 'step_time_s',
+                'target_tokens_per_s', 'perplexity'):
+        assert np.isfinite(train_records[-1][key]), key
+    eval_record = next(r for r in records if 'eval_loss' in r)
+    assert eval_record['step'] == 4 and eval_record['eval_loss'] > 0
+    # Resuming a finished run trains nothing and keeps the checkpoint.
+    again = loop.train_and_evaluate(config, str(workdir))
+    assert again.step == 4
