@@ -219,7 +219,8 @@ def _resolve_step(manager: ocp.CheckpointManager, step: int | None) -> int:
     return step
 
 
-def save(manager: Manager, step: int, state, data_iter=None, force: bool = False) -> bool:
+def save(manager: Manager, step: int, state, data_iter=None, force: bool = False,
+         extra_metadata: dict | None = None) -> bool:
     """Starts saving `state` (and the iterator position) as checkpoint `step`.
 
     Returns False without saving when `step` is already saved (e.g. the final save right after a
@@ -235,6 +236,7 @@ def save(manager: Manager, step: int, state, data_iter=None, force: bool = False
         'saved_at': time.time(),
         'config': manager.config,
         'checksums': checksums(state),
+        **(extra_metadata or {}),
     }
     items = {STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)}
     if data_iter is not None:

@@ -126,11 +126,13 @@ def train_and_evaluate(config, workdir: str) -> TrainResult:
     latest = checkpoint.latest_step(manager)
     abstract = train_lib.abstract_state(config, mesh, tx)
     state_shardings = jax.tree_util.tree_map(lambda x: x.sharding, abstract)
+    trained_s = 0.0  # training seconds of earlier runs of this workdir (the budget is total)
     if latest is None:
         state, _ = train_lib.create_sharded_state(config, mesh, tx)
     else:
         logging.info('resuming from checkpoint %d in %s', latest, workdir)
         state = checkpoint.restore(manager, latest, abstract, train_iter)
+        trained_s = float(checkpoint.read_metadata(workdir, latest).get('train_seconds', 0.0))
 
     step_config = train_lib.StepConfig.from_config(config)
     train_step = train_lib.jit_train_step(step_config, tx, state_shardings, mesh, schedule)
@@ -145,12 +147,23 @@ def train_and_evaluate(config, workdir: str) -> TrainResult:
     step = int(jax.device_get(state.step))
     start_step = step
     train_start = time.perf_counter()
+
+    def train_seconds():
+        return trained_s + time.perf_counter() - train_start
+
+    def over_budget():
+        return config.train_time_budget_s > 0 and train_seconds() >= config.train_time_budget_s
+
     interval = _Interval()
     stopped_by = 'num_train_steps'
     train_summary, eval_summary = {}, {}
     preemption = PreemptionFlag().install()
     try:
-        while step < config.num_train_steps:
+        if _all_processes_agree(over_budget()):
+            stopped_by = 'time_budget'
+            logging.info('time budget of %.0f s already spent in %s', config.train_time_budget_s,
+                         workdir)
+        while step < config.num_train_steps and stopped_by == 'num_train_steps':
             batch = to_global(next(train_iter), mesh)
             state, step_metrics = train_step(state, batch)
             step += 1
@@ -161,9 +174,7 @@ def train_and_evaluate(config, workdir: str) -> TrainResult:
                 train_summary = _log_train(writer, interval, config, step, flops_per_step,
                                            peak, mesh.size)
                 interval = _Interval()
-                elapsed = time.perf_counter() - train_start
-                if config.train_time_budget_s > 0 and _all_processes_agree(
-                        elapsed >= config.train_time_budget_s):
+                if _all_processes_agree(over_budget()):
                     stopped_by = 'time_budget'
                 if preemption.any_process():
                     stopped_by = 'preemption'
@@ -180,11 +191,12 @@ def train_and_evaluate(config, workdir: str) -> TrainResult:
                     eval_summary.update(bleu_eval(state.params))
                 writer.write_scalars(step, eval_summary)
             if step % config.checkpoint_every_steps == 0 or stopping:
-                checkpoint.save(manager, step, state, train_iter)
+                checkpoint.save(manager, step, state, train_iter,
+                                extra_metadata={'train_seconds': train_seconds()})
             if stopping:
                 break
         if step == start_step:
-            logging.info('nothing to train: step %d >= num_train_steps', step)
+            logging.info('nothing to train at step %d (%s)', step, stopped_by)
     finally:
         preemption.uninstall()
         checkpoint.wait(manager)

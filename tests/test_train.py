@@ -179,3 +179,8 @@ def test_train_leaves_checkpoints_events_and_metrics(corpus, tmp_path):
     # Resuming a finished run trains nothing and keeps the checkpoint.
     again = loop.train_and_evaluate(config, str(workdir))
     assert again.step == 4
+    # The time budget counts the seconds of earlier runs too: one already spent trains nothing.
+    config.num_train_steps, config.train_time_budget_s = 100, 0.001
+    spent = loop.train_and_evaluate(config, str(workdir))
+    assert (spent.step, spent.stopped_by) == (4, 'time_budget')
+    assert checkpoint.read_metadata(str(workdir))['train_seconds'] > 0

@@ -1,0 +1,45 @@
+"""Evaluate or use trained checkpoints (the logic lives in t2t/evaluation.py).
+
+  python evaluate.py --config=configs/default.py --workdir=DIR            # the latest checkpoint
+      [--step=N | --all | --average_last=N [--write_averaged=OUT_DIR]] [--split=test]
+  python evaluate.py --config=... --workdir=DIR --translate [--input=FILE|-] [--output=FILE|-]
+"""
+
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Experiment config.')
+_WORKDIR = flags.DEFINE_string('workdir', None, 'The training workdir (holds checkpoints/).')
+_STEP = flags.DEFINE_integer('step', None, 'Evaluate this checkpoint step (default: the latest).')
+_ALL = flags.DEFINE_bool('all', False, 'Evaluate every checkpoint: a table step -> scores.')
+_AVERAGE_LAST = flags.DEFINE_integer(
+    'average_last', 0, 'Evaluate the mean of the last N checkpoints (paper: 5 base, 20 big).')
+_WRITE_AVERAGED = flags.DEFINE_string(
+    'write_averaged', '', 'With --average_last: also write the averaged params to this workdir.')
+_SPLIT = flags.DEFINE_string('split', '', 'The split to decode (default: config.test_split).')
+_TRANSLATE = flags.DEFINE_bool('translate', False, 'Translate --input line by line instead.')
+_INPUT = flags.DEFINE_string('input', '-', 'With --translate: a file of sentences, - for stdin.')
+_OUTPUT = flags.DEFINE_string('output', '-', 'With --translate: the output file, - for stdout.')
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+    if not flags.FLAGS['verbosity'].present:
+        logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
+    from t2t import checkpoint, evaluation  # after flag parsing: --help stays fast
+
+    try:
+        evaluation.run(
+            _CONFIG.value, _WORKDIR.value, step=_STEP.value, all_steps=_ALL.value,
+            average_last=_AVERAGE_LAST.value, write_averaged=_WRITE_AVERAGED.value,
+            split=_SPLIT.value, translate=_TRANSLATE.value, input_path=_INPUT.value,
+            output_path=_OUTPUT.value)
+    except (evaluation.EvalError, checkpoint.CheckpointError) as e:
+        sys.exit(f'evaluate.py: {e}')
+
+
+if __name__ == '__main__':
+    app.run(main)

@@ -1,0 +1,323 @@
+"""The logic of evaluate.py: pick checkpoints, decode a split, score it, write the results.
+
+    run(config, workdir)                          # the latest checkpoint on config.test_split
+    run(config, workdir, step=N)                  # one step
+    run(config, workdir, all_steps=True)          # every checkpoint: a table step -> scores
+    run(config, workdir, average_last=5, write_averaged=OUT)   # the paper's checkpoint average
+    run(config, workdir, translate=True, input_path='-', output_path='-')
+
+Each evaluated checkpoint gets a label (step-N, or avgN-FIRST-LAST); its hypotheses go to
+WORKDIR/hypotheses-<split>-<label>.txt (one line per example of the split, in order) and its scores
+into WORKDIR/eval-<split>.json, merged by label. Scores are over every example of the split: an
+example skipped as longer than max_eval_len counts as an empty hypothesis, and is counted.
+
+Every user-facing failure is an EvalError (or checkpoint.CheckpointError) with a one-line message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+
+import jax
+import orbax.checkpoint as ocp
+from absl import logging
+
+from t2t import bleu, checkpoint, inference
+from t2t.model import TransformerConfig
+from t2t.summary import abstract_params
+
+NUM_SHOWN = 3  # source / reference / hypothesis triples printed per evaluation
+
+
+class EvalError(Exception):
+    """A problem with the user's request or files, stated in one line."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def list_steps(workdir) -> list[int]:
+    """Finished checkpoint steps of WORKDIR, read-only (never touches a training run's saves)."""
+    if not os.path.isdir(workdir):
+        raise EvalError(f'workdir {workdir} does not exist')
+    directory = checkpoint.checkpoint_dir(workdir)
+    if not directory.exists():
+        raise EvalError(f'no checkpoint in {workdir}: {directory} does not exist')
+    options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0,
+                                           enable_async_checkpointing=False)
+    manager = ocp.CheckpointManager(directory, options=options)
+    try:
+        steps = sorted(manager.all_steps())
+    finally:
+        manager.close()
+    if not steps:
+        raise EvalError(f'no checkpoint in {directory}')
+    return steps
+
+
+def select(workdir, *, step: int | None = None, all_steps: bool = False,
+           average_last: int = 0) -> list[tuple[str, list[int]]]:
+    """[(label, steps)]: what to evaluate; several steps in one entry are averaged."""
+    if sum([step is not None, all_steps, average_last > 0]) > 1:
+        raise EvalError('choose one of --step, --all and --average_last')
+    steps = list_steps(workdir)
+    if step is not None:
+        if step not in steps:
+            raise EvalError(f'no checkpoint for step {step} in {workdir}; have {steps}')
+        return [(f'step-{step}', [step])]
+    if all_steps:
+        return [(f'step-{s}', [s]) for s in steps]
+    if average_last:
+        if average_last > len(steps):
+            raise EvalError(f'--average_last={average_last} but {workdir} has only '
+                            f'{len(steps)} checkpoints {steps}')
+        last = steps[-average_last:]
+        return [(f'avg{average_last}-{last[0]}-{last[-1]}', last)]
+    return [(f'step-{steps[-1]}', [steps[-1]])]
+
+
+def load_params(workdir, steps: list[int]):
+    """Params of one step, or the element-wise mean of several (host numpy arrays)."""
+    if len(steps) == 1:
+        return checkpoint.restore_params(workdir, steps[0])
+    return checkpoint.average_checkpoints(workdir, steps)
+
+
+def _embedding_rows(params) -> int:
+    for name in ('embedder', 'target_embedder'):
+        if name in params:
+            return int(params[name]['embedding'].shape[0])
+    raise EvalError('the checkpoint params have no embedder/embedding: not a t2t Transformer')
+
+
+def check_params(params, model_config: TransformerConfig, tokenizer, label: str) -> None:
+    """The tokenizer fits the checkpoint's embedding, and the config's model fits its params."""
+    rows = _embedding_rows(params)
+    # A tokenizer trained with hard_vocab_limit=False may come out smaller than the configured
+    # vocab_size the model was built with; that pairing is the only tolerated difference.
+    fits = rows == tokenizer.vocab_size or (rows == model_config.vocab_size
+                                            and tokenizer.vocab_size < rows)
+    if not fits:
+        raise EvalError(
+            f'tokenizer {getattr(tokenizer, "path", "")} has {tokenizer.vocab_size} pieces but '
+            f'checkpoint {label} has an embedding of {rows} rows (config vocab_size='
+            f'{model_config.vocab_size}): wrong --config.vocab_size or vocab_path?')
+    want = jax.tree_util.tree_flatten_with_path(abstract_params(model_config))[0]
+    have = dict(jax.tree_util.tree_flatten_with_path(params)[0])
+    for path, leaf in want:
+        got = have.get(path)
+        if got is None or tuple(got.shape) != tuple(leaf.shape):
+            name = jax.tree_util.keystr(path)
+            found = 'missing' if got is None else f'shape {tuple(got.shape)}'
+            raise EvalError(f'checkpoint {label} does not fit the model of --config: {name} is '
+                            f'{found}, the config wants {tuple(leaf.shape)}')
+    if len(have) != len(want):
+        raise EvalError(f'checkpoint {label} has {len(have)} parameter arrays, the model of '
+                        f'--config has {len(want)}: a different architecture')
+
+
+# ----------------------------------------------------------------------------------------------
+# Decoding and scoring
+
+
+def predict_fn(config, model_config: TransformerConfig, tokenizer):
+    return inference.make_predict_fn(
+        model_config, beam_size=config.beam_size, alpha=config.length_penalty_alpha,
+        max_decode_len=config.max_decode_len, max_decode_extra=config.max_decode_extra,
+        num_valid_ids=tokenizer.vocab_size)
+
+
+def _load_split(config, tokenizer, split: str):
+    from t2t import data
+
+    try:
+        return data.eval_split(config, tokenizer, split)
+    except (ValueError, OSError) as e:
+        raise EvalError(f'cannot read split {split!r}: {e}') from e
+
+
+def _write_text(path: str, text: str) -> None:
+    """Writes atomically: a reader never sees half a file."""
+    directory = os.path.dirname(os.path.abspath(path))
+    with tempfile.NamedTemporaryFile('w', encoding='utf-8', dir=directory, delete=False,
+                                     suffix='.tmp') as f:
+        f.write(text)
+    os.replace(f.name, path)
+
+
+def _write_lines(path: str, lines: list[str]) -> None:
+    """One line per entry: a newline inside an entry would shift every later line."""
+    _write_text(path, ''.join(line.replace('\n', ' ') + '\n' for line in lines))
+
+
+def _merge_json(path: str, label: str, record: dict) -> None:
+    results = {}
+    if os.path.exists(path):
+        with open(path, encoding='utf-8') as f:
+            results = json.load(f)
+    results[label] = record
+    _write_text(path, json.dumps(results, indent=2, sort_keys=True) + '\n')
+
+
+def evaluate_params(config, params, tokenizer, eval_split, *, split: str, label: str,
+                    steps: list[int], workdir, progress: bool = True,
+                    echo: Callable[[str], None] = print) -> dict:
+    """Decodes `eval_split`, writes hypotheses and scores, prints the report; returns the record."""
+    model_config = TransformerConfig.from_config(config)
+    check_params(params, model_config, tokenizer, label)
+    n = len(eval_split.sources)
+    result = inference.translate_batches(
+        predict_fn(config, model_config, tokenizer), params,
+        eval_split.batches(config.eval_batch_size), tokenizer, n, progress=progress)
+    missing = {i for i, h in enumerate(result.hypotheses) if h is None}
+    if missing != set(eval_split.skipped):
+        raise RuntimeError(f'{len(missing)} examples were not decoded but '
+                           f'{len(eval_split.skipped)} were skipped')
+    hypotheses = [h or '' for h in result.hypotheses]
+
+    hyp_path = os.path.join(workdir, f'hypotheses-{_split_tag(split)}-{label}.txt')
+    _write_lines(hyp_path, hypotheses)
+    scores = bleu.score_all(hypotheses, eval_split.references, lang=config.target_lang)
+    record = {
+        **scores,
+        'steps': steps,
+        'split': eval_split.name,
+        'sentences': n,
+        'skipped_too_long': len(eval_split.skipped),
+        'hit_length_limit': len(result.hit_limit),
+        'capped_at_max_decode_len': len(result.capped),
+        'beam_size': config.beam_size,
+        'length_penalty_alpha': config.length_penalty_alpha,
+        'max_decode_extra': config.max_decode_extra,
+        'max_decode_len': config.max_decode_len,
+        'decode_seconds': round(result.seconds, 3),
+        'sentences_per_s': round(result.sentences_per_s, 3),
+        'hypotheses_file': hyp_path,
+    }
+
+    echo(f'== {label} on {eval_split.name} ({n} sentences, beam {config.beam_size}, '
+         f'alpha {config.length_penalty_alpha}, {result.sentences_per_s:.1f} sentences/s)')
+    echo(bleu.format_report(scores))
+    echo(f'skipped (longer than max_eval_len={config.max_eval_len}, scored as empty): '
+         f'{len(eval_split.skipped)}; ended at the length limit without EOS: '
+         f'{len(result.hit_limit)}; of those cut by max_decode_len={config.max_decode_len}: '
+         f'{len(result.capped)}')
+    if result.capped:
+        echo(f'WARNING: {len(result.capped)} hypotheses were truncated by max_decode_len; '
+             'raise --config.max_decode_len')
+    shown = [i for i in range(n) if i not in missing][:NUM_SHOWN]
+    for i in shown:
+        echo(f'  source     [{i}] {eval_split.sources[i]}')
+        echo(f'  reference  [{i}] {eval_split.references[i]}')
+        echo(f'  hypothesis [{i}] {hypotheses[i]}')
+    echo(f'hypotheses -> {hyp_path}')
+    return record
+
+
+def _split_tag(split: str) -> str:
+    """A file-name-safe form of a split name such as 'test' or 'validation[:64]'."""
+    return ''.join(c if c.isalnum() or c in '-_.' else '_' for c in split)
+
+
+def _table(results: dict[str, dict]) -> str:
+    lines = [f'{"checkpoint":>24}  {"sacreBLEU":>9}  {"chrF":>6}  {"tok.BLEU":>8}  {"capped":>6}']
+    for label, r in results.items():
+        lines.append(f'{label:>24}  {r["sacrebleu"]:9.2f}  {r["chrf"]:6.2f}  '
+                     f'{r["tok_bleu_compound_split"]:8.2f}  {r["capped_at_max_decode_len"]:6d}')
+    return '\n'.join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry
+
+
+def _get_tokenizer(config):
+    from t2t import data
+
+    try:
+        return data.get_tokenizer(config)
+    except (ValueError, OSError) as e:
+        raise EvalError(f'cannot load the tokenizer: {e}') from e
+
+
+def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
+        average_last: int = 0, write_averaged: str = '', split: str = '',
+        translate: bool = False, input_path: str = '-', output_path: str = '-',
+        progress: bool = True, echo: Callable[[str], None] = print) -> dict[str, dict]:
+    """Everything evaluate.py does; returns {label: record} (empty for --translate)."""
+    if not workdir:
+        raise EvalError('--workdir is required')
+    if write_averaged and not average_last:
+        raise EvalError('--write_averaged needs --average_last=N')
+    if translate and all_steps:
+        raise EvalError('--translate takes one checkpoint: --step, --average_last or the latest')
+    selection = select(workdir, step=step, all_steps=all_steps, average_last=average_last)
+    tokenizer = _get_tokenizer(config)
+
+    if translate:
+        label, steps = selection[0]
+        params = _params_for(config, workdir, label, steps, write_averaged)
+        check_params(params, TransformerConfig.from_config(config), tokenizer, label)
+        translate_file(config, params, tokenizer, input_path, output_path)
+        return {}
+
+    split = split or config.test_split
+    eval_split = _load_split(config, tokenizer, split)
+    json_path = os.path.join(workdir, f'eval-{_split_tag(split)}.json')
+    results = {}
+    for label, steps in selection:
+        params = _params_for(config, workdir, label, steps, write_averaged)
+        record = evaluate_params(config, params, tokenizer, eval_split, split=split, label=label,
+                                 steps=steps, workdir=workdir, progress=progress, echo=echo)
+        _merge_json(json_path, label, record)
+        results[label] = record
+    if len(results) > 1:
+        echo(_table(results))
+    echo(f'scores -> {json_path}')
+    return results
+
+
+def _params_for(config, workdir, label, steps, write_averaged):
+    params = load_params(workdir, steps)
+    if write_averaged and len(steps) > 1:
+        out = checkpoint.write_averaged(write_averaged, params, steps[-1], config=config,
+                                        extra_metadata={'averaged': steps, 'source': workdir})
+        logging.info('averaged checkpoint %s -> %s', label, out)
+    return params
+
+
+def translate_file(config, params, tokenizer, input_path: str, output_path: str) -> None:
+    """Translates the lines of a file (or stdin, '-') into a file (or stdout, '-'), in order."""
+    try:
+        if input_path == '-':
+            texts = sys.stdin.read().splitlines()
+        else:
+            with open(input_path, encoding='utf-8') as f:
+                texts = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise EvalError(f'cannot read --input {input_path}: {e}') from e
+    model_config = TransformerConfig.from_config(config)
+    try:
+        result = inference.translate_texts(
+            predict_fn(config, model_config, tokenizer), params, tokenizer, texts,
+            batch_size=config.eval_batch_size, max_len=config.max_position,
+            progress=output_path != '-')
+    except ValueError as e:
+        raise EvalError(f'--input {input_path}: {e}') from e
+    if result.capped:
+        logging.warning('%d translations were truncated by max_decode_len=%d (lines %s)',
+                        len(result.capped), config.max_decode_len,
+                        ', '.join(str(i + 1) for i in result.capped[:10]))
+    if output_path == '-':
+        sys.stdout.write(''.join(h.replace('\n', ' ') + '\n' for h in result.hypotheses))
+        sys.stdout.flush()
+    else:
+        try:
+            _write_lines(output_path, result.hypotheses)
+        except OSError as e:
+            raise EvalError(f'cannot write --output {output_path}: {e}') from e

@@ -1,0 +1,220 @@
+"""Model glue for decoding: a jitted predict function, and batched translation in original order.
+
+    predict = make_predict_fn(model_config, beam_size=4, alpha=0.6, max_decode_len=256,
+                              max_decode_extra=50)
+    prediction = predict(params, inputs_BS)          # Prediction(ids_BL, hit_limit_B, capped_B)
+    result = translate_batches(predict, params, eval_split.batches(64), tokenizer, n)
+    texts = translate_texts(predict, params, tokenizer, ['A sentence.'], batch_size=64)
+
+Per batch the encoder runs once, the decode cache is created once for B rows (beam_search tiles it
+to B * K), then t2t/decode.py searches. Each example may generate source length (non-pad tokens,
+EOS included) + max_decode_extra tokens, at most max_decode_len (the paper: source length + 50).
+The decode buffers are min(max_decode_len, S + max_decode_extra) long, static per bucket length S,
+so there is one compile per (B, S) and short buckets do not pay for long buffers.
+
+A hypothesis that ends at its length limit without EOS is never dropped nor silently cut: it is
+flagged (hit_limit), and flagged again (capped) when that limit was max_decode_len rather than
+source length + max_decode_extra, i.e. when the static buffer truncated it.
+
+Shape letters: B batch, S source length, K beam size, N rows fed to the decoder (B * K, or B for
+greedy), L generated positions, D d_model, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from tqdm import tqdm
+
+from t2t import decode
+from t2t.model import EOS_ID, PAD_ID, Transformer, TransformerConfig
+
+
+@struct.dataclass
+class Prediction:
+    """What `predict` returns for one batch (a pytree of device arrays)."""
+
+    ids_BL: jax.Array  # int32: the best hypothesis, EOS then 0s (no EOS when it hit its limit)
+    hit_limit_B: jax.Array  # bool: ended at its length limit without emitting EOS
+    capped_B: jax.Array  # bool: hit_limit where the limit was max_decode_len (truncated)
+
+
+Predict = Callable[[object, object], Prediction]
+
+
+@functools.lru_cache(maxsize=32)
+def make_predict_fn(model_config: TransformerConfig, *, beam_size: int, alpha: float,
+                    max_decode_len: int, max_decode_extra: int, greedy: bool = False,
+                    num_valid_ids: int | None = None) -> Predict:
+    """A jitted predict(params, inputs_BS) -> Prediction with the best beam (or greedy output).
+
+    beam_size=1 is still beam search (alive / finished with the length penalty); greedy=True is
+    plain argmax decoding and ignores beam_size and alpha. num_valid_ids: the tokenizer's size
+    when the embedding has more rows (a vocabulary that came out smaller than vocab_size); ids
+    from it up are never generated. Cached, so every caller with the same settings shares one
+    function and its compiled buckets.
+    """
+    if beam_size < 1 or max_decode_len < 1 or max_decode_extra < 0:
+        raise ValueError(f'beam_size={beam_size}, max_decode_len={max_decode_len} must be >= 1 '
+                         f'and max_decode_extra={max_decode_extra} >= 0')
+    config = model_config.replace(deterministic=True, decode=False)
+    encoder = Transformer(config)
+
+    def predict(params, inputs_BS) -> Prediction:
+        B, S = inputs_BS.shape
+        L = min(max_decode_len, S + max_decode_extra)  # static: the longest limit in this bucket
+        src_len_B = jnp.sum(inputs_BS != PAD_ID, axis=1).astype(jnp.int32)
+        wanted_B = src_len_B + max_decode_extra
+        limit_B = jnp.minimum(wanted_B, max_decode_len)
+
+        encoded_BSD = encoder.apply({'params': params}, inputs_BS, method=Transformer.encode)
+        decoder = Transformer(config.replace(decode=True, decode_len=L))
+        # The first call only builds the cache: self-attention buffers, cross keys/values.
+        _, variables = decoder.apply(
+            {'params': params}, encoded_BSD, inputs_BS, jnp.zeros((B, 1), jnp.int32),
+            method=Transformer.decode, mutable=['cache'])
+
+        rows = B if greedy else B * beam_size
+        # Once the cache exists the decoder reads only the source padding mask, per row.
+        inputs_NS = inputs_BS if greedy else jnp.repeat(inputs_BS, beam_size, axis=0)
+        unused_N1D = jnp.zeros((rows, 1, config.d_model), config.dtype)
+
+        def tokens_to_logits(ids_N1, cache):
+            logits_N1V, new_vars = decoder.apply(
+                {'params': params, 'cache': cache}, unused_N1D, inputs_NS, ids_N1,
+                method=Transformer.decode, mutable=['cache'])
+            logits_NV = logits_N1V[:, 0]
+            if num_valid_ids is not None and num_valid_ids < logits_NV.shape[-1]:
+                # Rows the tokenizer cannot detokenize; finite, so log_softmax stays finite.
+                valid_V = jnp.arange(logits_NV.shape[-1]) < num_valid_ids
+                logits_NV = jnp.where(valid_V, logits_NV, -1e9)
+            return logits_NV, new_vars['cache']
+
+        if greedy:
+            ids_BL = decode.greedy_search(
+                tokens_to_logits, variables['cache'], batch_size=B, eos_id=EOS_ID,
+                max_decode_len=L, max_lengths=limit_B)
+        else:
+            seqs_BKL, _ = decode.beam_search(
+                tokens_to_logits, variables['cache'], batch_size=B, beam_size=beam_size,
+                alpha=alpha, eos_id=EOS_ID, max_decode_len=L, max_lengths=limit_B)
+            ids_BL = seqs_BKL[:, 0]
+        hit_limit_B = ~jnp.any(ids_BL == EOS_ID, axis=1)
+        return Prediction(ids_BL=ids_BL, hit_limit_B=hit_limit_B,
+                          capped_B=hit_limit_B & (wanted_B > max_decode_len))
+
+    return jax.jit(predict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Translations:
+    """Detokenized hypotheses in original order, and what the length limits did to them."""
+
+    hypotheses: list[str | None]  # None where no batch held the example (e.g. skipped as too long)
+    hit_limit: list[int]  # indices whose best hypothesis ended at its limit without EOS
+    capped: list[int]  # of those, the indices cut by max_decode_len
+    seconds: float  # wall time of decoding, compiles included
+
+    @property
+    def num_translated(self) -> int:
+        return sum(h is not None for h in self.hypotheses)
+
+    @property
+    def sentences_per_s(self) -> float:
+        return self.num_translated / max(self.seconds, 1e-9)
+
+
+def translate_batches(predict: Predict, params, batches: Iterable[dict], tokenizer,
+                      num_examples: int, *, progress: bool = True) -> Translations:
+    """Decodes every batch; the hypothesis of the row with `index` i lands at position i.
+
+    Batches are dicts with `inputs` [B, S] and `index` [B] (-1 marks padding rows), as yielded by
+    t2t.data EvalSplit.batches. The next batch is dispatched before the previous one is fetched,
+    so detokenizing overlaps with decoding.
+    """
+    hypotheses: list[str | None] = [None] * num_examples
+    hit_limit, capped = [], []
+    bar = tqdm(total=num_examples, unit='sent', desc='decoding', disable=not progress,
+               dynamic_ncols=True)
+
+    def collect(index_B, prediction: Prediction):
+        ids_BL, hit_B, capped_B = jax.device_get(
+            (prediction.ids_BL, prediction.hit_limit_B, prediction.capped_B))
+        done = 0
+        for row, i in enumerate(np.asarray(index_B).tolist()):
+            if i < 0:
+                continue
+            if not 0 <= i < num_examples or hypotheses[i] is not None:
+                raise ValueError(f'batch index {i} is out of range [0, {num_examples}) or repeated')
+            hypotheses[i] = tokenizer.decode(ids_BL[row].tolist())
+            if hit_B[row]:
+                hit_limit.append(i)
+            if capped_B[row]:
+                capped.append(i)
+            done += 1
+        bar.update(done)
+
+    start = time.perf_counter()
+    pending = None
+    for batch in batches:
+        prediction = predict(params, batch['inputs'])  # asynchronous dispatch
+        if pending is not None:
+            collect(*pending)
+        pending = (batch['index'], prediction)
+    if pending is not None:
+        collect(*pending)
+    seconds = time.perf_counter() - start
+    bar.close()
+    return Translations(hypotheses, sorted(hit_limit), sorted(capped), seconds)
+
+
+def bucket_batches(ids: Sequence[Sequence[int]], batch_size: int,
+                   min_bucket: int = 8) -> Iterable[dict]:
+    """Batches of token ids bucketed by length (powers of two), with `index` for the order.
+
+    Rows of one batch share a bucket; the last batch of a bucket is padded with index -1 rows.
+    """
+    buckets: dict[int, list[int]] = {}
+    for i, seq in enumerate(ids):
+        length = max(min_bucket, 1 << max(len(seq) - 1, 0).bit_length())
+        buckets.setdefault(length, []).append(i)
+    for length in sorted(buckets):
+        members = buckets[length]
+        for start in range(0, len(members), batch_size):
+            chunk = members[start:start + batch_size]
+            inputs_BS = np.zeros((batch_size, length), np.int32)
+            index_B = np.full((batch_size,), -1, np.int32)
+            for row, i in enumerate(chunk):
+                inputs_BS[row, :len(ids[i])] = ids[i]
+                index_B[row] = i
+            yield {'inputs': inputs_BS, 'index': index_B}
+
+
+def translate_texts(predict: Predict, params, tokenizer, texts: Sequence[str], *,
+                    batch_size: int, max_len: int | None = None,
+                    progress: bool = False) -> Translations:
+    """Translates raw sentences (tokenized + EOS, bucketed by length), keeping their order.
+
+    Blank lines translate to ''. A sentence over max_len tokens (e.g. the model's max_position)
+    is an error naming its line, never silently cut.
+    """
+    ids = [tokenizer.encode(t) + [EOS_ID] if t.strip() else [] for t in texts]
+    for n, seq in enumerate(ids, 1):
+        if max_len is not None and len(seq) > max_len:
+            raise ValueError(f'line {n} has {len(seq)} tokens (EOS included), more than '
+                             f'max_len={max_len}')
+    todo = [i for i, seq in enumerate(ids) if seq]
+    result = translate_batches(predict, params, bucket_batches([ids[i] for i in todo], batch_size),
+                               tokenizer, len(todo), progress=progress)
+    hypotheses: list[str | None] = [''] * len(texts)
+    for j, i in enumerate(todo):
+        hypotheses[i] = result.hypotheses[j]
+    return Translations(hypotheses, [todo[j] for j in result.hit_limit],
+                        [todo[j] for j in result.capped], result.seconds)

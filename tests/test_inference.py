@@ -1,0 +1,168 @@
+"""predict agrees with full-forward rollouts, respects per-example limits, and keeps order."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+
+from t2t import decode, inference, sharding
+from t2t.model import EOS_ID, PAD_ID, Transformer, TransformerConfig
+
+CFG = TransformerConfig(vocab_size=48, d_model=32, d_ff=64, num_heads=4, num_encoder_layers=2,
+                        num_decoder_layers=2, max_position=64, deterministic=True)
+# One decode setting for every compiled test, so the cached predict functions are shared.
+SETTINGS = dict(alpha=0.6, max_decode_len=10, max_decode_extra=3)
+SRC_LENS = (8, 2, 5, 3)  # EOS included; bucket 8; the first one's limit 8 + 3 is capped at 10
+
+
+def _init_boxed(rng):
+    ids = jnp.ones((1, 8), jnp.int32)
+    return Transformer(CFG).init(rng, ids, ids)['params']
+
+
+@jax.jit
+def _forward(params, inputs_BS, targets_BT):
+    return Transformer(CFG).apply({'params': params}, inputs_BS, targets_BT)
+
+
+def _suppress(params, tokens):
+    """A model that never predicts `tokens`: their logits are -d_model, the others near 0.
+
+    The final post-LN output y has sum(y) = 0 plus D * bias; with bias 1 and a row of -1s the
+    token's logit is -D whatever y is.
+    """
+    last = f'decoder_{CFG.num_decoder_layers - 1}'
+    params = jax.tree.map(lambda x: x, params)
+    norm = params[last]['ffn_block']['norm']
+    norm['bias'] = jnp.ones_like(norm['bias'])
+    params['embedder']['embedding'] = params['embedder']['embedding'].at[np.array(tokens)].set(-1.0)
+    return params
+
+
+@pytest.fixture(scope='module')
+def params():
+    return nn.unbox(jax.jit(_init_boxed)(jax.random.key(0)))
+
+
+@pytest.fixture(scope='module')
+def inputs_BS():
+    rng = np.random.default_rng(1)
+    inputs = np.zeros((len(SRC_LENS), 8), np.int32)
+    for row, n in enumerate(SRC_LENS):
+        inputs[row, :n - 1] = rng.integers(3, CFG.vocab_size, n - 1)
+        inputs[row, n - 1] = EOS_ID
+    return inputs
+
+
+def _scores(params, inputs_BS, ids_BL, alpha):
+    """sum log p(token) up to and including EOS (or the end) / length penalty, per row."""
+    log_probs_BLV = jax.nn.log_softmax(_forward(params, inputs_BS, ids_BL))
+    token_lp_BL = np.take_along_axis(np.asarray(log_probs_BLV), ids_BL[..., None], -1)[..., 0]
+    scores = []
+    for row, ids in enumerate(ids_BL.tolist()):
+        n = ids.index(EOS_ID) + 1 if EOS_ID in ids else len([i for i in ids if i != PAD_ID])
+        scores.append(token_lp_BL[row, :n].sum() / float(decode.length_penalty(n, alpha)))
+    return np.array(scores)
+
+
+def _limits():
+    return [min(n + SETTINGS['max_decode_extra'], SETTINGS['max_decode_len']) for n in SRC_LENS]
+
+
+def test_greedy_equals_argmax_rollout_of_full_forward_passes(params, inputs_BS):
+    params = _suppress(params, [PAD_ID])  # a PAD mid-sentence would be masked by teacher forcing
+    predict = inference.make_predict_fn(CFG, beam_size=1, greedy=True, **SETTINGS)
+    got = jax.device_get(predict(params, inputs_BS))
+
+    B, L = inputs_BS.shape[0], SETTINGS['max_decode_len']
+    want_BL = np.zeros((B, L), np.int32)
+    done_B = np.zeros(B, bool)
+    for t in range(L):
+        # Position t of a causal full forward pass predicts token t from tokens < t; the 2s after
+        # them are non-pad fillers, so every shape (and compile) is the same.
+        targets_BT = np.concatenate([want_BL[:, :t], np.full((B, L - t), 2, np.int32)], axis=1)
+        next_B = np.asarray(jnp.argmax(_forward(params, inputs_BS, targets_BT)[:, t], -1))
+        live_B = ~done_B & (t < np.array(_limits()))
+        want_BL[live_B, t] = next_B[live_B]
+        done_B |= live_B & (next_B == EOS_ID)
+    np.testing.assert_array_equal(got.ids_BL, want_BL)
+    np.testing.assert_array_equal(got.hit_limit_B, ~(want_BL == EOS_ID).any(1))
+
+
+def test_beam_of_one_scores_at_least_greedy(params, inputs_BS):
+    params = _suppress(params, [PAD_ID])
+    greedy = inference.make_predict_fn(CFG, beam_size=1, greedy=True, **SETTINGS)
+    beam = inference.make_predict_fn(CFG, beam_size=1, **SETTINGS)
+    greedy_ids = np.asarray(greedy(params, inputs_BS).ids_BL)
+    beam_ids = np.asarray(beam(params, inputs_BS).ids_BL)
+    alpha = SETTINGS['alpha']
+    beam_scores = _scores(params, inputs_BS, beam_ids, alpha)
+    greedy_scores = _scores(params, inputs_BS, greedy_ids, alpha)
+    assert np.all(beam_scores >= greedy_scores - 1e-4), (beam_scores, greedy_scores)
+
+
+@pytest.mark.parametrize('greedy', [True, False])
+def test_each_example_stops_at_source_length_plus_extra(params, inputs_BS, greedy):
+    params = _suppress(params, [PAD_ID, EOS_ID])  # never ends by itself: every limit is reached
+    predict = inference.make_predict_fn(CFG, beam_size=1, greedy=greedy, **SETTINGS)
+    got = jax.device_get(predict(params, inputs_BS))
+    lengths = (got.ids_BL != PAD_ID).sum(1)
+    np.testing.assert_array_equal(lengths, _limits())
+    assert got.hit_limit_B.all()
+    # Only the first example wanted more than max_decode_len (8 + 3 > 10).
+    np.testing.assert_array_equal(got.capped_B, [True, False, False, False])
+
+
+def test_sharded_params_decode_like_unsharded(inputs_BS):
+    mesh = sharding.make_mesh((2, 2, 2))
+    sharded, _ = sharding.init_sharded(_init_boxed, mesh, jax.random.key(0))
+    assert len(sharded['embedder']['embedding'].sharding.device_set) == 8
+    host = jax.device_get(sharded)
+    predict = inference.make_predict_fn(CFG, beam_size=1, greedy=True, **SETTINGS)
+    np.testing.assert_array_equal(predict(sharded, inputs_BS).ids_BL,
+                                  predict(host, inputs_BS).ids_BL)
+
+
+class _EchoTokenizer:
+    """Text '3 4 5' <-> ids [3, 4, 5]; decode stops at EOS like the real tokenizer."""
+
+    def encode(self, text):
+        return [int(w) for w in text.split()]
+
+    def decode(self, ids):
+        ids = list(ids)
+        ids = ids[:ids.index(EOS_ID)] if EOS_ID in ids else ids
+        return ' '.join(str(i) for i in ids if i != PAD_ID)
+
+
+def _echo_predict(params, inputs_BS):
+    """Copies the source: hypothesis i is the source of example i, so order is checkable."""
+    ids_BL = np.asarray(inputs_BS)
+    return inference.Prediction(ids_BL=ids_BL, hit_limit_B=ids_BL[:, 0] == 7,
+                                capped_B=np.zeros(len(ids_BL), bool))
+
+
+def test_translate_batches_and_texts_keep_the_original_order():
+    rng = np.random.default_rng(2)
+    texts = [' '.join(str(w) for w in rng.integers(8, 40, n)) for n in rng.integers(1, 30, 37)]
+    texts[5] = '7 8 9'
+    tok = _EchoTokenizer()
+    ids = [tok.encode(t) + [EOS_ID] for t in texts]
+    batches = list(inference.bucket_batches(ids, batch_size=4))
+    assert len({b['inputs'].shape[1] for b in batches}) > 1  # bucketing did reorder
+    order = np.concatenate([b['index'] for b in batches])
+    assert sorted(order[order >= 0].tolist()) == list(range(len(texts)))
+    assert order[order >= 0].tolist() != list(range(len(texts)))
+
+    result = inference.translate_batches(_echo_predict, None, iter(batches), tok, len(texts),
+                                         progress=False)
+    assert result.hypotheses == texts
+    assert result.hit_limit == [5] and result.capped == []
+
+    with_blank = texts[:3] + ['  '] + texts[3:]
+    out = inference.translate_texts(_echo_predict, None, tok, with_blank, batch_size=4)
+    assert out.hypotheses == texts[:3] + [''] + texts[3:]
+    assert out.hit_limit == [6]
+    with pytest.raises(ValueError, match='line 1 has'):
+        inference.translate_texts(_echo_predict, None, tok, ['3 4 5'], batch_size=4, max_len=3)
