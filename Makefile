@@ -16,7 +16,7 @@ demo: $(STAMP)
 	$(BIN)/python train.py --config=configs/default.py --workdir=$(WORKDIR) --dry_run
 
 test: $(STAMP)
-	JAX_PLATFORMS=cpu $(BIN)/pytest tests
+	JAX_PLATFORMS=cpu $(BIN)/pytest -n 2 --durations=15 tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -79,17 +79,21 @@ def make_predict_fn(model_config: TransformerConfig, *, beam_size: int, alpha: f
         # The first call only builds the cache: self-attention buffers, cross keys/values.
         _, variables = decoder.apply(
             {'params': params}, encoded_BSD, inputs_BS, jnp.zeros((B, 1), jnp.int32),
-            method=Transformer.decode, mutable=['cache'])
+            method=Transformer.decode, mutable=['cache', 'cross_cache'])
 
         rows = B if greedy else B * beam_size
-        # Once the cache exists the decoder reads only the source padding mask, per row.
-        inputs_NS = inputs_BS if greedy else jnp.repeat(inputs_BS, beam_size, axis=0)
+        # Once the caches exist the decoder reads only the source padding mask, per row. The
+        # cross-attention keys/values are the same for every beam of an example: tiled once here,
+        # outside the beam state, so the search never reorders them.
+        per_row = (lambda x: x) if greedy else (lambda x: jnp.repeat(x, beam_size, axis=0))
+        inputs_NS = per_row(inputs_BS)
+        cross_cache = jax.tree_util.tree_map(per_row, variables['cross_cache'])
         unused_N1D = jnp.zeros((rows, 1, config.d_model), config.dtype)
 
         def tokens_to_logits(ids_N1, cache):
             logits_N1V, new_vars = decoder.apply(
-                {'params': params, 'cache': cache}, unused_N1D, inputs_NS, ids_N1,
-                method=Transformer.decode, mutable=['cache'])
+                {'params': params, 'cache': cache, 'cross_cache': cross_cache}, unused_N1D,
+                inputs_NS, ids_N1, method=Transformer.decode, mutable=['cache'])
             logits_NV = logits_N1V[:, 0]
             if num_valid_ids is not None and num_valid_ids < logits_NV.shape[-1]:
                 # Rows the tokenizer cannot detokenize; finite, so log_softmax stays finite.

@@ -12,8 +12,9 @@ K head dim (d_k = d_v = D / H), F d_ff, V vocabulary.
 
 Masks (padding, causality, packed segments) are built once at the top of encode()/decode() and
 passed down. In decode mode (config.decode) the decoder runs one token per call and keeps its
-keys/values in the 'cache' collection: the first apply without a cache creates it (self-attention
-buffers of config.decode_len, cross-attention keys/values projected once from the encoder output).
+self-attention keys/values (buffers of config.decode_len) in the 'cache' collection and the
+cross-attention keys/values, projected once from the encoder output, in 'cross_cache'. The first
+apply without them (mutable=['cache', 'cross_cache']) creates both and decodes nothing.
 """
 
 from __future__ import annotations
@@ -271,9 +272,14 @@ class MultiHeadAttention(nn.Module):
         return ck.value, cv.value, jnp.broadcast_to(mask_B11L, (b, 1, 1, cfg.decode_len))
 
     def _cross_cache(self, encoded_BSD):
-        """Keys/values of the encoder output, projected once when the cache is created."""
-        ck = self.variable('cache', 'cross_key', lambda: self._project('key', encoded_BSD))
-        cv = self.variable('cache', 'cross_value', lambda: self._project('value', encoded_BSD))
+        """Keys/values of the encoder output, projected once when the cache is created.
+
+        They live in their own collection, 'cross_cache': they never change while decoding, so a
+        beam search need not reorder them with the growing self-attention 'cache'.
+        """
+        project = self._project
+        ck = self.variable('cross_cache', 'cross_key', lambda: project('key', encoded_BSD))
+        cv = self.variable('cross_cache', 'cross_value', lambda: project('value', encoded_BSD))
         return ck.value, cv.value
 
 

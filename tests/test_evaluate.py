@@ -98,6 +98,7 @@ def test_latest_checkpoint_writes_scores_and_hypotheses_in_order(run_dir):
 
 def test_average_last_two_equals_their_mean_and_is_written(run_dir):
     out = str(run_dir['root'] / 'averaged')
+    _run(run_dir)  # the latest checkpoint's scores, to check that labels merge in one JSON
     results, _ = _run(run_dir, average_last=2, write_averaged=out)
     assert list(results) == ['avg2-1-2'] and results['avg2-1-2']['steps'] == [1, 2]
     one, two = (checkpoint.restore_params(run_dir['workdir'], s) for s in (1, 2))
