@@ -52,13 +52,14 @@ Predict = Callable[[object, object], Prediction]
 @functools.lru_cache(maxsize=32)
 def make_predict_fn(model_config: TransformerConfig, *, beam_size: int, alpha: float,
                     max_decode_len: int, max_decode_extra: int, greedy: bool = False,
-                    num_valid_ids: int | None = None) -> Predict:
+                    num_valid_ids: int | None = None, eos_id: int = EOS_ID) -> Predict:
     """A jitted predict(params, inputs_BS) -> Prediction with the best beam (or greedy output).
 
     beam_size=1 is still beam search (alive / finished with the length penalty); greedy=True is
     plain argmax decoding and ignores beam_size and alpha. num_valid_ids: the tokenizer's size
     when the embedding has more rows (a vocabulary that came out smaller than vocab_size); ids
-    from it up are never generated. Cached, so every caller with the same settings shares one
+    from it up are never generated. eos_id=-1 disables EOS (benchmarks force full-length
+    output). Cached, so every caller with the same settings shares one
     function and its compiled buckets.
     """
     if beam_size < 1 or max_decode_len < 1 or max_decode_extra < 0:
@@ -103,14 +104,14 @@ def make_predict_fn(model_config: TransformerConfig, *, beam_size: int, alpha: f
 
         if greedy:
             ids_BL = decode.greedy_search(
-                tokens_to_logits, variables['cache'], batch_size=B, eos_id=EOS_ID,
+                tokens_to_logits, variables['cache'], batch_size=B, eos_id=eos_id,
                 max_decode_len=L, max_lengths=limit_B)
         else:
             seqs_BKL, _ = decode.beam_search(
                 tokens_to_logits, variables['cache'], batch_size=B, beam_size=beam_size,
-                alpha=alpha, eos_id=EOS_ID, max_decode_len=L, max_lengths=limit_B)
+                alpha=alpha, eos_id=eos_id, max_decode_len=L, max_lengths=limit_B)
             ids_BL = seqs_BKL[:, 0]
-        hit_limit_B = ~jnp.any(ids_BL == EOS_ID, axis=1)
+        hit_limit_B = ~jnp.any(ids_BL == eos_id, axis=1)
         return Prediction(ids_BL=ids_BL, hit_limit_B=hit_limit_B,
                           capped_B=hit_limit_B & (wanted_B > max_decode_len))
 
