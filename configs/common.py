@@ -24,6 +24,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.vocab_size = 32000  # one sentencepiece vocabulary shared by source and target
     c.vocab_path = ''  # '' -> derived from data_dir, dataset and vocab_size
     c.tokenizer_sentences = 1_000_000  # sentences (source + target) used to train sentencepiece
+    c.tokenizer_character_coverage = 0.9999  # rarer characters become UTF-8 byte pieces
     c.max_len = 256  # tokens per side of one packed training row; longer pairs are skipped
     c.max_eval_len = 256  # evaluation pairs longer than this are skipped (and counted)
     c.batch_size = 128  # packed rows per global batch (~ batch_size * max_len * fill target tokens)
@@ -48,7 +49,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.share_embeddings = True  # one embedding for source and target
     c.tie_output = True  # the output projection is the (target) embedding transposed
     c.dtype = 'float32'  # compute dtype: 'float32' or 'bfloat16' (parameters stay float32)
-    # 'xla' (einsum + softmax) or 'dot_product' (jax.nn.dot_product_attention: cuDNN on GPU)
+    # 'xla' (einsum + softmax), 'dot_product' (jax.nn.dot_product_attention, jax picks the kernel)
+    # or 'cudnn' (the same, forced to cuDNN flash attention: GPU with bfloat16 only)
     c.attention_impl = 'xla'
 
     # --- optimization

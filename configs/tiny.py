@@ -7,6 +7,7 @@ def get_config():
     c = common.base_config()
     c.dataset = 'embedded'
     c.vocab_size = 1000
+    c.tokenizer_character_coverage = 1.0  # a small corpus: every letter gets a piece
     c.tokenizer_sentences = 20_000
     c.max_len = 32
     c.max_eval_len = 64

@@ -180,28 +180,6 @@ def translate_batches(predict: Predict, params, batches: Iterable[dict], tokeniz
     return Translations(hypotheses, sorted(hit_limit), sorted(capped), seconds)
 
 
-def bucket_batches(ids: Sequence[Sequence[int]], batch_size: int,
-                   min_bucket: int = 8) -> Iterable[dict]:
-    """Batches of token ids bucketed by length (powers of two), with `index` for the order.
-
-    Rows of one batch share a bucket; the last batch of a bucket is padded with index -1 rows.
-    """
-    buckets: dict[int, list[int]] = {}
-    for i, seq in enumerate(ids):
-        length = max(min_bucket, 1 << max(len(seq) - 1, 0).bit_length())
-        buckets.setdefault(length, []).append(i)
-    for length in sorted(buckets):
-        members = buckets[length]
-        for start in range(0, len(members), batch_size):
-            chunk = members[start:start + batch_size]
-            inputs_BS = np.zeros((batch_size, length), np.int32)
-            index_B = np.full((batch_size,), -1, np.int32)
-            for row, i in enumerate(chunk):
-                inputs_BS[row, :len(ids[i])] = ids[i]
-                index_B[row] = i
-            yield {'inputs': inputs_BS, 'index': index_B}
-
-
 def translate_texts(predict: Predict, params, tokenizer, texts: Sequence[str], *,
                     batch_size: int, max_len: int | None = None,
                     progress: bool = False) -> Translations:
@@ -216,8 +194,15 @@ def translate_texts(predict: Predict, params, tokenizer, texts: Sequence[str], *
             raise ValueError(f'line {n} has {len(seq)} tokens (EOS included), more than '
                              f'max_len={max_len}')
     todo = [i for i, seq in enumerate(ids) if seq]
-    result = translate_batches(predict, params, bucket_batches([ids[i] for i in todo], batch_size),
-                               tokenizer, len(todo), progress=progress)
+    # The evaluation splits' batching: length buckets, -1 padding rows, `index` for the order.
+    from t2t.data.pipeline import EvalSplit
+
+    longest = max((len(ids[i]) for i in todo), default=1)
+    lines = EvalSplit(name='input', sources=[texts[i] for i in todo], references=[''] * len(todo),
+                      inputs=[ids[i] for i in todo], targets=[[] for _ in todo], skipped=(),
+                      read_skipped={}, max_len=max_len or 1 << (longest - 1).bit_length())
+    result = translate_batches(predict, params, lines.batches(batch_size), tokenizer, len(todo),
+                               progress=progress)
     hypotheses: list[str | None] = [''] * len(texts)
     for j, i in enumerate(todo):
         hypotheses[i] = result.hypotheses[j]

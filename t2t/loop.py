@@ -142,7 +142,7 @@ def train_and_evaluate(config, workdir: str) -> TrainResult:
     writer = metrics.MetricWriter(workdir, enabled=jax.process_index() == 0)
     flops_per_step = flops.config_flops_per_step(config)
     peak = metrics.peak_flops_per_device()
-    bleu_eval = _make_bleu_eval(config, tokenizer, eval_data, mesh)
+    bleu_eval = _make_bleu_eval(config, tokenizer, eval_data)
 
     step = int(jax.device_get(state.step))
     start_step = step
@@ -170,10 +170,10 @@ def train_and_evaluate(config, workdir: str) -> TrainResult:
             interval.add(step, step_metrics)
 
             is_last = step == config.num_train_steps
-            if step % config.log_every_steps == 0 or is_last:
+            logged = step % config.log_every_steps == 0 or is_last
+            if logged:
                 train_summary = _log_train(writer, interval, config, step, flops_per_step,
                                            peak, mesh.size)
-                interval = _Interval()
                 if _all_processes_agree(over_budget()):
                     stopped_by = 'time_budget'
                 if preemption.any_process():
@@ -195,6 +195,8 @@ def train_and_evaluate(config, workdir: str) -> TrainResult:
                                 extra_metadata={'train_seconds': train_seconds()})
             if stopping:
                 break
+            if logged:  # after evaluation and saving, so step times measure training alone
+                interval = _Interval()
         if step == start_step:
             logging.info('nothing to train at step %d (%s)', step, stopped_by)
     finally:
@@ -231,8 +233,8 @@ def _log_train(writer, interval: _Interval, config, step, flops_per_step, peak, 
     return scalars
 
 
-def _make_bleu_eval(config, tokenizer, eval_data, mesh):
-    """A function params -> {'eval_bleu': ...} decoding the first eval_bleu_sentences, or None."""
+def _make_bleu_eval(config, tokenizer, eval_data):
+    """A function params -> {'eval_bleu', 'eval_chrf'} on the first eval_bleu_sentences, or None."""
     if config.eval_bleu_sentences <= 0:
         return None
     from t2t import bleu, inference
@@ -240,15 +242,19 @@ def _make_bleu_eval(config, tokenizer, eval_data, mesh):
     predict = inference.make_predict_fn(
         train_lib.StepConfig.from_config(config).model, beam_size=config.beam_size,
         alpha=config.length_penalty_alpha, max_decode_len=config.max_decode_len,
-        max_decode_extra=config.max_decode_extra)
-    count = min(config.eval_bleu_sentences, len(eval_data.references))
+        max_decode_extra=config.max_decode_extra, num_valid_ids=tokenizer.vocab_size)
+    n = min(config.eval_bleu_sentences, len(eval_data.references))
+    head = dataclasses.replace(
+        eval_data, sources=eval_data.sources[:n], references=eval_data.references[:n],
+        inputs=eval_data.inputs[:n], targets=eval_data.targets[:n],
+        skipped=tuple(i for i in eval_data.skipped if i < n))
 
     def run(params):
-        batches = eval_data.batches(config.eval_batch_size, 0, 1)
-        hyps = inference.translate_batches(predict, params, batches, tokenizer, count)
-        refs = eval_data.references[:count]
-        scores = bleu.score_all(hyps, refs, lang=config.target_lang)
+        result = inference.translate_batches(
+            predict, params, head.batches(config.eval_batch_size), tokenizer, n, progress=False)
+        # Examples skipped as too long count as empty output, as evaluate.py scores them.
+        hypotheses = [h or '' for h in result.hypotheses]
+        scores = bleu.score_all(hypotheses, head.references, lang=config.target_lang)
         return {'eval_bleu': scores['sacrebleu'], 'eval_chrf': scores['chrf']}
 
-    del mesh
     return run

@@ -5,7 +5,7 @@ sinusoidal positions, embeddings multiplied by sqrt(d_model), one embedding shar
 target and tied to the output projection, ReLU feed-forward, scaled dot-product attention. Options
 cover what ablations ask for: pre-LN, learned or rotary positions, head count, no 1/sqrt(d_k)
 scaling, separate embeddings, bfloat16 compute (parameters stay float32), and
-jax.nn.dot_product_attention (cuDNN flash attention on GPU).
+jax.nn.dot_product_attention (attention_impl='cudnn' forces cuDNN's flash attention on GPU).
 
 Shape letters: B batch, S source length, T target length, L any length, D d_model, H heads,
 K head dim (d_k = d_v = D / H), F d_ff, V vocabulary.
@@ -34,7 +34,7 @@ EOS_ID = 1
 Array = jax.Array
 _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 _POSITIONS = ('sinusoidal', 'learned', 'rope')
-_ATTENTION_IMPLS = ('xla', 'dot_product')
+_ATTENTION_IMPLS = ('xla', 'dot_product', 'cudnn')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,9 +74,9 @@ class TransformerConfig:
             raise ValueError(f'attention_impl={self.attention_impl!r}; one of {_ATTENTION_IMPLS}')
         if self.position_embedding == 'rope' and (self.d_model // self.num_heads) % 2:
             raise ValueError('rope needs an even head dimension d_model / num_heads')
-        if self.attention_impl == 'dot_product' and self.attention_dropout_rate > 0:
+        if self.attention_impl != 'xla' and self.attention_dropout_rate > 0:
             raise ValueError(
-                "attention_impl='dot_product' has no dropout on attention weights: "
+                f'attention_impl={self.attention_impl!r} has no dropout on attention weights: '
                 'set attention_dropout_rate=0 or attention_impl=xla'
             )
 
@@ -157,9 +157,16 @@ def shift_right(targets_BT: Array, segment_ids_BT=None) -> Array:
 def dot_product_attention(q_BQHK: Array, k_BKHK: Array, v_BKHK: Array, mask_B1QK: Array, *,
                           scale: float, dropout_rate: float = 0.0, dropout_rng=None,
                           impl: str = 'xla') -> Array:
-    """softmax(q k^T * scale + mask) v with the softmax in float32; returns [B, Q, H, K]."""
-    if impl == 'dot_product':
-        return jax.nn.dot_product_attention(q_BQHK, k_BKHK, v_BKHK, mask=mask_B1QK, scale=scale)
+    """softmax(q k^T * scale + mask) v with the softmax in float32; returns [B, Q, H, K].
+
+    impl: 'xla' (written out here), 'dot_product' (jax.nn.dot_product_attention, which lets jax
+    pick the kernel: XLA's today) or 'cudnn' (the same function forced to cuDNN's fused flash
+    attention: GPU only, bfloat16/float16 inputs).
+    """
+    if impl in ('dot_product', 'cudnn'):
+        return jax.nn.dot_product_attention(
+            q_BQHK, k_BKHK, v_BKHK, mask=mask_B1QK, scale=scale,
+            implementation='cudnn' if impl == 'cudnn' else None)
     logits_BHQK = jnp.einsum('bqhk,bshk->bhqs', q_BQHK, k_BKHK) * jnp.asarray(scale, q_BQHK.dtype)
     logits_BHQK = jnp.where(mask_B1QK, logits_BHQK.astype(jnp.float32), -1e10)
     weights_BHQK = jax.nn.softmax(logits_BHQK, axis=-1)
@@ -248,10 +255,11 @@ class MultiHeadAttention(nn.Module):
         dropout_rng = None
         if not cfg.deterministic and cfg.attention_dropout_rate > 0:
             dropout_rng = self.make_rng('dropout')
+        # One query token per decode step gains nothing from a fused kernel.
+        impl = 'xla' if cfg.decode and cfg.attention_impl == 'cudnn' else cfg.attention_impl
         out_BQHK = dot_product_attention(
             q_BQHK, k_BSHK, v_BSHK, mask_B1QS, scale=scale,
-            dropout_rate=cfg.attention_dropout_rate, dropout_rng=dropout_rng,
-            impl=cfg.attention_impl,
+            dropout_rate=cfg.attention_dropout_rate, dropout_rng=dropout_rng, impl=impl,
         )
         out_BQD = HeadProjection(cfg, 'out', name='out')(out_BQHK)
         return nn.with_logical_constraint(out_BQD, ('batch', 'length', 'embed'))

@@ -134,12 +134,17 @@ def test_tokenizer_ids_roundtrip_and_reuse(corpus, tokenizer):
     import t2t.data
 
     assert (PAD_ID, EOS_ID, UNK_ID) == (0, 1, 2) == (t2t.data.PAD_ID, t2t.data.EOS_ID, 2)
-    assert 10 < tokenizer.vocab_size <= 120
+    assert 256 < tokenizer.vocab_size <= 400  # the corpus's pieces plus 256 UTF-8 byte pieces
     text = 'the red cat sees one bird .'
     ids = tokenizer.encode(text)
-    assert EOS_ID not in ids and PAD_ID not in ids
+    assert EOS_ID not in ids and PAD_ID not in ids and UNK_ID not in ids
     assert tokenizer.decode(ids) == text
+    unseen = 'Über 9 Öfen, ñ €'  # letters the corpus never had come back through byte pieces
+    assert UNK_ID not in tokenizer.encode(unseen) and tokenizer.decode(tokenizer.encode(unseen)) \
+        == unseen
     assert tokenizer.decode([PAD_ID, *ids, EOS_ID, *tokenizer.encode('dog'), PAD_ID]) == text
+    with pytest.raises(ValueError, match='vocab_size=100 is too small'):
+        pipeline.get_tokenizer(_config(corpus, vocab_size=100))
     mtime = os.path.getmtime(tokenizer.path)
     assert pipeline.get_tokenizer(_config(corpus)).path == tokenizer.path
     assert os.path.getmtime(tokenizer.path) == mtime  # reused, not retrained

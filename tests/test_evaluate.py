@@ -12,20 +12,9 @@ import pytest
 
 from configs import tiny
 from t2t import checkpoint, evaluation, optim, sharding, train_lib
+from tests import toy_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORDS = 'red green blue small old house tree river cat dog sees likes near the a one two'.split()
-
-
-def _sentence(rng, lo, hi):
-    return ' '.join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi))) + ' .'
-
-
-def _write_tsv(path, sentences):
-    path.write_text(''.join(f'{s}\t{s.upper()}\n' for s in sentences), encoding='utf-8')
-    return str(path)
-
-
 def _config(root, **overrides):
     c = tiny.get_config()
     c.dataset = 'tsv'
@@ -34,12 +23,12 @@ def _config(root, **overrides):
     for split, n in (('train', 200), ('validation', 8), ('test', 12)):
         path = root / f'{split}.tsv'
         if not path.exists():
-            sentences = [_sentence(rng, 2, 6) for _ in range(n)]
+            sentences = [toy_corpus.sentence(rng, 2, 6) for _ in range(n)]
             if split == 'test':  # example 3 is over max_eval_len: skipped and counted
-                sentences.insert(3, _sentence(rng, 40, 40))
-            _write_tsv(path, sentences)
+                sentences.insert(3, toy_corpus.sentence(rng, 40, 40))
+            toy_corpus.write_tsv(path, sentences)
         c.tsv_files[split] = str(path)
-    c.vocab_size, c.tokenizer_sentences = 100, 1000
+    c.vocab_size, c.tokenizer_sentences = 400, 1000
     c.max_eval_len, c.eval_batch_size = 32, 8
     c.beam_size, c.max_decode_len, c.max_decode_extra = 2, 12, 4
     for key, value in overrides.items():
@@ -154,9 +143,9 @@ def test_errors_are_one_line_and_name_the_thing(run_dir, tmp_path):
         f.write(data)
     assert 'corrupt' in error(checkpoint.CheckpointError, corrupt)
 
-    other_vocab = _config(run_dir['root'], vocab_size=150)  # trains (and loads) another tokenizer
+    other_vocab = _config(run_dir['root'], vocab_size=450)  # trains (and loads) another tokenizer
     message = error(evaluation.EvalError, run_dir['workdir'], config=other_vocab)
-    assert 'embedding of 100 rows' in message and 'tokenizer' in message
+    assert 'embedding of 400 rows' in message and 'tokenizer' in message
     bigger = _config(run_dir['root'], d_model=64)
     assert 'does not fit the model of --config' in error(evaluation.EvalError,
                                                           run_dir['workdir'], config=bigger)

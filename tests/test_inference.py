@@ -7,6 +7,7 @@ import pytest
 from flax import linen as nn
 
 from t2t import decode, inference, sharding
+from t2t.data.pipeline import EvalSplit
 from t2t.model import EOS_ID, PAD_ID, Transformer, TransformerConfig
 
 CFG = TransformerConfig(vocab_size=48, d_model=32, d_ff=64, num_heads=4, num_encoder_layers=2,
@@ -149,7 +150,9 @@ def test_translate_batches_and_texts_keep_the_original_order():
     texts[5] = '7 8 9'
     tok = _EchoTokenizer()
     ids = [tok.encode(t) + [EOS_ID] for t in texts]
-    batches = list(inference.bucket_batches(ids, batch_size=4))
+    split = EvalSplit(name='echo', sources=texts, references=texts, inputs=ids, targets=ids,
+                      skipped=(), read_skipped={}, max_len=64)
+    batches = list(split.batches(4))
     assert len({b['inputs'].shape[1] for b in batches}) > 1  # bucketing did reorder
     order = np.concatenate([b['index'] for b in batches])
     assert sorted(order[order >= 0].tolist()) == list(range(len(texts)))

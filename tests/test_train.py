@@ -162,7 +162,7 @@ def test_resumed_run_is_bitwise_equal_to_an_uninterrupted_one(corpus, tmp_path):
 
 def test_train_leaves_checkpoints_events_and_metrics(corpus, tmp_path):
     config = _run_config(corpus, num_train_steps=4, checkpoint_every_steps=2, keep_checkpoints=1,
-                         eval_every_steps=4)
+                         eval_every_steps=4, eval_bleu_sentences=10)
     workdir = tmp_path / 'run'
     result = loop.train_and_evaluate(config, str(workdir))
     assert result.stopped_by == 'num_train_steps'
@@ -176,6 +176,7 @@ def test_train_leaves_checkpoints_events_and_metrics(corpus, tmp_path):
         assert np.isfinite(train_records[-1][key]), key
     eval_record = next(r for r in records if 'eval_loss' in r)
     assert eval_record['step'] == 4 and eval_record['eval_loss'] > 0
+    assert 0 <= eval_record['eval_bleu'] <= 100 and 0 <= eval_record['eval_chrf'] <= 100
     # Resuming a finished run trains nothing and keeps the checkpoint.
     again = loop.train_and_evaluate(config, str(workdir))
     assert again.step == 4
@@ -184,3 +185,17 @@ def test_train_leaves_checkpoints_events_and_metrics(corpus, tmp_path):
     spent = loop.train_and_evaluate(config, str(workdir))
     assert (spent.step, spent.stopped_by) == (4, 'time_budget')
     assert checkpoint.read_metadata(str(workdir))['train_seconds'] > 0
+
+
+def test_preemption_saves_a_checkpoint_and_stops(corpus, tmp_path, monkeypatch):
+    class PreemptedAtOnce(loop.PreemptionFlag):
+        """As if SIGTERM arrived during the first steps (the signal itself: test_checkpoint)."""
+
+        def any_process(self):
+            return True
+
+    monkeypatch.setattr(loop, 'PreemptionFlag', PreemptedAtOnce)
+    config = _run_config(corpus, num_train_steps=50, checkpoint_every_steps=40)
+    result = loop.train_and_evaluate(config, str(tmp_path / 'run'))
+    assert (result.step, result.stopped_by) == (config.log_every_steps, 'preemption')
+    assert os.listdir(tmp_path / 'run' / 'checkpoints') == [str(config.log_every_steps)]

@@ -38,7 +38,7 @@ def make_corpus(root, seed: int = 0, train: int = 400, validation: int = 37, tes
 
 
 def tiny_config(corpus: dict, **overrides):
-    """configs/tiny.py on the toy corpus, with a 120-piece vocabulary."""
+    """configs/tiny.py on the toy corpus, with a 400-piece vocabulary (256 are UTF-8 bytes)."""
     from configs import tiny
 
     c = tiny.get_config()
@@ -46,7 +46,7 @@ def tiny_config(corpus: dict, **overrides):
     c.data_dir = str(corpus['root'] / 'data')
     for split in ('train', 'validation', 'test'):
         c.tsv_files[split] = corpus[split]
-    c.vocab_size, c.tokenizer_sentences = 120, 2000
+    c.vocab_size, c.tokenizer_sentences = 400, 2000
     c.max_len, c.max_eval_len = 64, 32
     c.batch_size, c.eval_batch_size = 8, 4
     for key, value in overrides.items():

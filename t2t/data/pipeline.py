@@ -16,6 +16,7 @@ Batch shapes (np.int32): B rows of this process, L = max_len, Lb = a bucket leng
 
 import collections
 import dataclasses
+import hashlib
 import os
 from collections.abc import Iterator
 
@@ -26,6 +27,7 @@ from t2t.data import cache, sources
 from t2t.data.tokenizer import Tokenizer, train_tokenizer
 
 MIN_BUCKET = 8
+TOKENIZER_VERSION = 2  # bump when train_tokenizer's fixed settings change
 
 
 def split_names(config) -> dict[str, str]:
@@ -35,7 +37,11 @@ def split_names(config) -> dict[str, str]:
 def vocab_path(config) -> str:
     if config.vocab_path:
         return config.vocab_path
-    name = f'{sources.dataset_id(config)}-{config.vocab_size}.model'
+    # The name carries every setting that changes the trained model, so none is reused stale.
+    settings = (TOKENIZER_VERSION, config.tokenizer_character_coverage, config.tokenizer_sentences,
+                config.shuffle_seed)
+    tag = hashlib.sha256(repr(settings).encode()).hexdigest()[:8]
+    name = f'{sources.dataset_id(config)}-{config.vocab_size}-{tag}.model'
     return os.path.join(config.data_dir, 'vocab', name)
 
 
@@ -51,7 +57,8 @@ def get_tokenizer(config) -> Tokenizer:
     texts = [t for i in rows.tolist() for t in pairs[i] if t]
     logging.info('training a %d-piece vocabulary on %d sentences of %s -> %s',
                  config.vocab_size, len(texts), pairs.name, path)
-    return train_tokenizer(texts, path, config.vocab_size, config.tokenizer_sentences)
+    return train_tokenizer(texts, path, config.vocab_size, config.tokenizer_sentences,
+                           config.tokenizer_character_coverage)
 
 
 def _rows_per_process(batch_size: int, process_count: int, what: str) -> int:

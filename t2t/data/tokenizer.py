@@ -54,13 +54,21 @@ class Tokenizer:
         self.__init__(state['path'])
 
 
+MIN_VOCAB_SIZE = 300  # 256 byte pieces + PAD/EOS/UNK + room for the corpus's own characters
+
+
 def train_tokenizer(sentences: Iterable[str], path: str, vocab_size: int,
-                    max_sentences: int) -> Tokenizer:
+                    max_sentences: int, character_coverage: float = 0.9999) -> Tokenizer:
     """Trains a unigram model on `sentences` and writes it to `path` atomically (.model + .vocab).
 
     `hard_vocab_limit=False` lets a small corpus give a smaller vocabulary instead of failing;
     callers size embeddings by `Tokenizer.vocab_size`, which is then <= `vocab_size`.
+    Characters outside `character_coverage` and unseen ones fall back to UTF-8 byte pieces, so no
+    input becomes UNK (sentencepiece's default coverage drops rare letters such as a capital Ü).
     """
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(f'vocab_size={vocab_size} is too small: at least {MIN_VOCAB_SIZE} (256 '
+                         'UTF-8 byte pieces, PAD/EOS/UNK and the corpus\'s characters)')
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
@@ -71,6 +79,8 @@ def train_tokenizer(sentences: Iterable[str], path: str, vocab_size: int,
             model_type='unigram',
             vocab_size=vocab_size,
             hard_vocab_limit=False,
+            character_coverage=character_coverage,
+            byte_fallback=True,
             pad_id=PAD_ID, eos_id=EOS_ID, unk_id=UNK_ID, bos_id=-1,
             input_sentence_size=max_sentences,
             shuffle_input_sentence=True,
