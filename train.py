@@ -9,9 +9,8 @@ on every host; jax.distributed is initialized from --coordinator_address/--num_p
 --process_id, or detected automatically on TPU pods and SLURM/Open MPI clusters (--distributed).
 """
 
-import logging
-
 from absl import app, flags
+from absl import logging as absl_logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Experiment config.')
@@ -41,7 +40,8 @@ def main(argv):
         jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     elif _DISTRIBUTED.value:
         jax.distributed.initialize()
-    logging.getLogger().setLevel(logging.INFO)
+    if not flags.FLAGS['verbosity'].present:
+        absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save at INFO
 
     from t2t import loop
 

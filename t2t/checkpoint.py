@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import importlib.metadata
 import json
+import os
 import time
 from collections.abc import Iterator, Sequence
 
@@ -47,7 +48,11 @@ class Manager:
 
 
 def checkpoint_dir(workdir) -> epath.Path:
-    return epath.Path(workdir) / 'checkpoints'
+    # Absolute: orbax's array writer rejects relative paths, and only when the async save runs.
+    path = epath.Path(workdir)
+    if not path.is_absolute() and '://' not in str(workdir):  # gs:// and the like stay as given
+        path = epath.Path(os.path.abspath(os.fspath(workdir)))
+    return path / 'checkpoints'
 
 
 def _version() -> str:

@@ -61,6 +61,12 @@ def evaluate_loss(eval_fn, params, batches, mesh, num_batches: int) -> dict:
     return train_lib.summarize_metrics(total)
 
 
+def _say(message: str) -> None:
+    """A progress line on stdout, from the first process only."""
+    if jax.process_index() == 0:
+        print(message, flush=True)
+
+
 def _check_batch_sizes(config, mesh) -> None:
     """Batches are split over the data-parallel devices: their sizes must divide evenly."""
     parallel = mesh.shape['data'] * mesh.shape['fsdp']
@@ -76,16 +82,16 @@ def _check_batch_sizes(config, mesh) -> None:
 
 
 class _Interval:
-    """Per-step device metrics since the last log, fetched one step behind the device."""
+    """Per-step device metrics since the last log, left on device until the log step.
+
+    The host waits for the device once per log interval (when it fetches), never per step.
+    """
 
     def __init__(self):
         self.pending = []  # (step, device metrics dict)
         self.start_time = time.perf_counter()
-        self.start_step = None
 
     def add(self, step, device_metrics):
-        if self.start_step is None:
-            self.start_step = step - 1
         self.pending.append((step, device_metrics))
 
     def drain(self, skip_nonfinite: bool):
@@ -106,8 +112,8 @@ def train_and_evaluate(config, workdir: str) -> TrainResult:
     from t2t import data  # grain / tfds / sentencepiece stay out of the model path
 
     mesh = sharding.make_mesh(config.mesh_shape)
-    logging.info('mesh %s over %d devices (%d processes)', dict(mesh.shape), mesh.size,
-                 jax.process_count())
+    _say(f'mesh {dict(mesh.shape)} over {mesh.size} {jax.devices()[0].platform} devices '
+         f'({jax.process_count()} processes)')
     _check_batch_sizes(config, mesh)
     tokenizer = data.get_tokenizer(config)
     if tokenizer.vocab_size > config.vocab_size:
@@ -130,7 +136,7 @@ def train_and_evaluate(config, workdir: str) -> TrainResult:
     if latest is None:
         state, _ = train_lib.create_sharded_state(config, mesh, tx)
     else:
-        logging.info('resuming from checkpoint %d in %s', latest, workdir)
+        _say(f'resuming from checkpoint {latest} in {workdir}')
         state = checkpoint.restore(manager, latest, abstract, train_iter)
         trained_s = float(checkpoint.read_metadata(workdir, latest).get('train_seconds', 0.0))
 
@@ -145,7 +151,6 @@ def train_and_evaluate(config, workdir: str) -> TrainResult:
     bleu_eval = _make_bleu_eval(config, tokenizer, eval_data)
 
     step = int(jax.device_get(state.step))
-    start_step = step
     train_start = time.perf_counter()
 
     def train_seconds():
@@ -161,8 +166,8 @@ def train_and_evaluate(config, workdir: str) -> TrainResult:
     try:
         if _all_processes_agree(over_budget()):
             stopped_by = 'time_budget'
-            logging.info('time budget of %.0f s already spent in %s', config.train_time_budget_s,
-                         workdir)
+            _say(f'the time budget of {config.train_time_budget_s:.0f} s is spent in {workdir}: '
+                 'nothing to train')
         while step < config.num_train_steps and stopped_by == 'num_train_steps':
             batch = to_global(next(train_iter), mesh)
             state, step_metrics = train_step(state, batch)
@@ -197,8 +202,6 @@ def train_and_evaluate(config, workdir: str) -> TrainResult:
                 break
             if logged:  # after evaluation and saving, so step times measure training alone
                 interval = _Interval()
-        if step == start_step:
-            logging.info('nothing to train at step %d (%s)', step, stopped_by)
     finally:
         preemption.uninstall()
         checkpoint.wait(manager)

@@ -121,15 +121,17 @@ def test_data_iterator_round_trip(tmp_path):
         ckpt.restore(manager, 4, abstract, data_iter=data_iter())
 
 
-def test_keeps_last_k_and_averages(tmp_path):
-    manager = ckpt.make_manager(tmp_path, config(keep=2))
+def test_keeps_last_k_and_averages(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path.parent)
+    workdir = tmp_path.name  # a relative workdir, as `train.py --workdir=workdirs/x` gives
+    manager = ckpt.make_manager(workdir, config(keep=2))
     states = {s: make_state(seed=s, step=s) for s in range(1, 5)}
     for s, state in states.items():
         assert ckpt.save(manager, s, state)  # each save waits for the previous async one
     ckpt.wait(manager)
     assert ckpt.all_steps(manager) == [3, 4]
 
-    avg = ckpt.average_checkpoints(tmp_path, [3, 4])
+    avg = ckpt.average_checkpoints(workdir, [3, 4])
     want = jax.tree.map(
         lambda a, b: ((np.asarray(a, np.float32) + np.asarray(b, np.float32)) / 2).astype(a.dtype),
         states[3].params, states[4].params)
