@@ -96,7 +96,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument('--attention', default='dot_product',
-                    help="comma list of 'xla', 'dot_product' (jax.nn.dot_product_attention)")
+                    help="comma list of 'xla', 'dot_product', 'cudnn' (GPU only)")
     ap.add_argument('--batch', type=int, help='sentences per batch (default 64; tiny 4)')
     ap.add_argument('--src_len', type=int, help='source tokens (default 32; tiny 8)')
     ap.add_argument('--new_tokens', type=int, help='tokens generated (default 64; tiny 8)')

@@ -177,7 +177,7 @@ def parse_args(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument('--model', default='both', choices=('base', 'big', 'both'))
     ap.add_argument('--attention', default='dot_product',
-                    help="comma list of 'xla', 'dot_product' (jax.nn.dot_product_attention)")
+                    help="comma list of 'xla', 'dot_product', 'cudnn' (GPU only)")
     ap.add_argument('--batch', type=int, help='sentence pairs per step (default 128; tiny 4)')
     ap.add_argument('--len', type=int, help='tokens per side (default 256; tiny 16)')
     ap.add_argument('--vocab', type=int, help='vocabulary (default 32768; tiny 512)')
