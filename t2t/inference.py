@@ -65,6 +65,9 @@ def make_predict_fn(model_config: TransformerConfig, *, beam_size: int, alpha: f
     if beam_size < 1 or max_decode_len < 1 or max_decode_extra < 0:
         raise ValueError(f'beam_size={beam_size}, max_decode_len={max_decode_len} must be >= 1 '
                          f'and max_decode_extra={max_decode_extra} >= 0')
+    if max_decode_len > model_config.max_position:  # positions beyond the table would clamp
+        raise ValueError(f'max_decode_len={max_decode_len} exceeds the model\'s max_position='
+                         f'{model_config.max_position}')
     config = model_config.replace(deterministic=True, decode=False)
     encoder = Transformer(config)
 

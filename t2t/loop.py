@@ -67,8 +67,8 @@ def _say(message: str) -> None:
         print(message, flush=True)
 
 
-def _check_batch_sizes(config, mesh) -> None:
-    """Batches are split over the data-parallel devices: their sizes must divide evenly."""
+def _check_config(config, mesh) -> None:
+    """Batch sizes divide over the data-parallel devices; lengths fit the position table."""
     parallel = mesh.shape['data'] * mesh.shape['fsdp']
     micro = config.batch_size // max(config.grad_accum_steps, 1)
     for name, rows in (('batch_size', config.batch_size), ('eval_batch_size',
@@ -79,6 +79,10 @@ def _check_batch_sizes(config, mesh) -> None:
     if config.batch_size % config.grad_accum_steps or micro % parallel:
         raise ValueError(f'batch_size={config.batch_size} / grad_accum_steps='
                          f'{config.grad_accum_steps} must be a multiple of {parallel} devices')
+    # Positions index a table of max_position rows; a longer sequence would read clamped rows.
+    for name in ('max_len', 'max_eval_len', 'max_decode_len'):
+        if config[name] > config.max_position:
+            raise ValueError(f'{name}={config[name]} exceeds max_position={config.max_position}')
 
 
 class _Interval:
@@ -114,7 +118,7 @@ def train_and_evaluate(config, workdir: str) -> TrainResult:
     mesh = sharding.make_mesh(config.mesh_shape)
     _say(f'mesh {dict(mesh.shape)} over {mesh.size} {jax.devices()[0].platform} devices '
          f'({jax.process_count()} processes)')
-    _check_batch_sizes(config, mesh)
+    _check_config(config, mesh)
     tokenizer = data.get_tokenizer(config)
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(f'tokenizer {tokenizer.path} has {tokenizer.vocab_size} pieces but '

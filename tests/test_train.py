@@ -93,6 +93,15 @@ def test_accumulating_4_micro_batches_equals_one_4x_batch():
     assert max(jax.tree_util.tree_leaves(moved)) > 1e-3  # the step did change the parameters
 
 
+def test_config_errors_name_the_key():
+    mesh = sharding.make_mesh((-1, 1, 1))  # 8 data-parallel devices
+    with pytest.raises(ValueError, match='batch_size=12 is not divisible by the 8'):
+        loop._check_config(_tiny(batch_size=12), mesh)
+    with pytest.raises(ValueError, match='max_decode_len=300 exceeds max_position=256'):
+        loop._check_config(_tiny(max_decode_len=300), mesh)
+    loop._check_config(_tiny(), mesh)
+
+
 def test_nonfinite_loss_stops_with_the_step_or_is_skipped():
     config = _tiny(dropout_rate=0.0)
     mesh, tx, state, shardings = _setup(config)
