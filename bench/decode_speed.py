@@ -35,7 +35,15 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import linen as nn  # noqa: E402
-from train_speed import MODELS, TINY_MODELS, device_fields, emit, model_config, versions  # noqa: E402
+from train_speed import (  # noqa: E402
+    MODELS,
+    TINY_MODELS,
+    device_fields,
+    emit,
+    model_config,
+    parse_with_defaults,
+    versions,
+)
 
 from t2t import inference  # noqa: E402
 from t2t.model import Transformer  # noqa: E402
@@ -105,11 +113,7 @@ def parse_args(argv=None):
     ap.add_argument('--dtype', default='bfloat16', choices=('bfloat16', 'float32'))
     ap.add_argument('--reps', type=int, help='timed batches (default 10; tiny 2)')
     ap.add_argument('--tiny', action='store_true', help='toy sizes for a CPU smoke test')
-    args = ap.parse_args(argv)
-    for key, value in (TINY if args.tiny else FULL).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    return args
+    return parse_with_defaults(ap, argv, TINY, FULL)
 
 
 def main(argv=None) -> int:

@@ -172,6 +172,15 @@ def bench_train(name: str, shape, attention: str, args) -> dict:
     return r
 
 
+def parse_with_defaults(ap: argparse.ArgumentParser, argv, tiny: dict, full: dict):
+    """Parses argv; options left unset take the --tiny or the full-size default."""
+    args = ap.parse_args(argv)
+    for key, value in (tiny if args.tiny else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -185,11 +194,7 @@ def parse_args(argv=None):
     ap.add_argument('--steps', type=int, help='timed steps (default 20; tiny 3)')
     ap.add_argument('--warmup_steps', type=int, help='untimed steps after compiling (default 3)')
     ap.add_argument('--tiny', action='store_true', help='toy sizes for a CPU smoke test')
-    args = ap.parse_args(argv)
-    for key, value in (TINY if args.tiny else FULL).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    return args
+    return parse_with_defaults(ap, argv, TINY, FULL)
 
 
 def main(argv=None) -> int:

@@ -152,7 +152,7 @@ def train_and_evaluate(config, workdir: str) -> TrainResult:
     writer = metrics.MetricWriter(workdir, enabled=jax.process_index() == 0)
     flops_per_step = flops.config_flops_per_step(config)
     peak = metrics.peak_flops_per_device()
-    bleu_eval = _make_bleu_eval(config, tokenizer, eval_data)
+    bleu_eval = _make_bleu_eval(config, step_config.model, tokenizer, eval_data)
 
     step = int(jax.device_get(state.step))
     train_start = time.perf_counter()
@@ -240,14 +240,14 @@ def _log_train(writer, interval: _Interval, config, step, flops_per_step, peak, 
     return scalars
 
 
-def _make_bleu_eval(config, tokenizer, eval_data):
+def _make_bleu_eval(config, model_config, tokenizer, eval_data):
     """A function params -> {'eval_bleu', 'eval_chrf'} on the first eval_bleu_sentences, or None."""
     if config.eval_bleu_sentences <= 0:
         return None
     from t2t import bleu, inference
 
     predict = inference.make_predict_fn(
-        train_lib.StepConfig.from_config(config).model, beam_size=config.beam_size,
+        model_config, beam_size=config.beam_size,
         alpha=config.length_penalty_alpha, max_decode_len=config.max_decode_len,
         max_decode_extra=config.max_decode_extra, num_valid_ids=tokenizer.vocab_size)
     n = min(config.eval_bleu_sentences, len(eval_data.references))

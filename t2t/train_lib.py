@@ -106,21 +106,22 @@ def init_state(rng, model_config: TransformerConfig, tx: optax.GradientTransform
                       rng=dropout_rng)
 
 
+def _config_init(config, tx):
+    """(init function of the rng, the config's rng): what both state builders below start from."""
+    init = functools.partial(init_state, model_config=TransformerConfig.from_config(config),
+                             tx=tx, batch_shape=(1, config.max_len))
+    return init, jax.random.PRNGKey(config.seed)
+
+
 def create_sharded_state(config, mesh, tx):
     """(state, state_shardings): initialized under jit, each device creating only its shard."""
-    model_config = TransformerConfig.from_config(config)
-    rng = jax.random.PRNGKey(config.seed)
-    init = functools.partial(init_state, model_config=model_config, tx=tx,
-                             batch_shape=(1, config.max_len))
+    init, rng = _config_init(config, tx)
     return sharding.init_sharded(init, mesh, rng)
 
 
 def abstract_state(config, mesh, tx):
     """Shapes, dtypes and shardings of the state without allocating it (for restoring)."""
-    model_config = TransformerConfig.from_config(config)
-    init = functools.partial(init_state, model_config=model_config, tx=tx,
-                             batch_shape=(1, config.max_len))
-    rng = jax.random.PRNGKey(config.seed)
+    init, rng = _config_init(config, tx)
     boxed = jax.eval_shape(init, rng)
     shardings = sharding.tree_shardings(boxed, mesh)
     return jax.tree_util.tree_map(

@@ -1,5 +1,6 @@
 """Training: loss, accumulation, a few steps of learning, and bitwise-exact resume."""
 
+import dataclasses
 import json
 import os
 
@@ -77,8 +78,8 @@ def test_accumulating_4_micro_batches_equals_one_4x_batch():
     batch = loop.to_global(_synthetic_batch(8, 12, 50, seed=1), mesh)
     results = []
     for accum in (1, 4):
-        step_config = train_lib.StepConfig.from_config(config).__class__(
-            model=train_lib.StepConfig.from_config(config).model, grad_accum_steps=accum)
+        step_config = dataclasses.replace(train_lib.StepConfig.from_config(config),
+                                          grad_accum_steps=accum)
         step = train_lib.jit_train_step(step_config, tx, shardings, mesh)
         fresh = jax.tree_util.tree_map(jnp.copy, state)
         new_state, m = step(fresh, batch)
@@ -111,8 +112,7 @@ def test_nonfinite_loss_stops_with_the_step_or_is_skipped():
     batch = _synthetic_batch(8, 12, 50)
     batch['inputs'][0, 0] = 3
     skip = train_lib.jit_train_step(
-        train_lib.StepConfig.from_config(config).__class__(
-            model=train_lib.StepConfig.from_config(config).model, skip_nonfinite=True),
+        dataclasses.replace(train_lib.StepConfig.from_config(config), skip_nonfinite=True),
         tx, shardings, mesh)
     before = jax.device_get(bad.params)
     after_state, m = skip(bad, loop.to_global(batch, mesh))
