@@ -3,12 +3,17 @@
   python evaluate.py --config=configs/default.py --workdir=DIR            # the latest checkpoint
       [--step=N | --all | --average_last=N [--write_averaged=OUT_DIR]] [--split=test]
   python evaluate.py --config=... --workdir=DIR --translate [--input=FILE|-] [--output=FILE|-]
+
+Several processes: the same command on each, with --coordinator_address/--num_processes/
+--process_id or --distributed as for train.py; they split the sentences, process 0 writes.
 """
 
 import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
+
+from t2t import distributed
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Experiment config.')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'The training workdir (holds checkpoints/).')
@@ -27,6 +32,7 @@ _OUTPUT = flags.DEFINE_string('output', '-', 'With --translate: the output file,
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+    distributed.initialize()
     if not flags.FLAGS['verbosity'].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
     from t2t import checkpoint, evaluation  # after flag parsing: --help stays fast

@@ -13,14 +13,11 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
+from t2t import distributed
+
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Experiment config.')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Checkpoints, metrics and logs go here.')
 _DRY_RUN = flags.DEFINE_bool('dry_run', False, 'Build the abstract model, print its summary, exit.')
-_DISTRIBUTED = flags.DEFINE_bool('distributed', False,
-                                 'Call jax.distributed.initialize() with auto-detection.')
-_COORDINATOR = flags.DEFINE_string('coordinator_address', None, 'host:port of process 0.')
-_NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Processes in the job.')
-_PROCESS_ID = flags.DEFINE_integer('process_id', None, 'This process, 0 .. num_processes-1.')
 
 
 def main(argv):
@@ -34,12 +31,7 @@ def main(argv):
         return
     if not _WORKDIR.value:
         raise app.UsageError('--workdir is required (checkpoints, metrics and logs go there)')
-    import jax
-
-    if _COORDINATOR.value:
-        jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-    elif _DISTRIBUTED.value:
-        jax.distributed.initialize()
+    distributed.initialize()
     if not flags.FLAGS['verbosity'].present:
         absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save at INFO
 

@@ -84,4 +84,7 @@ def base_config() -> ml_collections.ConfigDict:
 
     # --- devices
     c.mesh_shape = (-1, 1, 1)  # (data, fsdp, tensor); -1 takes the remaining devices
+    # Several slices (TPU multislice; on CPU/GPU each process stands for one): the mesh of slices
+    # over the data-center network; mesh_shape is then the mesh inside one slice.
+    c.dcn_mesh_shape = (1, 1, 1)
     return c

@@ -1,8 +1,10 @@
 """Checkpoints: orbax CheckpointManager with the train state, the data iterator and metadata.
 
-Layout: WORKDIR/checkpoints/<step>/{state, data, meta}. `state` is the train state pytree (any
-pytree of arrays, typed PRNG keys included), `data` the grain iterator state (one JSON file per
-process), `meta` a small JSON object: t2t version, step, time, the config, and a checksum per array.
+Layout: WORKDIR/checkpoints/<step>/{state, meta}. `state` is the train state pytree (any pytree of
+arrays, typed PRNG keys included), `meta` a small JSON object: t2t version, step, time, the config,
+a checksum per array, and the data iterator's position (`data_iterator`, written once: the grain
+iterator of global batches is at the same position on every process, so it restores on any
+number of processes).
 
 Atomicity: orbax writes a step into a temporary directory and renames it when every item is
 complete, so a crash mid-save leaves no half-written step (leftovers are removed at the next start).
@@ -24,14 +26,14 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 
-import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-STATE, DATA, META = 'state', 'data', 'meta'
+STATE, META = 'state', 'meta'
+ITERATOR_KEY = 'data_iterator'  # the grain iterator's get_state(), inside META
 
 
 class CheckpointError(RuntimeError):
@@ -83,11 +85,7 @@ def make_manager(workdir, config, async_: bool = True) -> Manager:
         cleanup_tmp_directories=True,  # remove what a crash mid-save left behind
         create=True,
     )
-    handlers = {
-        STATE: ocp.StandardCheckpointHandler(),
-        DATA: grain.checkpoint.CheckpointHandler(),
-        META: ocp.JsonCheckpointHandler(),
-    }
+    handlers = {STATE: ocp.StandardCheckpointHandler(), META: ocp.JsonCheckpointHandler()}
     manager = ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
     return Manager(manager=manager, directory=directory, config=_config_data(config))
 
@@ -101,11 +99,7 @@ def _reader(workdir) -> Iterator[ocp.CheckpointManager]:
     options = ocp.CheckpointManagerOptions(
         read_only=True, create=False, save_interval_steps=0, enable_async_checkpointing=False
     )
-    handlers = {
-        STATE: ocp.PyTreeCheckpointHandler(),
-        DATA: grain.checkpoint.CheckpointHandler(),
-        META: ocp.JsonCheckpointHandler(),
-    }
+    handlers = {STATE: ocp.PyTreeCheckpointHandler(), META: ocp.JsonCheckpointHandler()}
     manager = ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
     try:
         yield manager
@@ -228,6 +222,9 @@ def save(manager: Manager, step: int, state, data_iter=None, force: bool = False
          extra_metadata: dict | None = None) -> bool:
     """Starts saving `state` (and the iterator position) as checkpoint `step`.
 
+    `data_iter`: a grain iterator whose get_state() is the same on every process (t2t's iterator
+    of global batches); its state is stored in the metadata.
+
     Returns False without saving when `step` is already saved (e.g. the final save right after a
     periodic one) or, unless force=True, when it is not newer than the latest checkpoint. Waits
     for the previous asynchronous save first; call `wait` before exiting.
@@ -243,9 +240,9 @@ def save(manager: Manager, step: int, state, data_iter=None, force: bool = False
         'checksums': checksums(state),
         **(extra_metadata or {}),
     }
-    items = {STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)}
     if data_iter is not None:
-        items[DATA] = grain.checkpoint.CheckpointSave(data_iter)
+        meta[ITERATOR_KEY] = data_iter.get_state()
+    items = {STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)}
     return mgr.save(step, args=ocp.args.Composite(**items), force=force)
 
 
@@ -253,21 +250,23 @@ def restore(manager: Manager, step: int | None, abstract_state, data_iter=None):
     """Restores checkpoint `step` (None: the latest) into the shapes, dtypes and shardings of
     `abstract_state` (a pytree of jax.ShapeDtypeStruct with sharding, e.g. from jax.eval_shape).
 
-    When `data_iter` is given, its position is set to the saved one.
+    When `data_iter` is given, its position is set to the saved one. The checkpoint may come from
+    any mesh, device count or process count.
     """
     mgr = manager.manager
     step = _resolve_step(mgr, step)
     step_dir = _step_dir(mgr, step)
     items = {STATE: ocp.args.StandardRestore(abstract_state), META: ocp.args.JsonRestore()}
-    if data_iter is not None:
-        if not (step_dir / DATA).exists():
-            raise CheckpointError(f'checkpoint {step_dir} holds no data iterator state')
-        items[DATA] = grain.checkpoint.CheckpointRestore(data_iter)
     try:
         restored = mgr.restore(step, args=ocp.args.Composite(**items))
     except Exception as e:  # orbax / tensorstore raise many types; name the step either way
         raise _one_line(step_dir, e) from e
-    _verify((restored[META] or {}).get('checksums'), restored[STATE], step_dir)
+    meta = restored[META] or {}
+    _verify(meta.get('checksums'), restored[STATE], step_dir)
+    if data_iter is not None:
+        if ITERATOR_KEY not in meta:
+            raise CheckpointError(f'checkpoint {step_dir} holds no data iterator state')
+        data_iter.set_state(meta[ITERATOR_KEY])
     return restored[STATE]
 
 

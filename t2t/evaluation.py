@@ -12,6 +12,10 @@ into WORKDIR/eval-<split>.json, merged by label. Scores are over every example o
 example skipped as longer than max_eval_len counts as an empty hypothesis, and is counted.
 
 Every user-facing failure is an EvalError (or checkpoint.CheckpointError) with a one-line message.
+
+Several processes (evaluate.py --coordinator_address=... on each): every process reads the
+parameters, decodes its rows of each batch on its devices, and receives every hypothesis; only
+process 0 prints and writes files. Checkpoints of any mesh or process count evaluate the same.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
-from t2t import bleu, checkpoint, inference
+from t2t import bleu, checkpoint, inference, sharding
 from t2t.model import TransformerConfig
 from t2t.summary import abstract_params
 
@@ -125,13 +129,6 @@ def check_params(params, model_config: TransformerConfig, tokenizer, label: str)
 # Decoding and scoring
 
 
-def predict_fn(config, model_config: TransformerConfig, tokenizer):
-    return inference.make_predict_fn(
-        model_config, beam_size=config.beam_size, alpha=config.length_penalty_alpha,
-        max_decode_len=config.max_decode_len, max_decode_extra=config.max_decode_extra,
-        num_valid_ids=tokenizer.vocab_size)
-
-
 def _load_split(config, tokenizer, split: str):
     from t2t import data
 
@@ -166,14 +163,17 @@ def _merge_json(path: str, label: str, record: dict) -> None:
 
 def evaluate_params(config, params, tokenizer, eval_split, *, split: str, label: str,
                     steps: list[int], workdir, progress: bool = True,
-                    echo: Callable[[str], None] = print) -> dict:
-    """Decodes `eval_split`, writes hypotheses and scores, prints the report; returns the record."""
+                    echo: Callable[[str], None] = print, mesh=None) -> dict:
+    """Decodes `eval_split` (on the devices of `mesh`, default one device), writes hypotheses
+    (process 0) and scores, prints the report; returns the record."""
     model_config = TransformerConfig.from_config(config)
     check_params(params, model_config, tokenizer, label)
     n = len(eval_split.sources)
+    predict = inference.config_predict_fn(config, model_config,
+                                          num_valid_ids=tokenizer.vocab_size, mesh=mesh)
     result = inference.translate_batches(
-        predict_fn(config, model_config, tokenizer), params,
-        eval_split.batches(config.eval_batch_size), tokenizer, n, progress=progress)
+        predict, params, eval_split.batches(config.eval_batch_size), tokenizer, n,
+        progress=progress, mesh=mesh)
     missing = {i for i, h in enumerate(result.hypotheses) if h is None}
     if missing != set(eval_split.skipped):
         raise RuntimeError(f'{len(missing)} examples were not decoded but '
@@ -181,7 +181,8 @@ def evaluate_params(config, params, tokenizer, eval_split, *, split: str, label:
     hypotheses = [h or '' for h in result.hypotheses]
 
     hyp_path = os.path.join(workdir, f'hypotheses-{_split_tag(split)}-{label}.txt')
-    _write_lines(hyp_path, hypotheses)
+    if jax.process_index() == 0:
+        _write_lines(hyp_path, hypotheses)
     scores = bleu.score_all(hypotheses, eval_split.references, lang=config.target_lang)
     record = {
         **scores,
@@ -248,22 +249,31 @@ def _get_tokenizer(config):
 def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
         average_last: int = 0, write_averaged: str = '', split: str = '',
         translate: bool = False, input_path: str = '-', output_path: str = '-',
-        progress: bool = True, echo: Callable[[str], None] = print) -> dict[str, dict]:
-    """Everything evaluate.py does; returns {label: record} (empty for --translate)."""
+        progress: bool = True, echo: Callable[[str], None] = print,
+        devices=None) -> dict[str, dict]:
+    """Everything evaluate.py does; returns {label: record} (empty for --translate).
+
+    Decodes on `devices` (default: all devices of all processes).
+    """
     if not workdir:
         raise EvalError('--workdir is required')
     if write_averaged and not average_last:
         raise EvalError('--write_averaged needs --average_last=N')
     if translate and all_steps:
         raise EvalError('--translate takes one checkpoint: --step, --average_last or the latest')
+    if translate and input_path == '-' and jax.process_count() > 1:
+        raise EvalError('with several processes --translate reads --input=FILE, not stdin')
     selection = select(workdir, step=step, all_steps=all_steps, average_last=average_last)
     tokenizer = _get_tokenizer(config)
+    mesh = sharding.make_mesh((-1, 1, 1), devices)  # decoding: every device its own rows
+    if jax.process_index() != 0:
+        echo, progress = (lambda _: None), False
 
     if translate:
         label, steps = selection[0]
-        params = _params_for(config, workdir, label, steps, write_averaged)
+        params = _params_for(config, workdir, label, steps, write_averaged, mesh)
         check_params(params, TransformerConfig.from_config(config), tokenizer, label)
-        translate_file(config, params, tokenizer, input_path, output_path)
+        translate_file(config, params, tokenizer, input_path, output_path, mesh)
         return {}
 
     split = split or config.test_split
@@ -271,10 +281,12 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
     json_path = os.path.join(workdir, f'eval-{_split_tag(split)}.json')
     results = {}
     for label, steps in selection:
-        params = _params_for(config, workdir, label, steps, write_averaged)
+        params = _params_for(config, workdir, label, steps, write_averaged, mesh)
         record = evaluate_params(config, params, tokenizer, eval_split, split=split, label=label,
-                                 steps=steps, workdir=workdir, progress=progress, echo=echo)
-        _merge_json(json_path, label, record)
+                                 steps=steps, workdir=workdir, progress=progress, echo=echo,
+                                 mesh=mesh)
+        if jax.process_index() == 0:
+            _merge_json(json_path, label, record)
         results[label] = record
     if len(results) > 1:
         echo(_table(results))
@@ -282,17 +294,21 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
     return results
 
 
-def _params_for(config, workdir, label, steps, write_averaged):
+def _params_for(config, workdir, label, steps, write_averaged, mesh):
+    """The params of `steps` (averaged when several), replicated once on the mesh's devices."""
     params = load_params(workdir, steps)
     if write_averaged and len(steps) > 1:
         out = checkpoint.write_averaged(write_averaged, params, steps[-1], config=config,
                                         extra_metadata={'averaged': steps, 'source': workdir})
         logging.info('averaged checkpoint %s -> %s', label, out)
-    return params
+    return sharding.put_global(params, sharding.replicated(mesh))
 
 
-def translate_file(config, params, tokenizer, input_path: str, output_path: str) -> None:
-    """Translates the lines of a file (or stdin, '-') into a file (or stdout, '-'), in order."""
+def translate_file(config, params, tokenizer, input_path: str, output_path: str,
+                   mesh=None) -> None:
+    """Translates the lines of a file (or stdin, '-') into a file (or stdout, '-'), in order.
+
+    With several processes each reads the file and decodes its rows; process 0 writes."""
     try:
         if input_path == '-':
             texts = sys.stdin.read().splitlines()
@@ -303,16 +319,20 @@ def translate_file(config, params, tokenizer, input_path: str, output_path: str)
         raise EvalError(f'cannot read --input {input_path}: {e}') from e
     model_config = TransformerConfig.from_config(config)
     try:
+        predict = inference.config_predict_fn(config, model_config,
+                                              num_valid_ids=tokenizer.vocab_size, mesh=mesh)
         result = inference.translate_texts(
-            predict_fn(config, model_config, tokenizer), params, tokenizer, texts,
-            batch_size=config.eval_batch_size, max_len=config.max_position,
-            progress=output_path != '-')
+            predict, params, tokenizer, texts, batch_size=config.eval_batch_size,
+            max_len=config.max_position, progress=output_path != '-' and jax.process_index() == 0,
+            mesh=mesh)
     except ValueError as e:
         raise EvalError(f'--input {input_path}: {e}') from e
     if result.capped:
         logging.warning('%d translations were truncated by max_decode_len=%d (lines %s)',
                         len(result.capped), config.max_decode_len,
                         ', '.join(str(i + 1) for i in result.capped[:10]))
+    if jax.process_index() != 0:
+        return
     if output_path == '-':
         sys.stdout.write(''.join(h.replace('\n', ' ') + '\n' for h in result.hypotheses))
         sys.stdout.flush()

@@ -1,10 +1,16 @@
 """Model glue for decoding: a jitted predict function, and batched translation in original order.
 
     predict = make_predict_fn(model_config, beam_size=4, alpha=0.6, max_decode_len=256,
-                              max_decode_extra=50)
+                              max_decode_extra=50, mesh=mesh)
     prediction = predict(params, inputs_BS)          # Prediction(ids_BL, hit_limit_B, capped_B)
-    result = translate_batches(predict, params, eval_split.batches(64), tokenizer, n)
-    texts = translate_texts(predict, params, tokenizer, ['A sentence.'], batch_size=64)
+    result = translate_batches(predict, params, eval_split.batches(64), tokenizer, n, mesh=mesh)
+    texts = translate_texts(predict, params, tokenizer, ['A sentence.'], batch_size=64, mesh=mesh)
+
+With a mesh, predict is shard_map-ped over every device of it: each device decodes its own rows
+of the batch (B must divide by the number of devices; translate_* pad it with rows they drop)
+with the parameters replicated; the hypotheses are gathered back on every process in order.
+Without a mesh it is a plain jit on the default device. `config_predict_fn` builds it from an
+experiment config, for training's BLEU and evaluate.py alike.
 
 Per batch the encoder runs once, the decode cache is created once for B rows (beam_search tiles it
 to B * K), then t2t/decode.py searches. Each example may generate source length (non-pad tokens,
@@ -31,9 +37,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.experimental import multihost_utils
+from jax.sharding import PartitionSpec
 from tqdm import tqdm
 
-from t2t import decode
+from t2t import decode, sharding
 from t2t.model import EOS_ID, PAD_ID, Transformer, TransformerConfig
 
 
@@ -52,8 +60,14 @@ Predict = Callable[[object, object], Prediction]
 @functools.lru_cache(maxsize=32)
 def make_predict_fn(model_config: TransformerConfig, *, beam_size: int, alpha: float,
                     max_decode_len: int, max_decode_extra: int, greedy: bool = False,
-                    num_valid_ids: int | None = None, eos_id: int = EOS_ID) -> Predict:
+                    num_valid_ids: int | None = None, eos_id: int = EOS_ID,
+                    mesh=None) -> Predict:
     """A jitted predict(params, inputs_BS) -> Prediction with the best beam (or greedy output).
+
+    mesh: decode on every device of it, the batch split over all its axes (inputs_BS: a global
+    array whose rows divide by mesh.size, e.g. from `feed`), the parameters replicated inside
+    (sharded ones are gathered by the compiled function; put host ones once with
+    `sharding.put_global(params, sharding.replicated(mesh))`).
 
     beam_size=1 is still beam search (alive / finished with the length penalty); greedy=True is
     plain argmax decoding and ignores beam_size and alpha. num_valid_ids: the tokenizer's size
@@ -118,7 +132,40 @@ def make_predict_fn(model_config: TransformerConfig, *, beam_size: int, alpha: f
         return Prediction(ids_BL=ids_BL, hit_limit_B=hit_limit_B,
                           capped_B=hit_limit_B & (wanted_B > max_decode_len))
 
-    return jax.jit(predict)
+    if mesh is None:
+        return jax.jit(predict)
+    rows = PartitionSpec(sharding.MESH_AXES)  # each device: its own rows, the whole search
+    return jax.jit(jax.shard_map(predict, mesh=mesh, in_specs=(PartitionSpec(), rows),
+                                 out_specs=rows, check_vma=False))
+
+
+def config_predict_fn(config, model_config: TransformerConfig, *, num_valid_ids: int,
+                      mesh=None) -> Predict:
+    """The predict function of an experiment config's decoding settings (beam search)."""
+    return make_predict_fn(
+        model_config, beam_size=config.beam_size, alpha=config.length_penalty_alpha,
+        max_decode_len=config.max_decode_len, max_decode_extra=config.max_decode_extra,
+        num_valid_ids=num_valid_ids, mesh=mesh)
+
+
+def feed(inputs_BS, mesh=None):
+    """A batch every process holds in full -> what predict(mesh=mesh) takes: rows padded to a
+    multiple of the mesh's devices, each device given its own rows. Without a mesh: as is."""
+    if mesh is None:
+        return inputs_BS
+    inputs_BS = np.asarray(inputs_BS)
+    pad = -len(inputs_BS) % mesh.size
+    if pad:
+        inputs_BS = np.concatenate([inputs_BS, np.zeros((pad,) + inputs_BS.shape[1:],
+                                                        inputs_BS.dtype)])
+    return sharding.put_global(inputs_BS, sharding.decode_sharding(mesh))
+
+
+def fetch(prediction: Prediction, rows: int) -> Prediction:
+    """Host copies of the first `rows` rows of a prediction, on every process (a collective when
+    the arrays span several processes: every process must call it)."""
+    return jax.tree.map(lambda x: np.asarray(x)[:rows],
+                        multihost_utils.process_allgather(prediction, tiled=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,12 +187,13 @@ class Translations:
 
 
 def translate_batches(predict: Predict, params, batches: Iterable[dict], tokenizer,
-                      num_examples: int, *, progress: bool = True) -> Translations:
+                      num_examples: int, *, progress: bool = True, mesh=None) -> Translations:
     """Decodes every batch; the hypothesis of the row with `index` i lands at position i.
 
     Batches are dicts with `inputs` [B, S] and `index` [B] (-1 marks padding rows), as yielded by
-    t2t.data EvalSplit.batches. The next batch is dispatched before the previous one is fetched,
-    so detokenizing overlaps with decoding.
+    t2t.data EvalSplit.batches: global batches, the same on every process (which must all call
+    this with a mesh that spans them). The next batch is dispatched before the previous one is
+    fetched, so detokenizing overlaps with decoding.
     """
     hypotheses: list[str | None] = [None] * num_examples
     hit_limit, capped = [], []
@@ -153,8 +201,8 @@ def translate_batches(predict: Predict, params, batches: Iterable[dict], tokeniz
                dynamic_ncols=True)
 
     def collect(index_B, prediction: Prediction):
-        ids_BL, hit_B, capped_B = jax.device_get(
-            (prediction.ids_BL, prediction.hit_limit_B, prediction.capped_B))
+        got = fetch(prediction, len(index_B))
+        ids_BL, hit_B, capped_B = got.ids_BL, got.hit_limit_B, got.capped_B
         done = 0
         for row, i in enumerate(np.asarray(index_B).tolist()):
             if i < 0:
@@ -172,7 +220,7 @@ def translate_batches(predict: Predict, params, batches: Iterable[dict], tokeniz
     start = time.perf_counter()
     pending = None
     for batch in batches:
-        prediction = predict(params, batch['inputs'])  # asynchronous dispatch
+        prediction = predict(params, feed(batch['inputs'], mesh))  # asynchronous dispatch
         if pending is not None:
             collect(*pending)
         pending = (batch['index'], prediction)
@@ -185,7 +233,7 @@ def translate_batches(predict: Predict, params, batches: Iterable[dict], tokeniz
 
 def translate_texts(predict: Predict, params, tokenizer, texts: Sequence[str], *,
                     batch_size: int, max_len: int | None = None,
-                    progress: bool = False) -> Translations:
+                    progress: bool = False, mesh=None) -> Translations:
     """Translates raw sentences (tokenized + EOS, bucketed by length), keeping their order.
 
     Blank lines translate to ''. A sentence over max_len tokens (e.g. the model's max_position)
@@ -205,7 +253,7 @@ def translate_texts(predict: Predict, params, tokenizer, texts: Sequence[str], *
                       inputs=[ids[i] for i in todo], targets=[[] for _ in todo], skipped=(),
                       read_skipped={}, max_len=max_len or 1 << (longest - 1).bit_length())
     result = translate_batches(predict, params, lines.batches(batch_size), tokenizer, len(todo),
-                               progress=progress)
+                               progress=progress, mesh=mesh)
     hypotheses: list[str | None] = [''] * len(texts)
     for j, i in enumerate(todo):
         hypotheses[i] = result.hypotheses[j]

@@ -31,13 +31,6 @@ class TrainResult:
     eval_metrics: dict
 
 
-def to_global(batch_np: dict, mesh) -> dict:
-    """This process's rows of a batch -> global arrays split over the mesh's data axes."""
-    batch_sharding = sharding.batch_sharding(mesh)
-    return {k: jax.make_array_from_process_local_data(batch_sharding, np.asarray(v))
-            for k, v in batch_np.items()}
-
-
 def _all_processes_agree(flag: bool) -> bool:
     """Process 0's decision, so every process leaves the loop at the same step."""
     if jax.process_count() == 1:
@@ -48,13 +41,17 @@ def _all_processes_agree(flag: bool) -> bool:
 
 
 def evaluate_loss(eval_fn, params, batches, mesh, num_batches: int) -> dict:
-    """Validation loss/NLL/accuracy over the first num_batches batches (-1: all)."""
+    """Validation loss/NLL/accuracy over the first num_batches global batches (-1: all).
+
+    Every process iterates the same global batches and puts the rows its devices hold.
+    """
+    batch_sharding = sharding.batch_sharding(mesh)
     total = None
     for i, batch in enumerate(batches):
         if 0 <= num_batches <= i:
             break
         model_batch = {k: v for k, v in batch.items() if k in train_lib.BATCH_KEYS}
-        sums = jax.device_get(eval_fn(params, to_global(model_batch, mesh)))
+        sums = jax.device_get(eval_fn(params, sharding.put_global(model_batch, batch_sharding)))
         total = sums if total is None else {k: total[k] + sums[k] for k in total}
     if total is None:
         raise ValueError('the evaluation split gave no batch')
@@ -67,15 +64,20 @@ def _say(message: str) -> None:
         print(message, flush=True)
 
 
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 def _check_config(config, mesh) -> None:
-    """Batch sizes divide over the data-parallel devices; lengths fit the position table."""
-    parallel = mesh.shape['data'] * mesh.shape['fsdp']
+    """The batch splits over the data-parallel devices; lengths fit the position table.
+
+    (Evaluation batches of any size are padded to a multiple of the devices instead.)
+    """
+    parallel = sharding.data_parallel_size(mesh)
     micro = config.batch_size // max(config.grad_accum_steps, 1)
-    for name, rows in (('batch_size', config.batch_size), ('eval_batch_size',
-                                                           config.eval_batch_size)):
-        if rows % parallel:
-            raise ValueError(f'{name}={rows} is not divisible by the {parallel} data-parallel '
-                             f'devices of mesh {dict(mesh.shape)}')
+    if config.batch_size % parallel:
+        raise ValueError(f'batch_size={config.batch_size} is not divisible by the {parallel} '
+                         f'data-parallel devices of mesh {dict(mesh.shape)}')
     if config.batch_size % config.grad_accum_steps or micro % parallel:
         raise ValueError(f'batch_size={config.batch_size} / grad_accum_steps='
                          f'{config.grad_accum_steps} must be a multiple of {parallel} devices')
@@ -111,14 +113,35 @@ class _Interval:
         return fetched
 
 
-def train_and_evaluate(config, workdir: str) -> TrainResult:
-    """Trains config in workdir (resuming from its latest checkpoint) and returns final metrics."""
+def _batch_line(config, mesh, rows) -> str:
+    """How a training batch splits over the mesh and what this process feeds, in one line."""
+    parallel = sharding.data_parallel_size(mesh)
+    accum = config.grad_accum_steps
+    split = (f'{accum} micro-batches x ' if accum > 1 else '') + \
+        f'{parallel} data-parallel devices x {config.batch_size // accum // parallel} rows'
+    return (f'batch_size {config.batch_size} = {split}; process {jax.process_index()} feeds '
+            f'{len(rows)} rows of each global batch')
+
+
+def train_and_evaluate(config, workdir: str, devices=None) -> TrainResult:
+    """Trains config in workdir (resuming from its latest checkpoint) and returns final metrics.
+
+    devices: the devices of the mesh (default: all). A checkpoint of any mesh, device count or
+    process count resumes here, with the data continuing at the same global batch.
+    """
     from t2t import data  # grain / tfds / sentencepiece stay out of the model path
 
-    mesh = sharding.make_mesh(config.mesh_shape)
-    _say(f'mesh {dict(mesh.shape)} over {mesh.size} {jax.devices()[0].platform} devices '
+    mesh = sharding.make_mesh(config.mesh_shape, devices, config.dcn_mesh_shape)
+    _say(f'mesh {dict(mesh.shape)} over {mesh.size} {mesh.devices.flat[0].platform} devices '
          f'({jax.process_count()} processes)')
     _check_config(config, mesh)
+    batch_sharding = sharding.batch_sharding(mesh)
+    rows = sharding.process_rows(batch_sharding, config.batch_size)
+    _say(_batch_line(config, mesh, rows))
+    eval_rows = _round_up(config.eval_batch_size, sharding.data_parallel_size(mesh))
+    if eval_rows != config.eval_batch_size:
+        _say(f'eval_batch_size {config.eval_batch_size} is padded to {eval_rows} rows (a multiple '
+             f'of the {sharding.data_parallel_size(mesh)} data-parallel devices)')
     tokenizer = data.get_tokenizer(config)
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(f'tokenizer {tokenizer.path} has {tokenizer.vocab_size} pieces but '
@@ -126,8 +149,7 @@ def train_and_evaluate(config, workdir: str) -> TrainResult:
     if tokenizer.vocab_size < config.vocab_size:  # a small corpus can't fill the vocabulary
         logging.warning('tokenizer %s has %d pieces < config.vocab_size=%d: rows unused',
                         tokenizer.path, tokenizer.vocab_size, config.vocab_size)
-    train_iter = data.train_iterator(config, tokenizer, process_index=jax.process_index(),
-                                     process_count=jax.process_count())
+    train_iter = data.train_iterator(config, tokenizer, rows=rows)
 
     tx = optim.make_optimizer(config)
     schedule = optim.learning_rate_schedule(config.d_model, config.warmup_steps,
@@ -152,7 +174,7 @@ def train_and_evaluate(config, workdir: str) -> TrainResult:
     writer = metrics.MetricWriter(workdir, enabled=jax.process_index() == 0)
     flops_per_step = flops.config_flops_per_step(config)
     peak = metrics.peak_flops_per_device()
-    bleu_eval = _make_bleu_eval(config, step_config.model, tokenizer, eval_data)
+    bleu_eval = _make_bleu_eval(config, step_config.model, tokenizer, eval_data, mesh)
 
     step = int(jax.device_get(state.step))
     train_start = time.perf_counter()
@@ -173,7 +195,7 @@ def train_and_evaluate(config, workdir: str) -> TrainResult:
             _say(f'the time budget of {config.train_time_budget_s:.0f} s is spent in {workdir}: '
                  'nothing to train')
         while step < config.num_train_steps and stopped_by == 'num_train_steps':
-            batch = to_global(next(train_iter), mesh)
+            batch = sharding.put_rows(next(train_iter), batch_sharding, config.batch_size)
             state, step_metrics = train_step(state, batch)
             step += 1
             interval.add(step, step_metrics)
@@ -192,8 +214,7 @@ def train_and_evaluate(config, workdir: str) -> TrainResult:
             if step % config.eval_every_steps == 0 or stopping:
                 eval_summary = evaluate_loss(
                     eval_step, state.params,
-                    eval_data.batches(config.eval_batch_size, jax.process_index(),
-                                      jax.process_count()),
+                    eval_data.batches(config.eval_batch_size, eval_rows),
                     mesh, config.num_eval_batches)
                 eval_summary = {f'eval_{k}': v for k, v in eval_summary.items()}
                 if bleu_eval is not None:
@@ -240,16 +261,18 @@ def _log_train(writer, interval: _Interval, config, step, flops_per_step, peak, 
     return scalars
 
 
-def _make_bleu_eval(config, model_config, tokenizer, eval_data):
-    """A function params -> {'eval_bleu', 'eval_chrf'} on the first eval_bleu_sentences, or None."""
+def _make_bleu_eval(config, model_config, tokenizer, eval_data, mesh):
+    """A function params -> {'eval_bleu', 'eval_chrf'} on the first eval_bleu_sentences, or None.
+
+    The sentences are decoded on every device of the mesh (each its own rows) and gathered back
+    in order on every process.
+    """
     if config.eval_bleu_sentences <= 0:
         return None
     from t2t import bleu, inference
 
-    predict = inference.make_predict_fn(
-        model_config, beam_size=config.beam_size,
-        alpha=config.length_penalty_alpha, max_decode_len=config.max_decode_len,
-        max_decode_extra=config.max_decode_extra, num_valid_ids=tokenizer.vocab_size)
+    predict = inference.config_predict_fn(config, model_config, num_valid_ids=tokenizer.vocab_size,
+                                          mesh=mesh)
     n = min(config.eval_bleu_sentences, len(eval_data.references))
     head = dataclasses.replace(
         eval_data, sources=eval_data.sources[:n], references=eval_data.references[:n],
@@ -258,7 +281,8 @@ def _make_bleu_eval(config, model_config, tokenizer, eval_data):
 
     def run(params):
         result = inference.translate_batches(
-            predict, params, head.batches(config.eval_batch_size), tokenizer, n, progress=False)
+            predict, params, head.batches(config.eval_batch_size), tokenizer, n, progress=False,
+            mesh=mesh)
         # Examples skipped as too long count as empty output, as evaluate.py scores them.
         hypotheses = [h or '' for h in result.hypotheses]
         scores = bleu.score_all(hypotheses, head.references, lang=config.target_lang)

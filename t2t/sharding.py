@@ -1,18 +1,29 @@
-"""Device mesh and the one table that maps the model's logical axis names onto it.
+"""Device mesh, the one table that maps the model's logical axis names onto it, and batch feeding.
 
 Mesh axes: 'data' (pure data parallelism), 'fsdp' (data parallelism with parameters and optimizer
 state sharded along 'embed'), 'tensor' (heads / d_ff / vocabulary split across devices, Megatron
 style). Shardings are never written by hand: they are derived from the logical names that the model
 puts on its parameters (via jax.eval_shape of the init function) and on its activations.
+
+Several slices (TPU pods joined over the data-center network, or processes standing in for them):
+`mesh_shape` is the mesh inside one slice (ICI) and `dcn_mesh_shape` the mesh of slices; the
+device mesh is their element-wise product, built by jax's hybrid mesh utility.
+
+Feeding: a process holds the rows of a global batch that its addressable devices hold under the
+batch sharding (`process_rows`), which is not a function of the process index alone once the fsdp
+or tensor axis spans processes (rows are then split differently, or replicated across processes).
 """
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 from flax import linen as nn
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ('data', 'fsdp', 'tensor')
@@ -31,31 +42,61 @@ LOGICAL_AXIS_RULES = (
 )
 
 
-def resolve_mesh_shape(mesh_shape: Sequence[int], num_devices: int) -> tuple[int, ...]:
+def resolve_mesh_shape(mesh_shape: Sequence[int], num_devices: int,
+                       where: str = 'devices') -> tuple[int, ...]:
     """Replaces one -1 by the devices left over; checks the product equals num_devices."""
     shape = [int(s) for s in mesh_shape]
     if len(shape) != len(MESH_AXES):
         raise ValueError(f'mesh_shape={tuple(shape)} must have {len(MESH_AXES)} sizes {MESH_AXES}')
     if shape.count(-1) > 1:
         raise ValueError(f'mesh_shape={tuple(shape)} has more than one -1')
+    if any(s < 1 and s != -1 for s in shape):
+        raise ValueError(f'mesh_shape={tuple(shape)}: sizes must be positive (or one -1)')
     known = math.prod(s for s in shape if s != -1)
     if -1 in shape:
         if num_devices % known:
-            raise ValueError(f'mesh_shape={tuple(shape)} does not divide {num_devices} devices')
+            raise ValueError(f'mesh_shape={tuple(shape)} does not divide {num_devices} {where}')
         shape[shape.index(-1)] = num_devices // known
     if math.prod(shape) != num_devices:
         raise ValueError(f'mesh_shape={tuple(shape)} needs {math.prod(shape)} devices, '
-                         f'{num_devices} are present')
+                         f'{num_devices} {where} are present')
     return tuple(shape)
 
 
-def make_mesh(mesh_shape: Sequence[int], devices=None) -> Mesh:
-    """A (data, fsdp, tensor) mesh over all (global) devices, in an ICI/DCN-aware order."""
+def _slice_attribute(devices) -> str:
+    """What groups devices into slices: TPU devices carry slice_index, elsewhere processes do."""
+    if all(getattr(d, 'slice_index', None) is not None for d in devices):
+        return 'slice_index'
+    return 'process_index'
+
+
+def make_mesh(mesh_shape: Sequence[int], devices=None,
+              dcn_mesh_shape: Sequence[int] = (1, 1, 1)) -> Mesh:
+    """A (data, fsdp, tensor) mesh over all (global) devices, in an ICI/DCN-aware order.
+
+    With prod(dcn_mesh_shape) > 1, mesh_shape is the mesh of one slice (its -1 resolved per slice)
+    and the mesh axes are mesh_shape * dcn_mesh_shape, slices varying slowest along each axis.
+    """
     devices = jax.devices() if devices is None else list(devices)
-    shape = resolve_mesh_shape(mesh_shape, len(devices))
-    # Auto axes: shardings propagate through jit from the constraints we place (GSPMD style).
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
-                         devices=devices)
+    dcn = tuple(int(s) for s in dcn_mesh_shape)
+    if len(dcn) != len(MESH_AXES) or min(dcn) < 1:
+        raise ValueError(f'dcn_mesh_shape={dcn} must have {len(MESH_AXES)} positive sizes '
+                         f'{MESH_AXES}')
+    axis_types = (AxisType.Auto,) * len(MESH_AXES)  # shardings propagate from our constraints
+    num_slices = math.prod(dcn)
+    if num_slices == 1:
+        shape = resolve_mesh_shape(mesh_shape, len(devices))
+        return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+    attribute = _slice_attribute(devices)
+    sizes = collections.Counter(getattr(d, attribute) for d in devices)
+    unit = 'slice' if attribute == 'slice_index' else 'process'
+    if len(sizes) != num_slices or len(set(sizes.values())) != 1:
+        raise ValueError(f'dcn_mesh_shape={dcn} needs {num_slices} equal slices; the '
+                         f'{len(devices)} devices per {unit} are {dict(sorted(sizes.items()))}')
+    ici = resolve_mesh_shape(mesh_shape, len(devices) // num_slices, 'devices per slice')
+    array = mesh_utils.create_hybrid_device_mesh(
+        ici, dcn, devices, process_is_granule=attribute == 'process_index')
+    return Mesh(array, MESH_AXES, axis_types=axis_types)
 
 
 def logical_to_sharding(logical_specs, mesh: Mesh):
@@ -77,8 +118,55 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(('data', 'fsdp')))
 
 
+def decode_sharding(mesh: Mesh) -> NamedSharding:
+    """Decoding splits its batch over every device of the mesh (parameters replicated)."""
+    return NamedSharding(mesh, PartitionSpec(MESH_AXES))
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+    """Devices a training batch is split over (its rows; tensor-parallel devices share rows)."""
+    return mesh.shape['data'] * mesh.shape['fsdp']
+
+
+def process_rows(batch_sharding: NamedSharding, num_rows: int, devices=None) -> np.ndarray:
+    """Sorted global row ids of a [num_rows, ...] batch held by this process's devices.
+
+    `devices` (default: this process's addressable devices) lets a test ask on behalf of another
+    process. The order is the one `jax.make_array_from_process_local_data` maps local rows to.
+    """
+    if devices is None:
+        index_map = batch_sharding.addressable_devices_indices_map((num_rows,))
+    else:
+        index_map = {d: i for d, i in batch_sharding.devices_indices_map((num_rows,)).items()
+                     if d in set(devices)}
+    rows = set()
+    for (rows_slice,) in index_map.values():
+        rows.update(range(*rows_slice.indices(num_rows)))
+    return np.array(sorted(rows), np.int64)
+
+
+def put_rows(local_batch, batch_sharding: NamedSharding, num_rows: int):
+    """This process's rows (`process_rows` order) of a tree of [num_rows, ...] host arrays ->
+    global jax arrays split as batch_sharding says."""
+    return jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(
+            batch_sharding, np.asarray(x), (num_rows,) + np.shape(x)[1:]), local_batch)
+
+
+def put_global(tree, target_sharding):
+    """A tree of host arrays that every process holds in full -> global jax arrays; each process
+    copies only the slices its own devices hold. `target_sharding`: one sharding or a tree."""
+    def put(x, s):
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, s, lambda index: x[index])
+
+    if isinstance(target_sharding, jax.sharding.Sharding):
+        return jax.tree.map(lambda x: put(x, target_sharding), tree)
+    return jax.tree.map(put, tree, target_sharding)
 
 
 def init_sharded(init_fn, mesh: Mesh, *args):

@@ -133,21 +133,31 @@ def abstract_state(config, mesh, tx):
 # Steps
 
 
-def _split_micro_batches(batch, num: int):
-    """[B, ...] -> [M, B / M, ...] for gradient accumulation."""
+def _split_micro_batches(batch, num: int, batch_sharding=None):
+    """[B, ...] -> [M, B / M, ...] for gradient accumulation: micro-batch m holds rows m, m + M,
+    m + 2M, ... Each device holds a contiguous block of rows, so every micro-batch keeps rows on
+    every data-parallel device and the split moves no data (a micro-batch [m*B/M, (m+1)*B/M)
+    would sit on a few devices while the others idle)."""
     def split(x):
         if x.shape[0] % num:
             raise ValueError(f'batch of {x.shape[0]} rows does not split into {num} micro-batches')
-        return x.reshape((num, x.shape[0] // num) + x.shape[1:])
+        x = jnp.swapaxes(x.reshape((x.shape[0] // num, num) + x.shape[1:]), 0, 1)
+        if batch_sharding is not None:
+            spec = jax.sharding.PartitionSpec(None, *batch_sharding.spec)
+            x = jax.lax.with_sharding_constraint(x, batch_sharding.update(spec=spec))
+        return x
     return jax.tree_util.tree_map(split, batch)
 
 
 def train_step(state: TrainState, batch, *, step_config: StepConfig,
-               tx: optax.GradientTransformation, schedule=None):
+               tx: optax.GradientTransformation, schedule=None, batch_sharding=None,
+               param_shardings=None):
     """One update on the batch (accumulated over step_config.grad_accum_steps micro-batches).
 
     The loss is the mean over all non-pad target tokens of the whole batch, so accumulating M
-    micro-batches gives the same gradient as one batch M times larger.
+    micro-batches gives the same gradient as one batch M times larger. batch_sharding /
+    param_shardings (optional) pin each micro-batch to the data-parallel devices and the
+    accumulated gradients to the parameters' shardings.
     """
     step_rng = jax.random.fold_in(state.rng, state.step)
     grad_fn = jax.grad(loss_sums, has_aux=True)
@@ -156,17 +166,24 @@ def train_step(state: TrainState, batch, *, step_config: StepConfig,
     if num_micro == 1:
         grads, sums = grad_fn(state.params, batch, step_rng, step_config, False)
     else:
-        micro = _split_micro_batches(batch, num_micro)
+        micro = _split_micro_batches(batch, num_micro, batch_sharding)
+
+        def like_params(grads):
+            if param_shardings is None:
+                return grads
+            return jax.lax.with_sharding_constraint(grads, param_shardings)
 
         def accumulate(carry, inputs):
             grads_acc, sums_acc = carry
             index, micro_batch = inputs
+            if batch_sharding is not None:
+                micro_batch = jax.lax.with_sharding_constraint(micro_batch, batch_sharding)
             g, s = grad_fn(state.params, micro_batch, jax.random.fold_in(step_rng, index),
                            step_config, False)
-            return (jax.tree_util.tree_map(jnp.add, grads_acc, g),
+            return (like_params(jax.tree_util.tree_map(jnp.add, grads_acc, g)),
                     jax.tree_util.tree_map(jnp.add, sums_acc, s)), None
 
-        zeros_grads = jax.tree_util.tree_map(jnp.zeros_like, state.params)
+        zeros_grads = like_params(jax.tree_util.tree_map(jnp.zeros_like, state.params))
         zeros_sums = {k: jnp.zeros((), jnp.float32)
                       for k in ('loss_sum', 'nll_sum', 'correct_sum', 'tokens')}
         (grads, sums), _ = jax.lax.scan(accumulate, (zeros_grads, zeros_sums),
@@ -201,8 +218,11 @@ def eval_step(params, batch, *, step_config: StepConfig):
 
 def jit_train_step(step_config: StepConfig, tx, state_shardings, mesh, schedule=None):
     """train_step compiled once for the mesh: state sharded as derived, batch split over data."""
-    step = functools.partial(train_step, step_config=step_config, tx=tx, schedule=schedule)
-    jitted = jax.jit(step, in_shardings=(state_shardings, sharding.batch_sharding(mesh)),
+    batch_sharding = sharding.batch_sharding(mesh)
+    step = functools.partial(train_step, step_config=step_config, tx=tx, schedule=schedule,
+                             batch_sharding=batch_sharding,
+                             param_shardings=state_shardings.params)
+    jitted = jax.jit(step, in_shardings=(state_shardings, batch_sharding),
                      out_shardings=(state_shardings, sharding.replicated(mesh)),
                      donate_argnums=(0,))
     return _under_mesh(jitted, mesh)

@@ -223,17 +223,25 @@ def test_train_epochs_reshuffle_and_unpacked_rows(corpus, tokenizer):
     assert sorted(rows[:400]) == sorted(rows[400:])  # each epoch: every row once
 
 
-def test_train_process_shards_partition_the_global_batch(corpus, tokenizer):
-    config = _config(corpus)
+def test_processes_feed_their_rows_of_the_same_global_batches(corpus, tokenizer):
+    config = _config(corpus)  # batch_size 8
     whole = _take(pipeline.train_iterator(config, tokenizer), 5)
-    parts = [_take(pipeline.train_iterator(config, tokenizer, process_index=p, process_count=2), 5)
-             for p in range(2)]
+    rows = ([0, 1, 4, 5], [2, 3, 6, 7])  # two processes on an fsdp axis spanning both
+    parts = [_take(pipeline.train_iterator(config, tokenizer, rows=r), 5) for r in rows]
     for step in range(5):
-        ours = sorted(r.tobytes() for p in range(2) for r in parts[p][step]['targets'])
-        assert parts[0][step]['targets'].shape == (4, 64)
-        assert ours == sorted(r.tobytes() for r in whole[step]['targets'])
-    with pytest.raises(ValueError, match='divisible'):
-        pipeline.train_iterator(config, tokenizer, process_count=3)
+        for r, part in zip(rows, parts, strict=True):
+            for key, value in whole[step].items():
+                np.testing.assert_array_equal(part[step][key], value[r])
+    # The position counts global batches: a state saved by one process of a 2-process job
+    # continues the same global stream in a 1-process job (no restart, no repeat).
+    it = pipeline.train_iterator(config, tokenizer, rows=rows[1])
+    _take(it, 3)
+    single = pipeline.train_iterator(config, tokenizer)
+    single.set_state(it.get_state())
+    for a, b in zip(_take(single, 2), whole[3:5], strict=True):
+        assert all((a[k] == b[k]).all() for k in a)
+    with pytest.raises(ValueError, match='rows must be positions in a batch of batch_size=8'):
+        pipeline.train_iterator(config, tokenizer, rows=[8])
 
 
 # --- evaluation -----------------------------------------------------------------------------------
@@ -258,11 +266,10 @@ def test_eval_every_example_once_original_order_and_skips(corpus, tokenizer):
             assert tokenizer.decode(batch['inputs'][row]) == srcs[i]
             assert tokenizer.decode(batch['targets'][row]) == refs[i]
     assert sorted(seen) == sorted(set(range(40)) - set(ev.skipped))
-    halves = [list(pipeline.eval_batches(config, tokenizer, 'validation', process_index=p,
-                                         process_count=2)) for p in range(2)]
-    assert len(halves[0]) == len(halves[1])
-    shared = [i for h in halves for b in h for i in b['index'].tolist() if i >= 0]
-    assert sorted(shared) == sorted(seen)
+    # Padded to a multiple of the devices: the same examples per batch, more -1 rows.
+    padded = list(ev.batches(4, global_rows=8))
+    assert all(b['index'].shape == (8,) and (b['index'][4:] == -1).all() for b in padded)
+    assert [i for b in padded for i in b['index'].tolist() if i >= 0] == seen
 
 
 def test_cli_report_lines(corpus):

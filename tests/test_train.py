@@ -38,6 +38,10 @@ def _synthetic_batch(rows, length, vocab, seed=0):
     return {'inputs': inputs, 'targets': targets}
 
 
+def _put(batch, mesh):
+    return sharding.put_global(batch, sharding.batch_sharding(mesh))
+
+
 def _setup(config, mesh_shape=(-1, 1, 1)):
     mesh = sharding.make_mesh(mesh_shape)
     tx = optim.make_optimizer(config)
@@ -59,7 +63,7 @@ def test_a_few_steps_lower_the_loss():
     config = _tiny(dropout_rate=0.0, warmup_steps=5, learning_rate_scale=3.0)
     mesh, tx, state, shardings = _setup(config)
     step = train_lib.jit_train_step(train_lib.StepConfig.from_config(config), tx, shardings, mesh)
-    batch = loop.to_global(_synthetic_batch(8, 12, 50), mesh)
+    batch = _put(_synthetic_batch(8, 12, 50), mesh)
     losses = []
     for _ in range(12):
         state, m = step(state, batch)
@@ -71,11 +75,11 @@ def test_a_few_steps_lower_the_loss():
 def test_accumulating_4_micro_batches_equals_one_4x_batch():
     # Plain SGD makes the parameter change the gradient itself: Adam's first step is about
     # lr * sign(g), which amplifies float noise in gradients that are nearly zero.
-    config = _tiny(dropout_rate=0.0, batch_size=8)
+    config = _tiny(dropout_rate=0.0, batch_size=16)  # 4 micro-batches x 4 data devices x 1 row
     mesh = sharding.make_mesh((2, 2, 2))
     tx = optax.sgd(1.0)
     state, shardings = train_lib.create_sharded_state(config, mesh, tx)
-    batch = loop.to_global(_synthetic_batch(8, 12, 50, seed=1), mesh)
+    batch = _put(_synthetic_batch(16, 12, 50, seed=1), mesh)
     results = []
     for accum in (1, 4):
         step_config = dataclasses.replace(train_lib.StepConfig.from_config(config),
@@ -115,7 +119,7 @@ def test_nonfinite_loss_stops_with_the_step_or_is_skipped():
         dataclasses.replace(train_lib.StepConfig.from_config(config), skip_nonfinite=True),
         tx, shardings, mesh)
     before = jax.device_get(bad.params)
-    after_state, m = skip(bad, loop.to_global(batch, mesh))
+    after_state, m = skip(bad, _put(batch, mesh))
     assert float(m['nonfinite']) == 1.0 and int(after_state.step) == 1
     np.testing.assert_array_equal(jax.device_get(after_state.params)['encoder_0']['ffn']['wi']
                                   ['kernel'], before['encoder_0']['ffn']['wi']['kernel'])

@@ -1,38 +1,28 @@
 """Data: sources (embedded trans-de-en, TFDS WMT, TSV), the shared tokenizer, grain pipelines.
 
     tok = get_tokenizer(config)                  # prepares data, trains the vocabulary if missing
-    it = train_iterator(config, tok, process_index=i, process_count=n)   # .get_state()/.set_state()
+    it = train_iterator(config, tok, rows=sharding.process_rows(...))   # .get_state()/.set_state()
     for batch in eval_batches(config, tok, config.eval_split): ...       # batch['index'] -> order
     sources, references = split_texts(config, config.test_split)
 
 Importing this package is cheap: grain, tensorflow_datasets and sentencepiece load on first use of
-the functions below, so the model and train-step path never import them.
+the functions below.
 """
 
-import importlib
+from t2t.data.cache import packed_split
+from t2t.data.pipeline import (
+    EvalSplit,
+    eval_batches,
+    eval_split,
+    get_tokenizer,
+    split_names,
+    split_texts,
+    train_iterator,
+    vocab_path,
+)
+from t2t.data.sources import open_split
+from t2t.data.tokenizer import EOS_ID, PAD_ID, UNK_ID, Tokenizer
 
-PAD_ID = 0  # the same constants as t2t/data/tokenizer.py and t2t/model.py
-EOS_ID = 1
-
-_EXPORTS = {
-    'Tokenizer': 'tokenizer',
-    'UNK_ID': 'tokenizer',
-    'EvalSplit': 'pipeline',
-    'eval_batches': 'pipeline',
-    'eval_split': 'pipeline',
-    'get_tokenizer': 'pipeline',
-    'split_names': 'pipeline',
-    'split_texts': 'pipeline',
-    'train_iterator': 'pipeline',
-    'vocab_path': 'pipeline',
-    'packed_split': 'cache',
-    'open_split': 'sources',
-}
-
-__all__ = ['EOS_ID', 'PAD_ID', *_EXPORTS]
-
-
-def __getattr__(name):
-    if name not in _EXPORTS:
-        raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
-    return getattr(importlib.import_module(f'{__name__}.{_EXPORTS[name]}'), name)
+__all__ = ['EOS_ID', 'PAD_ID', 'UNK_ID', 'EvalSplit', 'Tokenizer', 'eval_batches', 'eval_split',
+           'get_tokenizer', 'open_split', 'packed_split', 'split_names', 'split_texts',
+           'train_iterator', 'vocab_path']

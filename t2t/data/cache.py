@@ -19,7 +19,7 @@ import tempfile
 
 import numpy as np
 
-from t2t.data import packing, sources
+from t2t.data import multihost, packing, sources
 from t2t.data.tokenizer import EOS_ID, Tokenizer
 
 CACHE_VERSION = 1
@@ -137,9 +137,26 @@ def _build(config, tokenizer: Tokenizer, split: str, out_dir: str) -> None:
 
 
 def packed_split(config, tokenizer: Tokenizer, split: str) -> PackedSplit:
-    """The packed rows of `split`, built on first use."""
-    root = os.path.join(config.data_dir, 'packed')
-    directory = os.path.join(root, f'{split}-{cache_key(config, tokenizer, split)}')
+    """The packed rows of `split`, built on first use.
+
+    With several processes every process must call it: process 0 builds first while the others
+    wait; a process whose data_dir does not hold process 0's cache (a host-local disk) then builds
+    the same rows itself (they depend only on the data, the vocabulary and the settings).
+    """
+    key = cache_key(config, tokenizer, split)
+    directory = os.path.join(config.data_dir, 'packed', f'{split}-{key}')
+    if multihost.process_index() == 0:
+        _build_once(config, tokenizer, split, directory)
+    multihost.barrier(f't2t-packed-{split}')  # the same name on every process
+    if multihost.process_index() != 0:
+        _build_once(config, tokenizer, split, directory)
+    return _load(directory)
+
+
+def _build_once(config, tokenizer: Tokenizer, split: str, directory: str) -> None:
+    """Builds into a unique temporary directory renamed into place: concurrent builders (or a
+    crash) never leave a half-written cache."""
+    root = os.path.dirname(directory)
     if not os.path.exists(os.path.join(directory, 'meta.json')):
         os.makedirs(root, exist_ok=True)
         tmp = tempfile.mkdtemp(dir=root, prefix='.building-')
@@ -151,4 +168,3 @@ def packed_split(config, tokenizer: Tokenizer, split: str) -> PackedSplit:
                 raise  # not a concurrent build by another process that won the rename
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    return _load(directory)

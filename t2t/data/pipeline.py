@@ -1,17 +1,24 @@
 """Tokenizer preparation, the grain training iterator and evaluation batches.
 
 Training: packed rows from the on-disk cache (t2t/data/cache.py) -> grain MapDataset: shuffle by
-seed (reshuffled each epoch), repeat forever, this process's rows of each global batch, batch,
-gather. Every step is an index computation, so `get_state()/set_state()` restore exactly.
+seed (reshuffled each epoch), repeat forever, batch into GLOBAL batches of packed-row ids, gather
+the rows this process feeds. Global batch k is the same whatever the number of processes, and the
+iterator position (a global batch counter) is too, so a run may resume on another process count.
+Every step is an index computation, so `get_state()/set_state()` restore exactly.
 
 Evaluation: every example of a split once, unpacked, bucketed by length to a few static lengths
 (powers of two up to max_eval_len) so that one compile serves a bucket; `index` says where each row
-came from (-1 for the padding rows of a bucket's last batch). Examples longer than max_eval_len are
-skipped, counted in `EvalSplit.skipped` and logged.
+came from (-1 for padding rows). Batches are global: every process builds the same ones and puts
+the rows its devices hold. Examples longer than max_eval_len are skipped, counted in
+`EvalSplit.skipped` and logged.
 
-Batch shapes (np.int32): B rows of this process, L = max_len, Lb = a bucket length.
+Several processes: process 0 trains the vocabulary and builds the caches while the others wait;
+they then use process 0's vocabulary bytes (t2t/data/multihost.py).
+
+Batch shapes (np.int32): B rows (this process's rows of a training batch), L = max_len,
+G rows of a global evaluation batch, Lb = a bucket length.
   train: inputs, targets, *_segment_ids, *_positions [B, L]
-  eval:  inputs, targets [B, Lb], index [B]
+  eval:  inputs, targets [G, Lb], index [G]
 """
 
 import collections
@@ -23,7 +30,7 @@ from collections.abc import Iterator
 import numpy as np
 from absl import logging
 
-from t2t.data import cache, sources
+from t2t.data import cache, multihost, sources
 from t2t.data.tokenizer import Tokenizer, train_tokenizer
 
 MIN_BUCKET = 8
@@ -46,8 +53,23 @@ def vocab_path(config) -> str:
 
 
 def get_tokenizer(config) -> Tokenizer:
-    """The shared vocabulary at vocab_path(config), trained on the training split if missing."""
+    """The shared vocabulary at vocab_path(config), trained on the training split if missing.
+
+    With several processes every process must call it: process 0 loads or trains the vocabulary,
+    the others then get its bytes (written where their file is missing or differs), and all check
+    that they hold the same vocabulary.
+    """
     path = vocab_path(config)
+    if multihost.process_count() == 1:
+        return _load_or_train(config, path)
+    if multihost.process_index() == 0:
+        _load_or_train(config, path)
+    multihost.share_file(path)
+    multihost.check_same(f'the vocabulary {path}', multihost.file_digest(path))
+    return Tokenizer(path)
+
+
+def _load_or_train(config, path: str) -> Tokenizer:
     if os.path.exists(path):
         return Tokenizer(path)
     pairs = sources.open_split(config, config.train_split)
@@ -61,26 +83,27 @@ def get_tokenizer(config) -> Tokenizer:
                            config.tokenizer_character_coverage)
 
 
-def _rows_per_process(batch_size: int, process_count: int, what: str) -> int:
-    if batch_size % process_count:
-        raise ValueError(f'{what}={batch_size} is not divisible by process_count={process_count}')
-    return batch_size // process_count
+def train_iterator(config, tokenizer: Tokenizer, *, rows=None, num_threads: int = 2):
+    """An endless grain DatasetIterator of packed training batches.
 
-
-def train_iterator(config, tokenizer: Tokenizer, *, process_index: int = 0,
-                   process_count: int = 1, num_threads: int = 2):
-    """An endless grain DatasetIterator of packed training batches of this process."""
+    Global batch k holds the packed rows at stream positions [k*B, (k+1)*B) of the shuffled,
+    repeated row stream (B = config.batch_size). `rows`: the sorted row positions within a global
+    batch that this process feeds (t2t.sharding.process_rows); None: all of them. Every process
+    must call it (the packed cache is built by process 0 first).
+    """
     import grain
 
-    rows = _rows_per_process(config.batch_size, process_count, 'batch_size')
+    batch_size = config.batch_size
+    take = np.arange(batch_size) if rows is None else np.asarray(rows, np.int64)
+    if take.ndim != 1 or not len(take) or take.min() < 0 or take.max() >= batch_size:
+        raise ValueError(f'rows must be positions in a batch of batch_size={batch_size}, got '
+                         f'{take.tolist()[:8]}')
     packed = cache.packed_split(config, tokenizer, config.train_split)
     logging.info('%s: %d packed rows of %d pairs (fill %.3f); skipped %s', config.train_split,
                  packed.num_rows, packed.meta['examples'], packed.meta['fill'],
                  packed.meta['skipped'] or 'none')
     ds = grain.MapDataset.range(packed.num_rows).shuffle(seed=config.shuffle_seed).repeat()
-    # global batch k is stream items [k*B, (k+1)*B); process p takes every P-th of them
-    ds = ds.slice(slice(process_index, None, process_count))
-    ds = ds.batch(rows, drop_remainder=True).map(packed.gather)
+    ds = ds.batch(batch_size, drop_remainder=True).map(lambda ids: packed.gather(ids[take]))
     options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=4 * num_threads)
     return iter(ds.to_iter_dataset(options))
 
@@ -110,8 +133,16 @@ class EvalSplit:
     read_skipped: dict[str, int]  # lines dropped before indexing (empty, invalid UTF-8, ...)
     max_len: int
 
-    def plan(self, batch_size: int) -> list[tuple[int, np.ndarray]]:
-        """(bucket length, indices [batch_size] with -1 padding) of every batch."""
+    def plan(self, batch_size: int, global_rows: int | None = None
+             ) -> list[tuple[int, np.ndarray]]:
+        """(bucket length, indices [G] with -1 padding) of every batch of batch_size examples.
+
+        G = global_rows (>= batch_size, default batch_size): batches are padded to G rows, e.g. a
+        multiple of the devices they are split over, without changing which examples they hold.
+        """
+        global_rows = batch_size if global_rows is None else global_rows
+        if global_rows < batch_size:
+            raise ValueError(f'global_rows={global_rows} < batch_size={batch_size}')
         skipped = set(self.skipped)
         buckets = collections.defaultdict(list)
         for i, (s, t) in enumerate(zip(self.inputs, self.targets, strict=True)):
@@ -122,16 +153,15 @@ class EvalSplit:
             idx = np.array(buckets[length], np.int32)
             for start in range(0, len(idx), batch_size):
                 chunk = idx[start:start + batch_size]
-                pad = np.full(batch_size - len(chunk), -1, np.int32)
+                pad = np.full(global_rows - len(chunk), -1, np.int32)
                 batches.append((length, np.concatenate([chunk, pad])))
         return batches
 
-    def batches(self, batch_size: int, process_index: int = 0,
-                process_count: int = 1) -> Iterator[dict[str, np.ndarray]]:
-        """This process's rows of every global batch of `batch_size` rows."""
-        rows = _rows_per_process(batch_size, process_count, 'eval_batch_size')
-        for length, idx in self.plan(batch_size):
-            idx = idx[process_index * rows:(process_index + 1) * rows]
+    def batches(self, batch_size: int,
+                global_rows: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+        """Every global batch of `plan`: the same on every process (each puts its own rows)."""
+        for length, idx in self.plan(batch_size, global_rows):
+            rows = len(idx)
             batch = {'inputs': np.zeros((rows, length), np.int32),
                      'targets': np.zeros((rows, length), np.int32), 'index': idx}
             for r, i in enumerate(idx.tolist()):
@@ -159,8 +189,6 @@ def eval_split(config, tokenizer: Tokenizer, split: str) -> EvalSplit:
                      {k: v for k, v in read_skipped.items() if v}, limit)
 
 
-def eval_batches(config, tokenizer: Tokenizer, split: str, *, process_index: int = 0,
-                 process_count: int = 1) -> Iterator[dict[str, np.ndarray]]:
+def eval_batches(config, tokenizer: Tokenizer, split: str) -> Iterator[dict[str, np.ndarray]]:
     """Every example of `split` (except those counted in eval_split(...).skipped) exactly once."""
-    return eval_split(config, tokenizer, split).batches(config.eval_batch_size, process_index,
-                                                        process_count)
+    return eval_split(config, tokenizer, split).batches(config.eval_batch_size)

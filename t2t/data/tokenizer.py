@@ -8,8 +8,6 @@ import os
 import tempfile
 from collections.abc import Iterable, Sequence
 
-import sentencepiece as spm
-
 PAD_ID = 0
 EOS_ID = 1
 UNK_ID = 2
@@ -19,6 +17,8 @@ class Tokenizer:
     """A trained SentencePiece model; pickles by path so worker processes can rebuild it."""
 
     def __init__(self, path: str):
+        import sentencepiece as spm  # here, so that `import t2t.data` stays light
+
         self.path = str(path)
         self._sp = spm.SentencePieceProcessor(model_file=self.path)
         if (self._sp.pad_id(), self._sp.eos_id(), self._sp.unk_id()) != (PAD_ID, EOS_ID, UNK_ID):
@@ -69,6 +69,8 @@ def train_tokenizer(sentences: Iterable[str], path: str, vocab_size: int,
     if vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(f'vocab_size={vocab_size} is too small: at least {MIN_VOCAB_SIZE} (256 '
                          'UTF-8 byte pieces, PAD/EOS/UNK and the corpus\'s characters)')
+    import sentencepiece as spm
+
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
