@@ -113,6 +113,13 @@ class _Interval:
         return fetched
 
 
+def _spans(rows, shown: int = 4) -> str:
+    """Sorted row ids as ranges: [0, 1, 4, 5] -> '0-1, 4-5'."""
+    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+    spans = [f'{r[0]}-{r[-1]}' if len(r) > 1 else f'{r[0]}' for r in np.split(rows, breaks)]
+    return ', '.join(spans[:shown]) + (f', ... ({len(spans)} spans)' if len(spans) > shown else '')
+
+
 def _batch_line(config, mesh, rows) -> str:
     """How a training batch splits over the mesh and what this process feeds, in one line."""
     parallel = sharding.data_parallel_size(mesh)
@@ -120,7 +127,7 @@ def _batch_line(config, mesh, rows) -> str:
     split = (f'{accum} micro-batches x ' if accum > 1 else '') + \
         f'{parallel} data-parallel devices x {config.batch_size // accum // parallel} rows'
     return (f'batch_size {config.batch_size} = {split}; process {jax.process_index()} feeds '
-            f'{len(rows)} rows of each global batch')
+            f'{len(rows)} rows of each global batch ({_spans(rows)})')
 
 
 def train_and_evaluate(config, workdir: str, devices=None) -> TrainResult:

@@ -64,8 +64,9 @@ def resolve_mesh_shape(mesh_shape: Sequence[int], num_devices: int,
 
 
 def _slice_attribute(devices) -> str:
-    """What groups devices into slices: TPU devices carry slice_index, elsewhere processes do."""
-    if all(getattr(d, 'slice_index', None) is not None for d in devices):
+    """What groups devices into slices: TPU slices number their devices' slice_index; elsewhere
+    (CPU and GPU devices report slice 0 or none) each process stands for a slice."""
+    if len({getattr(d, 'slice_index', None) for d in devices} - {None}) > 1:
         return 'slice_index'
     return 'process_index'
 
@@ -89,10 +90,11 @@ def make_mesh(mesh_shape: Sequence[int], devices=None,
         return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
     attribute = _slice_attribute(devices)
     sizes = collections.Counter(getattr(d, attribute) for d in devices)
-    unit = 'slice' if attribute == 'slice_index' else 'process'
     if len(sizes) != num_slices or len(set(sizes.values())) != 1:
-        raise ValueError(f'dcn_mesh_shape={dcn} needs {num_slices} equal slices; the '
-                         f'{len(devices)} devices per {unit} are {dict(sorted(sizes.items()))}')
+        groups = 'slices' if attribute == 'slice_index' else 'processes (one per slice)'
+        raise ValueError(f'dcn_mesh_shape={dcn} needs {num_slices} slices of equal size; the '
+                         f'{len(devices)} devices are in {len(sizes)} {groups}, of sizes '
+                         f'{sorted(sizes.values())}')
     ici = resolve_mesh_shape(mesh_shape, len(devices) // num_slices, 'devices per slice')
     array = mesh_utils.create_hybrid_device_mesh(
         ici, dcn, devices, process_is_granule=attribute == 'process_index')

@@ -1,0 +1,330 @@
+"""Pod scale from one machine: 2 processes x 4 CPU devices train and evaluate like 1 x 8, and a
+checkpoint restores on any mesh, device count or process count with the data continuing in order.
+
+One scenario (the `pod` fixture, computed once even when the tests run on several xdist workers):
+  A1  train.py on 2 processes, mesh (8, 1, 1) over both: steps 0 -> 3; process 1 has its own
+      data_dir, like a TPU VM's local disk: it gets the vocabulary from process 0
+  A2  train.py on 2 processes resumes A1: steps 3 -> 6 on mesh (2, 1, 2) x dcn (1, 2, 1), i.e. a
+      (2, 2, 2) mesh whose fsdp axis spans the processes (process 0 feeds rows 0,1,4,5 of 8)
+  E2  evaluate.py on 2 processes on step 6
+  ref loop.train_and_evaluate in this process: 1 process x 8 devices, mesh (1, 8, 1), steps 0 -> 8
+and in this process, from those checkpoints: A's step 6 -> 8 on 1 process, mesh (1, 8, 1);
+ref's step 3 -> 6 on (8, 1, 1); ref's step 3 -> 6 on 1 device, then 6 -> 8 on 8 devices; and
+evaluate.py's logic on 8 devices and on 1 device.
+
+Compiled programs go to a persistent compilation cache for the session (jax's own, keyed by the
+program), so a program compiled by an earlier run on the same mesh is read back, not recompiled.
+
+The attention key biases are left out of parameter comparisons: their exact gradient is zero
+(softmax ignores a constant added to every logit of a query), so each run's float noise, turned
+into +-learning-rate steps by Adam, moves them differently without changing any output.
+"""
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from t2t import checkpoint, evaluation, loop, metrics, sharding
+from t2t.data import pipeline
+from tests import toy_corpus
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# max_eval_len 16: evaluation buckets of 8 and 16 tokens only (9 of 21 test sentences are skipped
+# as longer, and counted), so each decoder compiles twice, not three times.
+SETTINGS = dict(log_every_steps=1, eval_every_steps=6, checkpoint_every_steps=3,
+                keep_checkpoints=5, eval_bleu_sentences=0, num_eval_batches=1, max_eval_len=16)
+BLEU = dict(eval_bleu_sentences=4)  # in-training BLEU where a run is compared on it
+TIMEOUT_S = 420  # per 2-process command; a loaded 2-core machine takes a few times longer
+
+
+def _config(corpus, **overrides):
+    return toy_corpus.tiny_config(corpus, **{**SETTINGS, **overrides})
+
+
+def _flags(corpus, **overrides) -> list[str]:
+    """--config flags giving train.py / evaluate.py the config of `_config` (but data_dir)."""
+    from configs import tiny
+
+    config, base = _config(corpus, **overrides), tiny.get_config()
+    flags = ['--config=configs/tiny.py']
+    flags += [f'--config.{k}={config[k]}' for k in config
+              if k not in ('tsv_files', 'data_dir') and config[k] != base[k]]
+    flags += [f'--config.tsv_files.{s}={config.tsv_files[s]}'
+              for s in ('train', 'validation', 'test')]
+    return flags
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(('localhost', 0))
+        return s.getsockname()[1]
+
+
+def _two_processes(script: str, args: list[str], data_dirs: list[str], log_dir) -> list[str]:
+    """Runs `script` on 2 processes x 4 CPU devices; returns their stdouts; raises with both
+    processes' stderr tails when one fails or the time runs out."""
+    port = _free_port()
+    env = {**os.environ, 'JAX_PLATFORMS': 'cpu',
+           'XLA_FLAGS': '--xla_force_host_platform_device_count=4',
+           'JAX_COMPILATION_CACHE_DIR': str(log_dir / 'jax-cache'),
+           'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',
+           'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES': '-1'}
+    procs, logs = [], []
+    for i in range(2):
+        out = open(log_dir / f'{script}-{port}-{i}.out', 'w+')
+        err = open(log_dir / f'{script}-{port}-{i}.err', 'w+')
+        logs.append((out, err))
+        procs.append(subprocess.Popen(
+            [sys.executable, script, *args, f'--config.data_dir={data_dirs[i]}',
+             f'--coordinator_address=localhost:{port}', '--num_processes=2', f'--process_id={i}'],
+            cwd=ROOT, env=env, stdout=out, stderr=err))
+    failed = []
+    for i, proc in enumerate(procs):
+        try:
+            if proc.wait(timeout=TIMEOUT_S):
+                failed.append(f'process {i} exited with {proc.returncode}')
+        except subprocess.TimeoutExpired:
+            failed.append(f'process {i} ran over {TIMEOUT_S} s')
+            for p in procs:
+                p.kill()
+            break
+    texts = []
+    for out, err in logs:
+        out.seek(0)
+        err.seek(0)
+        texts.append((out.read(), err.read()))
+        out.close()
+        err.close()
+    if failed:
+        tails = '\n'.join(f'--- process {i} stderr:\n{e[-3000:]}' for i, (_, e) in enumerate(texts))
+        raise AssertionError(f'{script}: {"; ".join(failed)}\n{tails}')
+    return [o for o, _ in texts]
+
+
+@contextlib.contextmanager
+def _exclusive(path):
+    with open(path, 'w') as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def _copy_checkpoint(src_workdir, step: int, dst_workdir) -> str:
+    dst = os.path.join(dst_workdir, 'checkpoints')
+    os.makedirs(dst)
+    shutil.copytree(os.path.join(src_workdir, 'checkpoints', str(step)),
+                    os.path.join(dst, str(step)))
+    return str(dst_workdir)
+
+
+class _Recorder:
+    """Records the (process-local) batches the loop feeds, by wrapping sharding.put_rows."""
+
+    def __init__(self, monkeypatch):
+        self.batches = []
+        put_rows = sharding.put_rows
+
+        def recording(batch, *args):
+            self.batches.append({k: np.array(v) for k, v in batch.items()})
+            return put_rows(batch, *args)
+
+        monkeypatch.setattr(sharding, 'put_rows', recording)
+
+
+def _run_scenario(root) -> dict:
+    (root / 'corpus').mkdir()
+    corpus = toy_corpus.make_corpus(root / 'corpus')
+    data0, data1 = str(root / 'corpus' / 'data'), str(root / 'local1')
+    runs = {'corpus_root': str(corpus['root']), 'data_dirs': [data0, data1]}
+
+    a = str(root / 'A')
+    dirs = [data0, data1]
+    _two_processes('train.py', [*_flags(corpus, num_train_steps=3), f'--workdir={a}'], dirs, root)
+    runs['a2_stdout'] = _two_processes(
+        'train.py', [*_flags(corpus, num_train_steps=6, mesh_shape=(2, 1, 2),
+                             dcn_mesh_shape=(1, 2, 1), **BLEU), f'--workdir={a}'], dirs, root)[0]
+    _two_processes('evaluate.py', [*_flags(corpus), f'--workdir={a}', '--step=6'], dirs, root)
+    runs['A'] = a
+    with open(os.path.join(a, 'hypotheses-test-step-6.txt'), encoding='utf-8') as f:
+        runs['hypotheses_2_processes'] = f.read()
+    with open(os.path.join(a, 'eval-test.json'), encoding='utf-8') as f:
+        runs['scores_2_processes'] = json.load(f)['step-6']
+
+    # The reference: 1 process x 8 devices, FSDP mesh (1, 8, 1): steps 0 -> 8, checkpoints 3, 6, 8.
+    runs['reference'] = str(root / 'reference')
+    result = loop.train_and_evaluate(
+        _config(corpus, num_train_steps=8, mesh_shape=(1, 8, 1), **BLEU), runs['reference'])
+    assert result.step == 8
+    return runs
+
+
+@pytest.fixture(scope='module')
+def pod_root(tmp_path_factory, worker_id):
+    """A directory of this test session, shared by its xdist workers, with jax's compilation
+    cache in it (for this module's tests and processes only)."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    root = tmp_path_factory.getbasetemp()
+    if worker_id != 'master':
+        root = root.parent
+    root = root / 'pod'
+    root.mkdir(exist_ok=True)
+    settings = {'jax_compilation_cache_dir': str(root / 'jax-cache'),
+                'jax_persistent_cache_min_compile_time_secs': 0,
+                'jax_persistent_cache_min_entry_size_bytes': -1}
+    before = {k: getattr(jax.config, k) for k in settings}
+    for key, value in settings.items():
+        jax.config.update(key, value)
+    compilation_cache.reset_cache()
+    yield root
+    for key, value in before.items():
+        jax.config.update(key, value)
+    compilation_cache.reset_cache()
+
+
+@pytest.fixture(scope='module')
+def pod(pod_root):
+    """The 2-process runs, once per test session (a lock shares them between xdist workers)."""
+    root = pod_root
+    with _exclusive(root / '.lock'):
+        done = root / 'runs.json'
+        if not done.exists():
+            done.write_text(json.dumps(_run_scenario(root)))
+        runs = json.loads(done.read_text())
+    corpus = {'root': root / 'corpus'}
+    corpus.update({s: str(root / 'corpus' / f'{s}.tsv') for s in ('train', 'validation', 'test')})
+    runs['corpus'] = corpus
+    return runs
+
+
+@pytest.fixture(scope='module')
+def reference(pod):
+    return pod['reference']
+
+
+def _params(workdir, step):
+    return checkpoint.restore_params(workdir, step)
+
+
+def assert_same_params(workdir_a, workdir_b, step, atol=1e-5):
+    a, b = _params(workdir_a, step), _params(workdir_b, step)
+    worst = 0.0
+    for (path, x), (_, y) in zip(jax.tree_util.tree_flatten_with_path(a)[0],
+                                 jax.tree_util.tree_flatten_with_path(b)[0], strict=True):
+        name = jax.tree_util.keystr(path)
+        if "['key']['bias']" in name:
+            continue  # zero true gradient: see the module docstring
+        diff = float(np.abs(np.asarray(x, np.float32) - np.asarray(y, np.float32)).max())
+        assert diff <= atol, f'step {step}: {name} differs by {diff}'
+        worst = max(worst, diff)
+    return worst
+
+
+def _iterator_position(workdir, step) -> dict:
+    return checkpoint.read_metadata(workdir, step)[checkpoint.ITERATOR_KEY]
+
+
+def _global_stream(corpus, start, count):
+    config = _config(corpus)
+    it = pipeline.train_iterator(config, pipeline.get_tokenizer(config))
+    batches = [next(it) for _ in range(start + count)]
+    return batches[start:]
+
+
+# --- 2 processes ----------------------------------------------------------------------------------
+
+def test_two_processes_train_and_resume_like_one(pod, reference, capsys):
+    worst = {step: assert_same_params(pod['A'], reference, step) for step in (3, 6)}
+    with capsys.disabled():
+        print(f'\n2 processes vs 1 (key biases aside): max |param diff| {worst}')
+    # The training and validation metrics, BLEU included, are those of the 1-process run.
+    ours = {(r['step'], k): v for r in metrics.read_jsonl(pod['A']) for k, v in r.items()}
+    theirs = {(r['step'], k): v for r in metrics.read_jsonl(reference) for k, v in r.items()}
+    for key in [(s, 'loss') for s in range(1, 7)] + [(6, 'eval_loss'), (6, 'eval_bleu'),
+                                                       (6, 'eval_chrf')]:
+        assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
+    assert 'resuming from checkpoint 3' in pod['a2_stdout']
+    assert "mesh {'data': 2, 'fsdp': 2, 'tensor': 2}" in pod['a2_stdout']
+    # fsdp spans the processes: each feeds two separate blocks of rows, as the sharding says.
+    assert 'process 0 feeds 4 rows of each global batch (0-1, 4-5)' in pod['a2_stdout']
+    # The iterator position is a global batch counter, saved once for all processes.
+    for step in (3, 6):
+        assert _iterator_position(pod['A'], step) == _iterator_position(reference, step) \
+            == {'next_index': step}
+
+
+def test_a_host_local_data_dir_gets_process_0s_vocabulary(pod):
+    config0, config1 = (_config(pod['corpus'], data_dir=d) for d in pod['data_dirs'])
+    vocab0, vocab1 = pipeline.vocab_path(config0), pipeline.vocab_path(config1)
+    with open(vocab0, 'rb') as f0, open(vocab1, 'rb') as f1:
+        assert f0.read() == f1.read()
+    # Process 0 trained it (sentencepiece also writes a .vocab file); process 1 only received it.
+    assert os.path.exists(vocab0.replace('.model', '.vocab'))
+    assert not os.path.exists(vocab1.replace('.model', '.vocab'))
+    # Each built the same packed cache in its own data_dir.
+    names = [sorted(os.listdir(os.path.join(d, 'packed'))) for d in pod['data_dirs']]
+    assert names[0] == names[1] and len(names[0]) == 1
+
+
+def _evaluate(config, src_workdir, step, workdir, devices=None):
+    """evaluate.py's logic on a copy of checkpoint `step`: (hypotheses text, record)."""
+    workdir = _copy_checkpoint(src_workdir, step, workdir)
+    results = evaluation.run(config, workdir, progress=False, echo=lambda _: None,
+                             devices=devices)
+    with open(os.path.join(workdir, f'hypotheses-test-step-{step}.txt'), encoding='utf-8') as f:
+        return f.read(), results[f'step-{step}']
+
+
+def test_evaluate_on_two_processes_one_process_and_one_device_agree(pod, tmp_path):
+    config = _config(pod['corpus'])
+    assert pod['scores_2_processes']['sentences'] == 21
+    assert pod['scores_2_processes']['skipped_too_long'] == 9
+    for devices, name in ((None, '8 devices'), (jax.devices()[:1], '1 device')):
+        text, record = _evaluate(config, pod['A'], 6, tmp_path / name, devices)
+        assert text == pod['hypotheses_2_processes'], name
+        for key in ('sacrebleu', 'chrf', 'sentences', 'hit_length_limit'):
+            assert record[key] == pod['scores_2_processes'][key], (name, key)
+
+
+# --- restore anywhere -----------------------------------------------------------------------------
+
+def test_two_processes_continue_on_one_with_the_next_global_batches(pod, reference, tmp_path,
+                                                                    monkeypatch):
+    workdir = _copy_checkpoint(pod['A'], 6, tmp_path / 'one')
+    recorder = _Recorder(monkeypatch)
+    config = _config(pod['corpus'], num_train_steps=8, mesh_shape=(1, 8, 1))
+    assert loop.train_and_evaluate(config, workdir).step == 8
+    # Global batches 6 and 7 of the stream: not a restart, not a repeat.
+    for got, want in zip(recorder.batches, _global_stream(pod['corpus'], 6, 2), strict=True):
+        assert got.keys() == want.keys() and all((got[k] == want[k]).all() for k in got)
+    assert_same_params(workdir, reference, 8)
+    assert _iterator_position(workdir, 8) == {'next_index': 8}
+
+
+def test_fsdp_checkpoint_continues_on_a_data_parallel_mesh(pod, reference, tmp_path):
+    workdir = _copy_checkpoint(reference, 3, tmp_path / 'run')
+    config = _config(pod['corpus'], num_train_steps=6, mesh_shape=(8, 1, 1))
+    assert loop.train_and_evaluate(config, workdir).step == 6
+    assert_same_params(workdir, reference, 6)
+
+
+def test_eight_devices_to_one_and_back(pod, reference, tmp_path):
+    workdir = _copy_checkpoint(reference, 3, tmp_path / 'run')
+    config = _config(pod['corpus'], num_train_steps=6, mesh_shape=(1, 1, 1))
+    assert loop.train_and_evaluate(config, workdir, devices=jax.devices()[:1]).step == 6
+    assert_same_params(workdir, reference, 6)
+    # evaluate.py: a checkpoint of 1 device gives the same hypotheses on 8 devices as on 1.
+    texts = [_evaluate(config, workdir, 6, tmp_path / name, devices)[0]
+             for name, devices in (('eval-8', None), ('eval-1', jax.devices()[:1]))]
+    assert texts[0] == texts[1] and texts[0].count('\n') == 21
+    config.mesh_shape, config.num_train_steps = (1, 8, 1), 8
+    assert loop.train_and_evaluate(config, workdir).step == 8
+    assert_same_params(workdir, reference, 8)
