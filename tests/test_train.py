@@ -98,6 +98,22 @@ def test_accumulating_4_micro_batches_equals_one_4x_batch():
     assert max(jax.tree_util.tree_leaves(moved)) > 1e-3  # the step did change the parameters
 
 
+def test_micro_batches_stay_spread_over_every_data_device_without_moving_data():
+    mesh = sharding.make_mesh((2, 2, 2))  # 4 data-parallel devices, each 4 of 16 rows
+    batch_sharding = sharding.batch_sharding(mesh)
+    rows = sharding.put_global(np.arange(16 * 3).reshape(16, 3) // 3, batch_sharding)
+    split = jax.jit(lambda x: train_lib._split_micro_batches(x, 4, batch_sharding))
+    compiled = split.lower(rows).compile()
+    assert not any(op in compiled.as_text() for op in ('all-to-all', 'all-gather',
+                                                        'collective-permute'))
+    micro = compiled(rows)  # [4 micro-batches, 4 rows, 3]
+    held = {s.device: set(np.asarray(s.data)[:, 0].tolist()) for s in rows.addressable_shards}
+    for shard in micro.addressable_shards:  # every micro-batch has one row on every device
+        got = np.asarray(shard.data)[:, :, 0]
+        assert got.shape == (4, 1) and set(got.ravel().tolist()) == held[shard.device]
+    np.testing.assert_array_equal(np.asarray(micro)[:, :, 0], np.arange(16).reshape(4, 4).T)
+
+
 def test_config_errors_name_the_key():
     mesh = sharding.make_mesh((-1, 1, 1))  # 8 data-parallel devices
     with pytest.raises(ValueError, match='batch_size=12 is not divisible by the 8'):

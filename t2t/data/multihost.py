@@ -6,7 +6,8 @@ others reuse what it built where they share its filesystem, or, where their data
 themselves. Files are always written under a unique temporary name and renamed into place, so no
 two processes ever write one file.
 
-Without jax imported (e.g. `python -m t2t.data`) there is one process and nothing here imports jax.
+Several processes means a jax.distributed job (train.py / evaluate.py --coordinator_address=... or
+--distributed); otherwise, e.g. `python -m t2t.data`, there is one and no jax backend is started.
 """
 
 import hashlib
@@ -17,8 +18,16 @@ import tempfile
 import numpy as np
 
 
+def _distributed() -> bool:
+    if 'jax' not in sys.modules:  # nothing can have started jax.distributed
+        return False
+    import jax
+
+    return jax.distributed.is_initialized()
+
+
 def process_count() -> int:
-    if 'jax' not in sys.modules:
+    if not _distributed():
         return 1
     import jax
 
@@ -26,7 +35,7 @@ def process_count() -> int:
 
 
 def process_index() -> int:
-    if 'jax' not in sys.modules:
+    if not _distributed():
         return 0
     import jax
 
