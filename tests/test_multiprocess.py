@@ -28,6 +28,8 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
+import traceback
 
 import jax
 import numpy as np
@@ -87,16 +89,19 @@ def _two_processes(script: str, args: list[str], data_dirs: list[str], log_dir) 
             [sys.executable, script, *args, f'--config.data_dir={data_dirs[i]}',
              f'--coordinator_address=localhost:{port}', '--num_processes=2', f'--process_id={i}'],
             cwd=ROOT, env=env, stdout=out, stderr=err))
-    failed = []
+    # A process that fails leaves the other waiting in a collective: stop it soon after.
+    deadline, failed = time.monotonic() + TIMEOUT_S, []
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.poll() for p in procs):
+            deadline = min(deadline, time.monotonic() + 20)
+        time.sleep(0.2)
     for i, proc in enumerate(procs):
-        try:
-            if proc.wait(timeout=TIMEOUT_S):
-                failed.append(f'process {i} exited with {proc.returncode}')
-        except subprocess.TimeoutExpired:
-            failed.append(f'process {i} ran over {TIMEOUT_S} s')
-            for p in procs:
-                p.kill()
-            break
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+            failed.append(f'process {i} was stopped after waiting (limit {TIMEOUT_S} s)')
+        elif proc.returncode:
+            failed.append(f'process {i} exited with {proc.returncode}')
     texts = []
     for out, err in logs:
         out.seek(0)
@@ -197,8 +202,14 @@ def pod(pod_root):
     with _exclusive(root / '.lock'):
         done = root / 'runs.json'
         if not done.exists():
-            done.write_text(json.dumps(_run_scenario(root)))
+            try:
+                runs = _run_scenario(root)
+            except Exception:  # the other workers report it instead of running it again
+                runs = {'error': traceback.format_exc()[-8000:]}
+            done.write_text(json.dumps(runs))
         runs = json.loads(done.read_text())
+    if 'error' in runs:
+        pytest.fail(runs['error'], pytrace=False)
     corpus = {'root': root / 'corpus'}
     corpus.update({s: str(root / 'corpus' / f'{s}.tsv') for s in ('train', 'validation', 'test')})
     runs['corpus'] = corpus
