@@ -47,6 +47,10 @@ def vocab_path(config) -> str:
 
 def get_tokenizer(config) -> Tokenizer:
     """The shared vocabulary at vocab_path(config), trained on the training split if missing."""
+    if config.dataset == 'recall':  # fixed symbols, no sentencepiece
+        from t2t.data import recall
+
+        return recall.tokenizer(config)
     path = vocab_path(config)
     if os.path.exists(path):
         return Tokenizer(path)
