@@ -3,6 +3,7 @@
     python sweep.py --config=configs/table3_mini.py --workdir=runs/table3 --split=validation
     python sweep.py --config=... --workdir=... --dry_run            # points and commands only
     python sweep.py --config=... --workdir=... --config.train_time_budget_s=60   # every point
+    python sweep.py --config=... --workdir=... --only=default --only=num_heads=1   # some now
     python sweep.py --summarize=runs/table3                        # summary from disk alone
 
 Re-running skips finished points and resumes unfinished ones; --retry_failed reruns failed ones.
@@ -22,6 +23,8 @@ _AVERAGE_LAST = flags.DEFINE_integer('average_last', 0,
 _RETRY_FAILED = flags.DEFINE_bool('retry_failed', False, 'Run failed points again.')
 _DRY_RUN = flags.DEFINE_bool('dry_run', False, 'Print each point and its command; run nothing.')
 _LAUNCHER = flags.DEFINE_string('launcher', 'local', 'How a point runs: local (train.py here).')
+_ONLY = flags.DEFINE_multi_string('only', [], 'Run only this point (a name as --dry_run lists '
+                                   'it); repeat the flag for several.')
 _SUMMARIZE = flags.DEFINE_string('summarize', '', 'Rebuild DIR/summary.* and curves.png, exit.')
 
 
@@ -44,7 +47,7 @@ def main(argv):
         return sweep.run(config_path, _CONFIG.value, _WORKDIR.value or 'SWEEP_DIR',
                          base_overrides=overrides, split=_SPLIT.value,
                          average_last=_AVERAGE_LAST.value, retry_failed=_RETRY_FAILED.value,
-                         dry_run=_DRY_RUN.value, launcher=_LAUNCHER.value)
+                         dry_run=_DRY_RUN.value, launcher=_LAUNCHER.value, only=_ONLY.value)
     except sweep.SweepError as e:
         sys.exit(f'sweep.py: {e}')
 

@@ -35,6 +35,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.recall_length = 8
     c.recall_train_examples = 20_000
     c.recall_eval_examples = 1000  # in validation and in test each
+    c.recall_distractors = False  # True: '0' / '1' also occur after position 0
 
     # --- model (the paper's base) ---------------------------------------------------------------
     c.d_model = 512

@@ -13,9 +13,11 @@ the tokenizer's pieces: source pieces for the encoder's queries and for every ke
 cross-attention, output pieces for the decoder's queries (the token each position emits), and
 decoder-input pieces (`<start>`, then the output shifted right) for the decoder's own keys.
 
-The recall report (configs/recall_toy.py): greedy-decoded accuracy on held-out sequences, and the
+The recall report (configs/recall_toy.py): greedy-decoded accuracy on held-out sequences, the
 cross-attention weight from the position that emits the answer (the first output position) to
-source position 0, averaged over the examples, per decoder layer and head.
+source position 0, averaged over the examples, per decoder layer and head, and the encoder
+self-attention weight from the other source positions to position 0 (a head that copies the first
+symbol everywhere lets the decoder read it at any position).
 
 Shape letters: B batch, H heads, Q queries, K keys, S source length, T target length, L layers.
 """
@@ -163,37 +165,64 @@ def plot(maps: SentenceMaps, path: str, title: str = ''):
 # The recall toy's report
 
 
+def _best(weights_LH: np.ndarray) -> tuple[int, int, float]:
+    """(layer, head, weight) of the largest entry, 1-based."""
+    layer, head = np.unravel_index(np.argmax(weights_LH), weights_LH.shape)
+    return int(layer) + 1, int(head) + 1, float(weights_LH[layer, head])
+
+
+def _table(weights_LH: np.ndarray) -> list[str]:
+    layers, heads = weights_LH.shape
+    lines = ['         ' + ''.join(f'  head {h + 1:<3}' for h in range(heads))]
+    for layer in range(layers):
+        lines.append(f'layer {layer + 1:<3}'
+                     + ''.join(f'  {weights_LH[layer, h]:8.3f}' for h in range(heads)))
+    return lines
+
+
 @dataclasses.dataclass(frozen=True)
 class RecallReport:
+    """What a recall-toy model does with source position 0 (weights: means over examples).
+
+    The answer can reach the decoder two ways: its cross-attention reads position 0 directly
+    (first_weights_LH high), or an encoder self-attention head first copies position 0 to every
+    position (encoder_weights_LH high) and the decoder reads it anywhere.
+    """
+
     label: str  # the checkpoint
     split: str
     examples: int
     accuracy: float  # greedy output == the first symbol, over every example of the split
-    first_weights_LH: np.ndarray  # mean cross-attention weight, first output -> source position 0
-    by_answer: dict[str, np.ndarray]  # the same mean over the examples of each answer
+    first_weights_LH: np.ndarray  # cross-attention, first output position -> source position 0
+    by_answer: dict[str, np.ndarray]  # the same, over the examples of each answer
+    encoder_weights_LH: np.ndarray  # encoder self-attention, source positions 1.. -> position 0
 
     @property
     def best(self) -> tuple[int, int, float]:
-        """(layer, head, weight) of the head that attends most to source position 0 (1-based)."""
-        layer, head = np.unravel_index(np.argmax(self.first_weights_LH),
-                                       self.first_weights_LH.shape)
-        return int(layer) + 1, int(head) + 1, float(self.first_weights_LH[layer, head])
+        """(layer, head, weight) of the decoder head that reads source position 0 most."""
+        return _best(self.first_weights_LH)
+
+    @property
+    def encoder_best(self) -> tuple[int, int, float]:
+        """(layer, head, weight) of the encoder head that copies position 0 most."""
+        return _best(self.encoder_weights_LH)
 
     def format(self) -> str:
-        layers, heads = self.first_weights_LH.shape
-        lines = [f'{self.label} on {self.split}: {self.examples} held-out sequences, greedy '
-                 f'accuracy {self.accuracy:.4f}',
-                 'cross-attention weight from the first output position (the answer) to source '
-                 'position 0, mean over the examples:',
-                 '         ' + ''.join(f'  head {h + 1:<3}' for h in range(heads))]
-        for layer in range(layers):
-            lines.append(f'layer {layer + 1:<3}' + ''.join(
-                f'  {self.first_weights_LH[layer, h]:8.3f}' for h in range(heads)))
         layer, head, weight = self.best
         split = ', '.join(f'{w[layer - 1, head - 1]:.3f} when the answer is {a}'
                           for a, w in sorted(self.by_answer.items()))
-        lines.append(f'best: layer {layer} head {head}: {weight:.3f} ({split})')
-        return '\n'.join(lines)
+        e_layer, e_head, e_weight = self.encoder_best
+        return '\n'.join([
+            f'{self.label} on {self.split}: {self.examples} held-out sequences, greedy '
+            f'accuracy {self.accuracy:.4f}',
+            'cross-attention weight from the first output position (the answer) to source '
+            'position 0, mean over the examples:',
+            *_table(self.first_weights_LH),
+            f'best: layer {layer} head {head}: {weight:.3f} ({split})',
+            'encoder self-attention weight from source positions 1.. to position 0, mean over '
+            'positions and examples:',
+            *_table(self.encoder_weights_LH),
+            f'best: layer {e_layer} head {e_head}: {e_weight:.3f}'])
 
 
 def recall_report(config, workdir, *, split: str = '', step: int | None = None) -> RecallReport:
@@ -214,18 +243,26 @@ def recall_report(config, workdir, *, split: str = '', step: int | None = None) 
         config.eval_batch_size), tokenizer, n, progress=False)
     correct = sum(h == r for h, r in zip(result.hypotheses, eval_split.references, strict=True))
     sums, counts = {}, {}  # per answer id: [L, H] sums of the weight of query 0 on key 0
+    encoder_sum, rows = 0.0, 0
     for batch in eval_split.batches(config.eval_batch_size):
-        cross = attention_weights(model_config, params, batch['inputs'],
-                                  batch['targets'])[KINDS[2]]
-        first_NLH = np.stack([w[:, :, 0, 0] for w in cross], axis=1)
-        for answer in np.unique(batch['targets'][batch['index'] >= 0, 0]).tolist():
-            rows_N = (batch['index'] >= 0) & (batch['targets'][:, 0] == answer)
+        maps = attention_weights(model_config, params, batch['inputs'], batch['targets'])
+        real_N = batch['index'] >= 0
+        first_NLH = np.stack([w[:, :, 0, 0] for w in maps[KINDS[2]]], axis=1)
+        for answer in np.unique(batch['targets'][real_N, 0]).tolist():
+            rows_N = real_N & (batch['targets'][:, 0] == answer)
             sums[answer] = sums.get(answer, 0.0) + first_NLH[rows_N].sum(axis=0)
             counts[answer] = counts.get(answer, 0) + int(rows_N.sum())
+        # queries 1 .. last real token of each row, onto key 0; averaged over them per row
+        later_NS = (batch['inputs'] != PAD_ID) & (np.arange(batch['inputs'].shape[1]) > 0)
+        share_N = later_NS / np.maximum(later_NS.sum(axis=1, keepdims=True), 1)
+        encoder_NLH = np.stack([np.einsum('nhs,ns->nh', w[:, :, :, 0], share_N)
+                                for w in maps[KINDS[0]]], axis=1)
+        encoder_sum = encoder_sum + encoder_NLH[real_N].sum(axis=0)
+        rows += int(real_N.sum())
     by_answer = {tokenizer.piece(a): sums[a] / counts[a] for a in sorted(sums)}
-    total_LH = sum(sums.values()) / max(sum(counts.values()), 1)
     return RecallReport(label=label, split=eval_split.name, examples=n, accuracy=correct / n,
-                        first_weights_LH=total_LH, by_answer=by_answer)
+                        first_weights_LH=sum(sums.values()) / max(rows, 1), by_answer=by_answer,
+                        encoder_weights_LH=encoder_sum / max(rows, 1))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -236,14 +236,15 @@ def write_state(point_dir: str, state: dict) -> None:
     write_atomic(os.path.join(point_dir, STATE_NAME), json.dumps(state, indent=1) + '\n')
 
 
-def _process_alive(pid: int, workdir: str) -> bool:
-    """Whether `pid` still runs train.py on `workdir` (an old sweep's child finishing its save)."""
+def _process_alive(pid: int, command: list[str]) -> bool:
+    """Whether `pid` still runs `command` (an earlier sweep's train.py finishing its save)."""
     try:
         with open(f'/proc/{pid}/cmdline', 'rb') as f:
-            cmdline = f.read().decode(errors='replace')
+            args = f.read().decode(errors='replace').split('\0')
     except OSError:
         return False
-    return 'train.py' in cmdline and os.path.basename(workdir) in cmdline
+    workdir = next((a for a in command if a.startswith('--workdir=')), None)
+    return workdir in args and any(a.endswith('train.py') for a in args)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -327,6 +328,8 @@ def train_point(command: list[str], point_dir: str, state: dict, stop: _Stop) ->
         state['pid'] = child.pid
         write_state(point_dir, state)
         stop.child = child
+        if stop.signum is not None:  # the signal came while it was starting
+            child.send_signal(signal.SIGTERM)
         try:
             returncode = child.wait()
         finally:
@@ -346,8 +349,7 @@ def train_point(command: list[str], point_dir: str, state: dict, stop: _Stop) ->
     return state
 
 
-def evaluate_point(config, point_dir: str, split: str, average_last: int,
-                   echo: Callable[[str], None]) -> dict:
+def evaluate_point(config, point_dir: str, split: str, average_last: int) -> dict:
     """{'label', 'split', 'sacrebleu', 'chrf', ...} or {'error': ...}: evaluate.py's logic."""
     from t2t import checkpoint, evaluation
 
@@ -356,8 +358,11 @@ def evaluate_point(config, point_dir: str, split: str, average_last: int,
         label = evaluation.select(point_dir, average_last=average_last)[0][0]
         results = evaluation.run(config, point_dir, average_last=average_last, split=split,
                                  progress=False, echo=lines.append)
-    except (evaluation.EvalError, checkpoint.CheckpointError, ValueError, OSError) as e:
+    except (evaluation.EvalError, checkpoint.CheckpointError) as e:
         return {'error': f'evaluation: {str(e).splitlines()[0][:400]}', 'split': split}
+    except Exception as e:  # e.g. out of memory: recorded, and the sweep goes on
+        first = (str(e).splitlines() or [''])[0][:400]
+        return {'error': f'evaluation: {type(e).__name__}: {first}', 'split': split}
     record = results[label]
     with open(os.path.join(point_dir, 'evaluate.log'), 'a', encoding='utf-8') as f:
         f.write('\n'.join(lines) + '\n')
@@ -389,7 +394,7 @@ def _wait_for_old_child(point_dir: str, state: dict, echo) -> None:
     if state.get('status') != 'running' or not pid:
         return
     deadline, said = time.monotonic() + 300, False
-    while _process_alive(pid, point_dir):
+    while _process_alive(pid, state.get('command') or []):
         if time.monotonic() > deadline:
             raise SweepError(f'{point_dir}: train.py (pid {pid}) of an earlier sweep is still '
                              'running; stop it first')
@@ -401,17 +406,25 @@ def _wait_for_old_child(point_dir: str, state: dict, echo) -> None:
 
 def run(config_path: str, config, workdir: str, *, base_overrides: dict | None = None,
         split: str = '', average_last: int = 0, retry_failed: bool = False,
-        dry_run: bool = False, launcher: str = 'local', sweep: list[dict] | None = None,
-        echo: Callable[[str], None] = print) -> int:
-    """Runs (or, dry_run, prints) the sweep; returns an exit code (0: every point done)."""
+        dry_run: bool = False, launcher: str = 'local', only: Sequence[str] = (),
+        sweep: list[dict] | None = None, echo: Callable[[str], None] = print) -> int:
+    """Runs (or, dry_run, prints) the sweep; returns an exit code (0: every point done).
+
+    only: names of the points to run now (the summary still lists every point).
+    """
     base_overrides = dict(base_overrides or {})
     points = make_points(config, load_sweep(config_path) if sweep is None else sweep,
                          base_overrides)
     commands = {p.name: point_command(config_path, workdir, p, base_overrides, launcher)
                 for p in points}
+    unknown = set(only) - set(commands)
+    if unknown:
+        raise SweepError(f'no point named {", ".join(sorted(unknown))}; the points: '
+                         f'{", ".join(commands)}')
+    selected = [(i, p) for i, p in enumerate(points, 1) if not only or p.name in only]
     total = len(points)
     if dry_run:
-        for i, p in enumerate(points, 1):
+        for i, p in selected:
             same = f'  (also stands for: {", ".join(p.same_as)})' if p.same_as else ''
             echo(f'[{i}/{total}] {p.name}: {count_params(p.config)} parameters{same}')
             echo('  ' + shlex.join(commands[p.name]))
@@ -426,7 +439,7 @@ def run(config_path: str, config, workdir: str, *, base_overrides: dict | None =
             'points': [p.name for p in points], 'argv': sys.argv,
             'updated_at': time.time()}, indent=1, default=str) + '\n')
         with _Stop() as stop:
-            for i, p in enumerate(points, 1):
+            for i, p in selected:
                 if stop.signum is not None:
                     break
                 _run_point(p, i, total, commands[p.name], workdir, split, average_last,
@@ -439,7 +452,9 @@ def run(config_path: str, config, workdir: str, *, base_overrides: dict | None =
     echo(f'summary -> {os.path.join(workdir, "summary.md")}, summary.csv, curves.png')
     if stopped is not None:
         return 128 + stopped
-    return 0 if all(r['status'] == 'done' and not r['error'] for r in rows) else 1
+    ran = {p.name for _, p in selected}
+    return 0 if all(r['status'] == 'done' and not r['error'] for r in rows
+                    if r['point'] in ran) else 1
 
 
 def _run_point(p: Point, i: int, total: int, command, workdir, split, average_last,
@@ -478,7 +493,7 @@ def _run_point(p: Point, i: int, total: int, command, workdir, split, average_la
                                                                    p.config.test_split):
         return
     echo(f'{tag}: evaluating {label} on {split or p.config.test_split}')
-    state['eval'] = evaluate_point(p.config, point_dir, split, average_last, echo)
+    state['eval'] = evaluate_point(p.config, point_dir, split, average_last)
     write_state(point_dir, state)
     result = state['eval']
     echo(f'{tag}: ' + (result['error'] if 'error' in result else

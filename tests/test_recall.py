@@ -40,6 +40,9 @@ def test_splits_are_deterministic_disjoint_and_answer_the_first_symbol(tmp_path)
     assert config.max_len == 10 and config.max_eval_len == 10  # they follow recall_length
     with pytest.raises(ValueError, match='more than half the test sequences'):
         recall.generate(4, 'test', 10, 0, distinct=True)
+    config.recall_distractors = True  # the answers occur later too: only position 0 tells
+    later = [s.split()[1:] for s, _ in sources.open_split(config, 'test').read(0, 200)]
+    assert {'0', '1'} <= {symbol for symbols in later for symbol in symbols}
 
 
 def test_tokenizer_has_fixed_ids_and_the_sentencepiece_interface(tmp_path):
@@ -74,8 +77,9 @@ def test_recall_is_learned_and_the_answer_attends_to_position_0(trained):
     assert report.accuracy >= 0.99, report.format()
     layer, head, weight = report.best
     assert weight > 0.5, report.format()
-    assert report.first_weights_LH.shape == (2, 4)
-    assert np.all((report.first_weights_LH >= 0) & (report.first_weights_LH <= 1))
+    assert report.first_weights_LH.shape == report.encoder_weights_LH.shape == (2, 4)
+    for weights in (report.first_weights_LH, report.encoder_weights_LH):
+        assert np.all((weights >= 0) & (weights <= 1))
     assert f'layer {layer} head {head}: {weight:.3f}' in report.format()
     assert sorted(report.by_answer) == ['0', '1']  # the mean over both answers, per answer too
     share = np.mean([report.by_answer[a] for a in '01'], axis=0)  # both answers are ~half

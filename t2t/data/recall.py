@@ -5,7 +5,13 @@ A source is `recall_length` symbols: the first is '0' or '1', the others are dra
 answer, so the decoder must look back at source position 0: attention does it in one step at any
 length, where a recurrent model must carry the symbol through every later position.
 
-Pairs are generated (no files), deterministically from (recall_length, shuffle_seed). A sequence
+With `recall_distractors` the later symbols are drawn from all six, so '0' and '1' also occur
+after position 0 and only the position tells the answer. Without it (the default), the answer is
+also the only reserved symbol present, which a model can detect by averaging over the whole
+sequence instead of attending to position 0.
+
+Pairs are generated (no files), deterministically from (recall_length, recall_distractors,
+shuffle_seed). A sequence
 belongs to the split its content hashes to (80% train, 10% validation, 10% test), so the held-out
 splits never share a sequence with training; each held-out split holds `recall_eval_examples`
 distinct sequences, the training split `recall_train_examples` draws (repeats allowed).
@@ -98,23 +104,25 @@ def _bucket(codes: np.ndarray) -> int:
     return int.from_bytes(hashlib.blake2b(codes.tobytes(), digest_size=8).digest(), 'little') % 100
 
 
-def generate(length: int, split: str, num: int, seed: int, distinct: bool) -> list[np.ndarray]:
+def generate(length: int, split: str, num: int, seed: int, distinct: bool,
+             distractors: bool = False) -> list[np.ndarray]:
     """`num` sequences of symbol indices into FIRST_SYMBOLS + OTHER_SYMBOLS for `split`."""
     if length < 2:
         raise ValueError(f'recall_length={length}: at least 2 (the first symbol and one other)')
     if split not in SPLITS:
         raise ValueError(f'split {split!r}: the recall toy has {tuple(SPLITS)}')
     lo, hi = SPLITS[split]
-    if distinct and num > 2 * 4 ** (length - 1) * (hi - lo) // 200:
+    later = len(FIRST_SYMBOLS + OTHER_SYMBOLS) if distractors else len(OTHER_SYMBOLS)
+    if distinct and num > 2 * later ** (length - 1) * (hi - lo) // 200:
         raise ValueError(f'recall_eval_examples={num} is more than half the {split} sequences of '
                          f'length {length}: lower it or raise recall_length')
-    rng = np.random.default_rng([seed, length, list(SPLITS).index(split)])
+    rng = np.random.default_rng([seed, length, list(SPLITS).index(split), int(distractors)])
     out, seen = [], set()
     while len(out) < num:
         codes = np.empty((_CHUNK, length), np.uint8)
         codes[:, 0] = rng.integers(0, len(FIRST_SYMBOLS), _CHUNK)
-        codes[:, 1:] = len(FIRST_SYMBOLS) + rng.integers(0, len(OTHER_SYMBOLS),
-                                                         (_CHUNK, length - 1))
+        codes[:, 1:] = len(FIRST_SYMBOLS) - (later - len(OTHER_SYMBOLS)) + rng.integers(
+            0, later, (_CHUNK, length - 1))
         for row in codes:
             if not lo <= _bucket(row) < hi:
                 continue
@@ -134,10 +142,13 @@ def pairs(config, split: str) -> list[tuple[str, str]]:
     symbols = np.array(FIRST_SYMBOLS + OTHER_SYMBOLS)
     held_out = split != 'train'
     num = config.recall_eval_examples if held_out else config.recall_train_examples
-    rows = generate(config.recall_length, split, num, config.shuffle_seed, distinct=held_out)
+    rows = generate(config.recall_length, split, num, config.shuffle_seed, distinct=held_out,
+                    distractors=config.recall_distractors)
     return [(' '.join(symbols[row]), str(symbols[row[0]])) for row in rows]
 
 
 def dataset_id(config) -> str:
-    return (f'recall-v{VERSION}-len{config.recall_length}-n{config.recall_train_examples}-'
-            f'{config.recall_eval_examples}-seed{config.shuffle_seed}')
+    return (f'recall-v{VERSION}-len{config.recall_length}'
+            + ('-distractors' if config.recall_distractors else '')
+            + f'-n{config.recall_train_examples}-{config.recall_eval_examples}'
+            f'-seed{config.shuffle_seed}')
