@@ -12,7 +12,7 @@ def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
 
     # --- data
-    c.dataset = 'embedded'  # 'embedded' (Debian trans-de-en), 'tfds', or 'tsv'
+    c.dataset = 'embedded'  # 'embedded' (Debian trans-de-en), 'tfds', 'tsv' or 'recall' (a toy)
     c.tfds_name = 'wmt14_translate/de-en'
     c.source_lang = 'en'
     c.target_lang = 'de'
@@ -31,6 +31,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval_batch_size = 64  # sentences per evaluation batch (unpacked, last batch padded)
     c.pack = True
     c.shuffle_seed = 0
+    # dataset='recall' (t2t/data/recall.py): source length, training draws, held-out sequences
+    c.recall_length = 8
+    c.recall_train_examples = 20_000
+    c.recall_eval_examples = 1000  # in validation and in test each
+    c.recall_distractors = False  # True: '0' / '1' also occur after position 0
 
     # --- model (the paper's base) ---------------------------------------------------------------
     c.d_model = 512
@@ -42,7 +47,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.attention_dropout_rate = 0.0  # on attention weights (tensor2tensor's base: 0.0)
     c.relu_dropout_rate = 0.0  # on the feed-forward's ReLU activations
     c.pre_ln = False  # the paper is post-LN: LayerNorm(x + Sublayer(x))
-    c.position_embedding = 'sinusoidal'  # 'sinusoidal', 'learned' or 'rope'
+    c.position_embedding = 'sinusoidal'  # 'sinusoidal', 'learned', 'rope' or 'none'
     c.max_position = 1024  # size of the position table (learned / sinusoidal)
     c.scale_attention = True  # divide logits by sqrt(d_k)
     c.scale_embeddings = True  # multiply embeddings by sqrt(d_model)

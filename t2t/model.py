@@ -3,7 +3,7 @@
 The defaults are the paper's: post-LN residual blocks LayerNorm(x + Dropout(Sublayer(x))),
 sinusoidal positions, embeddings multiplied by sqrt(d_model), one embedding shared by source and
 target and tied to the output projection, ReLU feed-forward, scaled dot-product attention. Options
-cover what ablations ask for: pre-LN, learned or rotary positions, head count, no 1/sqrt(d_k)
+cover what ablations ask for: pre-LN, learned, rotary or no positions, head count, no 1/sqrt(d_k)
 scaling, separate embeddings, bfloat16 compute (parameters stay float32), and
 jax.nn.dot_product_attention (attention_impl='cudnn' forces cuDNN's flash attention on GPU).
 
@@ -33,7 +33,7 @@ EOS_ID = 1
 
 Array = jax.Array
 _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
-_POSITIONS = ('sinusoidal', 'learned', 'rope')
+_POSITIONS = ('sinusoidal', 'learned', 'rope', 'none')
 _ATTENTION_IMPLS = ('xla', 'dot_product', 'cudnn')
 
 
@@ -63,6 +63,9 @@ class TransformerConfig:
     deterministic: bool = False
     decode: bool = False
     decode_len: int = 0  # length of the self-attention cache in decode mode
+    # Store every attention's weights [B, H, Q, K] in the 'intermediates' collection (apply with
+    # mutable=['intermediates']); off in training, which then pays nothing for it.
+    sow_attention: bool = False
 
     def __post_init__(self):
         if self.d_model % self.num_heads:
@@ -154,6 +157,13 @@ def shift_right(targets_BT: Array, segment_ids_BT=None) -> Array:
 # Attention
 
 
+def attention_weights(q_BQHK: Array, k_BKHK: Array, mask_B1QK: Array, scale: float) -> Array:
+    """softmax(q k^T * scale + mask) in float32: [B, H, Q, K]."""
+    logits_BHQK = jnp.einsum('bqhk,bshk->bhqs', q_BQHK, k_BKHK) * jnp.asarray(scale, q_BQHK.dtype)
+    logits_BHQK = jnp.where(mask_B1QK, logits_BHQK.astype(jnp.float32), -1e10)
+    return jax.nn.softmax(logits_BHQK, axis=-1)
+
+
 def dot_product_attention(q_BQHK: Array, k_BKHK: Array, v_BKHK: Array, mask_B1QK: Array, *,
                           scale: float, dropout_rate: float = 0.0, dropout_rng=None,
                           impl: str = 'xla') -> Array:
@@ -167,9 +177,7 @@ def dot_product_attention(q_BQHK: Array, k_BKHK: Array, v_BKHK: Array, mask_B1QK
         return jax.nn.dot_product_attention(
             q_BQHK, k_BKHK, v_BKHK, mask=mask_B1QK, scale=scale,
             implementation='cudnn' if impl == 'cudnn' else None)
-    logits_BHQK = jnp.einsum('bqhk,bshk->bhqs', q_BQHK, k_BKHK) * jnp.asarray(scale, q_BQHK.dtype)
-    logits_BHQK = jnp.where(mask_B1QK, logits_BHQK.astype(jnp.float32), -1e10)
-    weights_BHQK = jax.nn.softmax(logits_BHQK, axis=-1)
+    weights_BHQK = attention_weights(q_BQHK, k_BKHK, mask_B1QK, scale)
     if dropout_rate > 0.0 and dropout_rng is not None:
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights_BHQK.shape)
         weights_BHQK = jnp.where(keep, weights_BHQK / (1.0 - dropout_rate), 0.0)
@@ -252,6 +260,9 @@ class MultiHeadAttention(nn.Module):
         q_BQHK = nn.with_logical_constraint(q_BQHK, ('batch', 'length', 'heads', 'kv'))
 
         scale = cfg.head_dim ** -0.5 if cfg.scale_attention else 1.0
+        if cfg.sow_attention:  # the weights this layer uses (before attention dropout)
+            self.sow('intermediates', 'attention_weights',
+                     attention_weights(q_BQHK, k_BSHK, mask_B1QS, scale))
         dropout_rng = None
         if not cfg.deterministic and cfg.attention_dropout_rate > 0:
             dropout_rng = self.make_rng('dropout')

@@ -59,6 +59,10 @@ def get_tokenizer(config) -> Tokenizer:
     the others then get its bytes (written where their file is missing or differs), and all check
     that they hold the same vocabulary.
     """
+    if config.dataset == 'recall':  # fixed symbols, no sentencepiece
+        from t2t.data import recall
+
+        return recall.tokenizer(config)
     path = vocab_path(config)
     if multihost.process_count() == 1:
         return _load_or_train(config, path)

@@ -2,7 +2,8 @@
 
 - 'embedded': Debian trans-de-en (t2t/data/embedded.py), prepared once as a local TFDS dataset;
 - 'tfds': a TFDS translation dataset such as wmt14_translate/de-en (t2t/data/tfds_wmt.py);
-- 'tsv': your own files (t2t/data/tsv.py).
+- 'tsv': your own files (t2t/data/tsv.py);
+- 'recall': the generated recall toy, with its own fixed vocabulary (t2t/data/recall.py).
 
 `open_split` gives a random-access `Pairs`: len(), [i] -> (source, target) in the configured
 direction, `read(start, stop)`, a `name` for messages, and `skipped` (lines dropped while reading).
@@ -13,9 +14,9 @@ import hashlib
 import os
 from typing import Protocol
 
-from t2t.data import embedded, tfds_wmt, tsv
+from t2t.data import embedded, recall, tfds_wmt, tsv
 
-DATASETS = ('embedded', 'tfds', 'tsv')
+DATASETS = ('embedded', 'tfds', 'tsv', 'recall')
 
 
 class Pairs(Protocol):
@@ -28,7 +29,7 @@ class Pairs(Protocol):
 
 
 class ListPairs:
-    """Pairs held in memory (the TSV source)."""
+    """Pairs held in memory (the TSV and recall sources)."""
 
     def __init__(self, pairs: list[tuple[str, str]], name: str, skipped: collections.Counter):
         self._pairs, self.name, self.skipped = pairs, name, skipped
@@ -64,6 +65,9 @@ def open_split(config, split: str) -> Pairs:
         spec = _tsv_spec(config, split)
         pairs, skipped = tsv.read_pairs(spec)
         return ListPairs(pairs, f'tsv:{spec}', skipped)
+    if config.dataset == 'recall':
+        return ListPairs(recall.pairs(config, split), f'{recall.dataset_id(config)}/{split}',
+                         collections.Counter())
     if config.dataset == 'tfds':
         pairs = tfds_wmt.open_split(config.tfds_name, config.data_dir, split, src, tgt)
     else:
@@ -83,6 +87,8 @@ def dataset_id(config) -> str:
         return f'trans_de_en-{embedded.DATASET_VERSION}'
     if config.dataset == 'tfds':
         return config.tfds_name.replace('/', '-')
+    if config.dataset == 'recall':
+        return recall.dataset_id(config)
     spec = _tsv_spec(config, config.train_split)
     stamp = [spec] + [f'{os.path.getsize(p)}:{os.path.getmtime(p)}'
                       for p in spec.split(',') if os.path.exists(p.strip())]

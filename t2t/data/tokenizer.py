@@ -47,6 +47,10 @@ class Tokenizer:
                 kept.append(i)
         return self._sp.decode(kept)
 
+    def piece(self, i: int) -> str:
+        """The piece of one id as sentencepiece writes it (e.g. '▁Haus'), for labels."""
+        return self._sp.id_to_piece(int(i))
+
     def __getstate__(self):
         return {'path': self.path}
 

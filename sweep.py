@@ -1,0 +1,56 @@
+"""Run a config's sweep: every point of its get_sweep() trained, evaluated and summarized.
+
+    python sweep.py --config=configs/table3_mini.py --workdir=runs/table3 --split=validation
+    python sweep.py --config=... --workdir=... --dry_run            # points and commands only
+    python sweep.py --config=... --workdir=... --config.train_time_budget_s=60   # every point
+    python sweep.py --config=... --workdir=... --only=default --only=num_heads=1   # some now
+    python sweep.py --summarize=runs/table3                        # summary from disk alone
+
+Re-running skips finished points and resumes unfinished ones; --retry_failed reruns failed ones.
+The logic lives in t2t/sweep.py.
+"""
+
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config with get_sweep().')
+_WORKDIR = flags.DEFINE_string('workdir', None, 'The sweep directory: one subdirectory a point.')
+_SPLIT = flags.DEFINE_string('split', '', 'Split to evaluate each point on (default: test_split).')
+_AVERAGE_LAST = flags.DEFINE_integer('average_last', 0,
+                                     'Evaluate the mean of the last N checkpoints of each point.')
+_RETRY_FAILED = flags.DEFINE_bool('retry_failed', False, 'Run failed points again.')
+_DRY_RUN = flags.DEFINE_bool('dry_run', False, 'Print each point and its command; run nothing.')
+_LAUNCHER = flags.DEFINE_string('launcher', 'local', 'How a point runs: local (train.py here).')
+_ONLY = flags.DEFINE_multi_string('only', [], 'Run only this point (a name as --dry_run lists '
+                                   'it); repeat the flag for several.')
+_SUMMARIZE = flags.DEFINE_string('summarize', '', 'Rebuild DIR/summary.* and curves.png, exit.')
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+    if not flags.FLAGS['verbosity'].present:
+        logging.set_verbosity(logging.ERROR)  # orbax warns on every read-only checkpoint read
+    from t2t import sweep
+
+    try:
+        if _SUMMARIZE.value:
+            rows = sweep.write_summary(_SUMMARIZE.value)
+            print(f'{len(rows)} points -> {_SUMMARIZE.value}/summary.md, summary.csv, curves.png')
+            return 0
+        if _CONFIG.value is None or not _WORKDIR.value and not _DRY_RUN.value:
+            raise app.UsageError('--config and --workdir are required (or --summarize=DIR)')
+        config_path = config_flags.get_config_filename(flags.FLAGS['config'])
+        overrides = config_flags.get_override_values(flags.FLAGS['config'])
+        return sweep.run(config_path, _CONFIG.value, _WORKDIR.value or 'SWEEP_DIR',
+                         base_overrides=overrides, split=_SPLIT.value,
+                         average_last=_AVERAGE_LAST.value, retry_failed=_RETRY_FAILED.value,
+                         dry_run=_DRY_RUN.value, launcher=_LAUNCHER.value, only=_ONLY.value)
+    except sweep.SweepError as e:
+        sys.exit(f'sweep.py: {e}')
+
+
+if __name__ == '__main__':
+    app.run(main)
