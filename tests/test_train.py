@@ -198,13 +198,15 @@ def test_train_leaves_checkpoints_events_and_metrics(corpus, tmp_path):
 
 def test_preemption_saves_a_checkpoint_and_stops(corpus, tmp_path, monkeypatch):
     class PreemptedAtOnce(loop.PreemptionFlag):
-        """As if SIGTERM arrived during the first steps (the signal itself: test_checkpoint)."""
+        """As if SIGTERM arrived during the first step (the signal itself: test_checkpoint)."""
 
-        def any_process(self):
+        def reached(self, step, at_log_step):
             return True
 
     monkeypatch.setattr(loop, 'PreemptionFlag', PreemptedAtOnce)
     config = _run_config(corpus, num_train_steps=50, checkpoint_every_steps=40)
     result = loop.train_and_evaluate(config, str(tmp_path / 'run'))
-    assert (result.step, result.stopped_by) == (config.log_every_steps, 'preemption')
-    assert os.listdir(tmp_path / 'run' / 'checkpoints') == [str(config.log_every_steps)]
+    # Seen at the very next step, not at a log step: saved at once, not evaluated.
+    assert (result.step, result.stopped_by) == (1, 'preemption')
+    assert os.listdir(tmp_path / 'run' / 'checkpoints') == ['1']
+    assert checkpoint.read_metadata(str(tmp_path / 'run'))['evaluation_pending'] is False

@@ -11,12 +11,10 @@ the functions below, so the model and train-step path never import them.
 
 import importlib
 
-PAD_ID = 0  # the same constants as t2t/data/tokenizer.py and t2t/model.py
-EOS_ID = 1
+from t2t.ids import EOS_ID, PAD_ID, UNK_ID
 
 _EXPORTS = {
     'Tokenizer': 'tokenizer',
-    'UNK_ID': 'tokenizer',
     'EvalSplit': 'pipeline',
     'eval_batches': 'pipeline',
     'eval_split': 'pipeline',
@@ -29,7 +27,7 @@ _EXPORTS = {
     'open_split': 'sources',
 }
 
-__all__ = ['EOS_ID', 'PAD_ID', *_EXPORTS]
+__all__ = ['EOS_ID', 'PAD_ID', 'UNK_ID', *_EXPORTS]
 
 
 def __getattr__(name):
