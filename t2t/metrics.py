@@ -20,6 +20,7 @@ import os
 import struct
 import sys
 import tempfile
+import time
 from collections.abc import Iterator, Mapping
 
 import jax
@@ -55,10 +56,11 @@ class MetricWriter:
         if tensorboard:
             from tensorboardX import SummaryWriter  # imported lazily: it pulls in protobuf
 
-            # The pid keeps two writers started within one second from sharing (and truncating)
-            # a file name; purge_step hides the steps a running TensorBoard read before.
+            # tensorboardX names files by the second and opens them with 'wb': the suffix keeps
+            # a writer started within the same second from wiping the previous one's file.
+            # purge_step hides the steps a running TensorBoard read before this (re)start.
             self._tb = SummaryWriter(
-                self.logdir, filename_suffix=f'.{os.getpid()}',
+                self.logdir, filename_suffix=f'.{time.time_ns()}.{os.getpid()}',
                 purge_step=None if start_step is None else start_step + 1)
 
     def write_scalars(self, step: int, scalars: Mapping[str, object]) -> None:
