@@ -7,7 +7,8 @@ process), `meta` a small JSON object: t2t version, step, time, the config, and a
 Atomicity: orbax writes a step into a temporary directory and renames it when every item is
 complete, so a crash mid-save leaves no half-written step (leftovers are removed at the next start).
 Old steps beyond keep_checkpoints are first renamed into checkpoints/.deleted (emptied after each
-save and at start), so a crash mid-deletion never leaves a half-deleted step that looks complete.
+save and at start), so a crash mid-deletion never leaves a half-deleted step that looks complete
+(`finished_steps` and orbax skip names that are not step numbers).
 A failed save (e.g. a full disk) raises CheckpointError naming the step at the next `save` or
 `wait`; the steps saved before stay intact. `save` refuses a state that holds NaN or inf.
 
@@ -29,6 +30,8 @@ import importlib.metadata
 import json
 import logging
 import os
+import shutil
+import threading
 import time
 from collections.abc import Iterator, Sequence
 
@@ -152,8 +155,16 @@ def _finished(directory: epath.Path) -> list[int]:
 
 
 def _empty_trash(directory: epath.Path) -> None:
-    if jax.process_index() == 0:
-        (directory / TRASH).rmtree(missing_ok=True)
+    """Removes the steps orbax renamed into the trash. Called while no save is in flight: the
+    trash is renamed away first (orbax makes a new one), then removed in a thread, so training
+    goes on meanwhile; the interpreter waits for it at exit, a kill leaves it to the next call."""
+    if jax.process_index() or '://' in str(directory) or not directory.exists():
+        return  # on GCS orbax deletes at once
+    if (directory / TRASH).exists():
+        (directory / TRASH).rename(directory / f'{TRASH}-{time.time_ns()}')
+    for doomed in directory.glob(f'{TRASH}-*'):
+        threading.Thread(target=shutil.rmtree, args=(os.fspath(doomed),),
+                         kwargs={'ignore_errors': True}, name='t2t_empty_trash').start()
 
 
 def _save_failed(step_dir, error: Exception) -> CheckpointError:

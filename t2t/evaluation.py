@@ -279,7 +279,7 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
     for label, steps in selection:
         try:
             params = _params_for(config, workdir, label, steps, write_averaged)
-        except checkpoint.CheckpointError as e:
+        except checkpoint.CorruptCheckpointError as e:
             if len(selection) == 1:
                 raise
             echo(f'== {label}: corrupt: {e}')  # --all: report it and go on
