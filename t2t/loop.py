@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from t2t import checkpoint, flops, metrics, optim, sharding, startup, train_lib
-from t2t.preemption import PreemptionFlag
+from t2t.preemption import Interrupted, PreemptionFlag
 
 FINISHED_NAME = 'TRAINING_FINISHED'  # JSON {step, stopped_by}: the run has nothing left to do
 # Token sums that add up over the steps of a log interval (carried across a resume).
@@ -193,7 +193,10 @@ def train_and_evaluate(config, workdir: str) -> TrainResult:
         'length buckets (num_eval_batches=-1: all)'))
 
     step = int(jax.device_get(state.step))
-    writer = metrics.MetricWriter(workdir, enabled=jax.process_index() == 0, start_step=step)
+    # A pending evaluation (see below) may have been written by a run killed after it.
+    writer = metrics.MetricWriter(
+        workdir, enabled=jax.process_index() == 0, start_step=step,
+        redo_at_start=('eval_',) if meta.get('evaluation_pending') else ())
     flops_per_step = flops.config_flops_per_step(config)
     flops_per_token = flops.config_flops_per_token(config)
     peak = metrics.peak_flops_per_device()
@@ -208,11 +211,15 @@ def train_and_evaluate(config, workdir: str) -> TrainResult:
         return config.train_time_budget_s > 0 and train_seconds() >= config.train_time_budget_s
 
     def evaluate():
-        summary = evaluate_loss(
-            eval_step, state.params,
-            eval_data.batches(config.eval_batch_size, jax.process_index(), jax.process_count(),
-                              num_batches=config.num_eval_batches, seed=config.seed),
-            mesh, -1)
+        """The eval scalars (also written), or None when a SIGTERM arrived meanwhile."""
+        batches = eval_data.batches(config.eval_batch_size, jax.process_index(),
+                                    jax.process_count(), num_batches=config.num_eval_batches,
+                                    seed=config.seed)
+        try:
+            summary = evaluate_loss(eval_step, state.params, preemption.interruptible(batches),
+                                    mesh, -1)
+        except Interrupted:
+            return None
         summary = {f'eval_{k}': v for k, v in summary.items()}
         if bleu_eval is not None:
             summary.update(bleu_eval(state.params))
@@ -226,7 +233,9 @@ def train_and_evaluate(config, workdir: str) -> TrainResult:
     try:
         if meta.get('evaluation_pending'):  # preempted at an evaluation step: evaluate it now
             eval_summary = evaluate()
-        if _all_processes_agree(over_budget()):
+            if eval_summary is None:  # preempted again: the checkpoint still says pending
+                stopped_by, eval_summary = 'preemption', {}
+        if stopped_by == 'num_train_steps' and _all_processes_agree(over_budget()):
             stopped_by = 'time_budget'
             _say(f'the time budget of {config.train_time_budget_s:.0f} s is spent in {workdir}: '
                  'nothing to train')
@@ -251,7 +260,11 @@ def train_and_evaluate(config, workdir: str) -> TrainResult:
             scheduled_eval = step % config.eval_every_steps == 0 or is_last
             # Preempted: save at once; a scheduled evaluation is left to the resumed run.
             if (scheduled_eval or stopping) and not preempted:
-                eval_summary = evaluate()
+                summary = evaluate()
+                if summary is None:  # SIGTERM during the evaluation: save this step now
+                    stopped_by, stopping, preempted = 'preemption', True, True
+                else:
+                    eval_summary = summary
             if step % config.checkpoint_every_steps == 0 or stopping:
                 interval.check_finite(config.skip_nonfinite)  # never save a non-finite state
                 checkpoint.save(manager, step, state, train_iter, extra_metadata={

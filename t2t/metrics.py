@@ -8,8 +8,10 @@
                    Non-finite values are written as null (strict JSON).
 A run resumed from the checkpoint of step S passes start_step=S: the records and events of later
 steps, written before the interruption, are removed first (each file rewritten to a new file that
-replaces it atomically) and the new event file tells TensorBoard to purge steps > S (tensorboardX's
-purge_step: a SessionLog.START event), so no step ever holds two values.
+replaces it atomically), and so are those at step S whose keys all start with one of
+`redo_at_start` (values the resumed run writes again, e.g. a pending evaluation). The new event
+file tells a running TensorBoard to purge steps > S (tensorboardX's purge_step: a SessionLog.START
+event), so no step ever holds two values.
 Only the writer with enabled=True writes (pass enabled=jax.process_index() == 0).
 """
 
@@ -40,7 +42,7 @@ def _format(value: float) -> str:
 
 class MetricWriter:
     def __init__(self, logdir, enabled: bool = True, tensorboard: bool = True, stream=None,
-                 start_step: int | None = None):
+                 start_step: int | None = None, redo_at_start: tuple[str, ...] = ()):
         """start_step: the step this run starts from (0 fresh, S resumed): later records go."""
         self.logdir = os.fspath(logdir)
         self.enabled = enabled
@@ -51,7 +53,7 @@ class MetricWriter:
             return
         os.makedirs(self.logdir, exist_ok=True)
         if start_step is not None:
-            truncate(self.logdir, start_step)
+            truncate(self.logdir, start_step, redo_at_start)
         self._jsonl = open(os.path.join(self.logdir, JSONL_NAME), 'a', encoding='utf-8')
         if tensorboard:
             from tensorboardX import SummaryWriter  # imported lazily: it pulls in protobuf
@@ -130,14 +132,21 @@ def _replace_atomically(path: str, chunks) -> None:
     os.replace(f.name, path)
 
 
-def _jsonl_lines_up_to(path: str, last_step: int) -> Iterator[bytes]:
+def _kept(step: int, keys, last_step: int, redo: tuple[str, ...]) -> bool:
+    if step == last_step and redo:
+        return not all(key.startswith(redo) for key in keys)
+    return step <= last_step
+
+
+def _jsonl_lines_up_to(path: str, last_step: int, redo: tuple[str, ...]) -> Iterator[bytes]:
     with open(path, 'rb') as f:
         for line in f:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a torn line (crash mid-write)
-            if record.get('step', 0) <= last_step:
+            step = record.pop('step', 0)
+            if _kept(step, record, last_step, redo):
                 yield line if line.endswith(b'\n') else line + b'\n'
 
 
@@ -168,22 +177,25 @@ def _event(record: bytes):
     return Event.FromString(record[12:-4])
 
 
-def _event_records_up_to(path: str, last_step: int) -> Iterator[bytes]:
+def _event_records_up_to(path: str, last_step: int, redo: tuple[str, ...]) -> Iterator[bytes]:
     for record in _records(path):
         event = _event(record)
         # Keep the file header (file_version) and anything at or before the step.
-        if event.step <= last_step or event.HasField('file_version'):
+        tags = [value.tag for value in event.summary.value]
+        if event.HasField('file_version') or _kept(event.step, tags, last_step,
+                                                   redo if tags else ()):
             yield record
 
 
-def truncate(logdir, last_step: int) -> None:
-    """Removes the records of steps > last_step from DIR/metrics.jsonl and DIR's event files."""
+def truncate(logdir, last_step: int, redo_at_last: tuple[str, ...] = ()) -> None:
+    """Removes the records of steps > last_step from DIR/metrics.jsonl and DIR's event files,
+    and those at last_step whose keys all start with one of `redo_at_last`."""
     logdir = os.fspath(logdir)
     path = os.path.join(logdir, JSONL_NAME)
     if os.path.exists(path):
-        _replace_atomically(path, list(_jsonl_lines_up_to(path, last_step)))
+        _replace_atomically(path, list(_jsonl_lines_up_to(path, last_step, redo_at_last)))
     for events in sorted(glob.glob(os.path.join(logdir, EVENTS_GLOB))):
-        _replace_atomically(events, list(_event_records_up_to(events, last_step)))
+        _replace_atomically(events, list(_event_records_up_to(events, last_step, redo_at_last)))
 
 
 def read_events(logdir) -> list[tuple[str, int, float]]:

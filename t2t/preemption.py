@@ -36,6 +36,10 @@ def _jax_preemption_service() -> bool:
     return distributed.global_state.preemption_sync_manager is not None
 
 
+class Interrupted(Exception):
+    """An iteration stopped on a preemption notice (see PreemptionFlag.interruptible)."""
+
+
 class PreemptionFlag:
     def __init__(self, signals=(signal.SIGTERM,)):
         self._signals = tuple(signals)
@@ -87,6 +91,17 @@ class PreemptionFlag:
 
         flags = multihost_utils.process_allgather(np.asarray(self.is_set(), np.int32))
         return bool(np.any(flags))
+
+    def interruptible(self, items):
+        """`items`, raising Interrupted once this process got the notice.
+
+        Single-process jobs only (a long evaluation need not finish before the save); with
+        several processes the iteration runs to the end, since they would have to agree first.
+        """
+        for item in items:
+            if jax.process_count() == 1 and self.is_set():
+                raise Interrupted
+            yield item
 
     def reached(self, step: int, at_log_step: bool) -> bool:
         """Whether every process stops at `step`: call at every step, on every process."""

@@ -8,7 +8,7 @@ actions (a real signal each time, at a moment chosen exactly instead of by chanc
   kill_in_save  SIGKILL while the checkpoint of step `at` is being written (its metadata item, in
                 orbax's background commit: the step's temporary directory is half written)
   kill_in_eval  SIGKILL in the middle of the `at`-th evaluation of this run (after one batch)
-  sigterm       SIGTERM right after step `at` (a preemption notice)
+  sigterm_in_eval  SIGTERM (a preemption notice) as the `at`-th evaluation of this run starts
 Prints {"step": ..., "stopped_by": ...} when training returns.
 """
 
@@ -20,7 +20,7 @@ import sys
 
 
 def _install(action: str, at: int) -> None:
-    from t2t import loop, train_lib
+    from t2t import loop
 
     if action == 'kill_in_save':
         import orbax.checkpoint as ocp
@@ -33,36 +33,23 @@ def _install(action: str, at: int) -> None:
             return await original(self, item, directory)
 
         ocp.JsonCheckpointHandler._save_fn = save_fn
-    elif action == 'kill_in_eval':
+    elif action in ('kill_in_eval', 'sigterm_in_eval'):
         original_eval, calls = loop.evaluate_loss, []
+        signum, batch_index = ((signal.SIGKILL, 1) if action == 'kill_in_eval' else
+                               (signal.SIGTERM, 0))
 
         def evaluate_loss(eval_fn, params, batches, mesh, num_batches):
             calls.append(1)
 
-            def batches_then_kill():
+            def batches_then_signal():
                 for i, batch in enumerate(batches):
-                    if i == 1 and len(calls) == at:
-                        os.kill(os.getpid(), signal.SIGKILL)
+                    if i == batch_index and len(calls) == at:
+                        os.kill(os.getpid(), signum)
                     yield batch
 
-            return original_eval(eval_fn, params, batches_then_kill(), mesh, num_batches)
+            return original_eval(eval_fn, params, batches_then_signal(), mesh, num_batches)
 
         loop.evaluate_loss = evaluate_loss
-    elif action == 'sigterm':
-        original_jit = train_lib.jit_train_step
-
-        def jit_train_step(*args, **kwargs):
-            step = original_jit(*args, **kwargs)
-
-            def signalled(state, batch):
-                state, step_metrics = step(state, batch)
-                if int(state.step) == at:
-                    os.kill(os.getpid(), signal.SIGTERM)
-                return state, step_metrics
-
-            return signalled
-
-        train_lib.jit_train_step = jit_train_step
     elif action != 'none':
         raise ValueError(f'unknown action {action!r}')
 

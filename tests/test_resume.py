@@ -114,8 +114,8 @@ def _leftovers(workdir):
     return [n for n in os.listdir(workdir / 'checkpoints') if not n.isdigit()]
 
 
-def test_killed_mid_save_preempted_and_killed_mid_eval_the_run_ends_exact(corpus, reference,
-                                                                          tmp_path):
+def test_killed_mid_save_preempted_mid_eval_and_killed_mid_eval_the_run_ends_exact(
+        corpus, reference, tmp_path):
     workdir = tmp_path / 'run'
     # SIGKILL while step 6 is written: steps 4..6 were logged past checkpoint 3.
     killed = _drive(corpus, workdir, 'kill_in_save', at=6)
@@ -124,16 +124,20 @@ def test_killed_mid_save_preempted_and_killed_mid_eval_the_run_ends_exact(corpus
     assert any('orbax-checkpoint-tmp' in name for name in _leftovers(workdir))
     assert max(r['step'] for r in metrics.read_jsonl(workdir)) == 6
 
-    # SIGTERM after step 5: resumed from 3, saved at once at 5, exit 0. Step 5 is not logged
-    # yet: its sums travel in the checkpoint to the next run's log at step 6.
-    preempted = _drive(corpus, workdir, 'sigterm', at=5)
+    # Resumed from 3 (step 3's sums, logged by no one yet, travel in the checkpoint to the log
+    # at 4); a SIGTERM as the evaluation of step 4 starts stops it, saves step 4 at once with
+    # that evaluation pending, and exits 0.
+    assert checkpoint.read_metadata(workdir, 3)['unlogged_metrics']['tokens'] > 0
+    preempted = _drive(corpus, workdir, 'sigterm_in_eval', at=1)
     assert preempted.returncode == 0, preempted.stderr[-2000:]
-    assert json.loads(preempted.stdout.splitlines()[-1]) == {'step': 5, 'stopped_by': 'preemption'}
-    assert checkpoint.read_metadata(workdir, 5)['unlogged_metrics']['tokens'] > 0
+    assert json.loads(preempted.stdout.splitlines()[-1]) == {'step': 4, 'stopped_by': 'preemption'}
+    assert checkpoint.read_metadata(workdir, 4)['evaluation_pending'] is True
+    assert 'eval_loss' not in metrics.read_jsonl(workdir)[-1]
     assert loop.read_finished(workdir) is None
 
-    # SIGKILL in the middle of the final evaluation (step 8, before its checkpoint).
-    killed = _drive(corpus, workdir, 'kill_in_eval', at=1)
+    # The next run evaluates step 4 first, then is SIGKILLed in the middle of the final
+    # evaluation (step 8, before its checkpoint).
+    killed = _drive(corpus, workdir, 'kill_in_eval', at=2)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert 8 not in checkpoint.finished_steps(workdir)
 
@@ -148,17 +152,21 @@ def test_writer_drops_records_after_the_resumed_step_in_jsonl_and_events(tmp_pat
     with metrics.MetricWriter(tmp_path, stream=open(os.devnull, 'w')) as writer:
         for step in range(1, 7):
             writer.write_scalars(step, {'loss': float(step)})
+            writer.write_scalars(step, {'eval_loss': float(step)})
     with open(tmp_path / metrics.JSONL_NAME, 'a') as f:
         f.write('{"step": 7, "lo')  # torn by a kill
     events = [p for p in os.listdir(tmp_path) if p.startswith('events')]
     with open(tmp_path / events[0], 'ab') as f:
         f.write(b'\x20\x00\x00')  # a torn event record
-    with metrics.MetricWriter(tmp_path, stream=open(os.devnull, 'w'), start_step=3) as writer:
+    # Resumed from 3 with its evaluation pending: that evaluation is written again too.
+    with metrics.MetricWriter(tmp_path, stream=open(os.devnull, 'w'), start_step=3,
+                              redo_at_start=('eval_',)) as writer:
+        writer.write_scalars(3, {'eval_loss': 30.0})
         writer.write_scalars(4, {'loss': 40.0})
-    assert _records(tmp_path) == {(1, 'loss'): 1.0, (2, 'loss'): 2.0, (3, 'loss'): 3.0,
-                                  (4, 'loss'): 40.0}
-    assert _scalars(tmp_path) == {('loss', 1): 1.0, ('loss', 2): 2.0, ('loss', 3): 3.0,
-                                  ('loss', 4): 40.0}
+    kept = {(1, 'loss'): 1.0, (1, 'eval_loss'): 1.0, (2, 'loss'): 2.0, (2, 'eval_loss'): 2.0,
+            (3, 'loss'): 3.0, (3, 'eval_loss'): 30.0, (4, 'loss'): 40.0}
+    assert _records(tmp_path) == kept
+    assert _scalars(tmp_path) == {(key, step): value for (step, key), value in kept.items()}
     # The new event file also tells a running TensorBoard to purge what it read after step 3.
     from tensorboardX.proto.event_pb2 import SessionLog
 
