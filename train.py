@@ -54,7 +54,8 @@ def main(argv):
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         result = loop.train_and_evaluate(config, _WORKDIR.value)
-    except (startup.ConfigError, checkpoint.CheckpointError, loop.NonFiniteLossError) as e:
+    except (startup.ConfigError, checkpoint.CheckpointError, loop.NonFiniteLossError,
+            OSError) as e:  # OSError: e.g. metrics.jsonl on a full disk; it names the file
         sys.exit(f'train.py: {e}')
     print(f'finished at step {result.step} ({result.stopped_by}); '
           + ' '.join(f'{k}={v:.4g}' for k, v in result.eval_metrics.items()))

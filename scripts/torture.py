@@ -15,6 +15,13 @@ thread's stack (faulthandler); the main thread's innermost known frame gives sta
 data, restore, compile), mid-step, mid-eval or mid-save; an orbax temporary directory left on disk
 also counts as mid-save (the asynchronous write was in flight). Prints a JSON summary; exit 1 if
 any round differs.
+
+    python scripts/torture.py --sigterm=configs/default.py [--sigterm_after_log=1] [--delay=0]
+
+measures instead the seconds from SIGTERM to exit: train.py runs the config until its
+--sigterm_after_log-th log line (plus --delay seconds), gets SIGTERM, and must save and exit 0.
+With --config.eval_every_steps equal to log_every_steps (pass --eval_at_log) the signal lands as
+an evaluation starts, the slowest moment.
 """
 
 from __future__ import annotations
@@ -162,12 +169,54 @@ def _run_to_end(workdir, env) -> float:
     return time.perf_counter() - start
 
 
+def sigterm_latency(config_path: str, workdir: str, after_log: int, delay: float,
+                    eval_at_log: bool, env) -> dict:
+    """Seconds from SIGTERM to exit of train.py, and what it left behind."""
+    sys.path.insert(0, ROOT)
+    from t2t import checkpoint
+
+    shutil.rmtree(workdir, ignore_errors=True)
+    command = [sys.executable, 'train.py', f'--config={config_path}', f'--workdir={workdir}',
+               '--config.train_time_budget_s=0', '--config.num_train_steps=1000000']
+    if eval_at_log:
+        command.append('--config.eval_every_steps=' + re.search(
+            r'log_every_steps = (\d+)', open(os.path.join(ROOT, config_path)).read()).group(1))
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    logs, lines = 0, []
+    for line in proc.stdout:
+        lines.append(line)
+        if re.match(r'step \d+ \| loss', line):
+            logs += 1
+            if logs == after_log:
+                break
+    time.sleep(delay)
+    signalled = time.perf_counter()
+    proc.send_signal(signal.SIGTERM)
+    lines += proc.stdout.readlines()
+    proc.wait()
+    seconds = time.perf_counter() - signalled
+    return {'config': config_path, 'seconds_from_sigterm_to_exit': round(seconds, 2),
+            'returncode': proc.returncode, 'last_lines': [x.rstrip() for x in lines[-2:]],
+            'checkpoints': checkpoint.finished_steps(workdir)}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--kills', type=int, default=20)
     parser.add_argument('--seed', type=int, default=0)
     parser.add_argument('--workdir', default='/tmp/t2t-torture')
+    parser.add_argument('--sigterm', default='', help='a config: measure SIGTERM to exit instead')
+    parser.add_argument('--sigterm_after_log', type=int, default=1)
+    parser.add_argument('--delay', type=float, default=0.0)
+    parser.add_argument('--eval_at_log', action='store_true')
     args = parser.parse_args()
+    if args.sigterm:
+        env = {**os.environ, 'JAX_PLATFORMS': 'cpu'}
+        result = sigterm_latency(args.sigterm, os.path.join(args.workdir, 'sigterm'),
+                                 args.sigterm_after_log, args.delay, args.eval_at_log, env)
+        print(json.dumps(result, indent=2))
+        sys.exit(0 if result['returncode'] == 0 and result['checkpoints'] else 1)
     rng = random.Random(args.seed)
     with open(os.path.join(ROOT, 't2t', 'loop.py'), encoding='utf-8') as f:
         loop_line = next(i for i, line in enumerate(f, 1) if LOOP_START in line)
