@@ -231,8 +231,8 @@ def _leaf_finite(x):
     return jnp.array(True)
 
 
-_fingerprints = jax.jit(lambda tree: jax.tree.map(_leaf_fingerprint, tree))
-# One pass over the state for a save: fingerprints and whether each leaf is finite.
+# One pass over the arrays: fingerprints and whether each leaf is finite (one compile per tree
+# structure serves both the save and the restore of a run).
 _fingerprints_and_finite = jax.jit(
     lambda tree: (jax.tree.map(_leaf_fingerprint, tree), jax.tree.map(_leaf_finite, tree)))
 
@@ -261,10 +261,7 @@ def _named(tree, values) -> dict:
 
 def checksums(tree) -> dict[str, list]:
     """{'params/.../kernel': [dtype, fingerprint]} for every array leaf of `tree`."""
-    tree = jax.tree.map(jnp.asarray, tree)
-    sums = [int(_local(s)) for s in jax.tree.leaves(_fingerprints(tree))]
-    dtypes = [str(x.dtype) for x in jax.tree.leaves(tree)]
-    return _named(tree, [[d, s] for d, s in zip(dtypes, sums, strict=True)])
+    return checksums_and_nonfinite(tree)[0]
 
 
 def checksums_and_nonfinite(tree) -> tuple[dict[str, list], list[str]]:
