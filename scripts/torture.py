@@ -10,6 +10,10 @@ compared with the reference: the final checkpoint's state bitwise (params, optim
 step), every metrics.jsonl value except timings at every step, every TensorBoard scalar, and no
 step written twice in either.
 
+With --aim_at_saves=P, a kill is, with probability P, aimed at a save instead: the script polls
+the checkpoint directory and kills as soon as an orbax temporary directory appears (or, when none
+appears before the random moment, at that moment).
+
 Where a kill landed: just before it, the script sends SIGUSR1, on which train.py prints every
 thread's stack (faulthandler); the main thread's innermost known frame gives startup (imports,
 data, restore, compile), mid-step, mid-eval or mid-save; an orbax temporary directory left on disk
@@ -161,6 +165,25 @@ def compare(workdir, reference) -> list[str]:
     return problems
 
 
+def _saves_in_flight(directory: str) -> set[str]:
+    """Names of orbax temporary step directories (a save being written, or one a kill left)."""
+    if not os.path.isdir(directory):
+        return set()
+    return {n for n in os.listdir(directory) if 'orbax-checkpoint-tmp' in n}
+
+
+def _wait_for_a_save(proc, directory: str, deadline_s: float, stale: set[str]) -> None:
+    """Returns when proc exits; raises TimeoutExpired once a new temporary step directory shows
+    up in `directory` after the first deadline_s / 2 seconds, or at deadline_s."""
+    start = time.perf_counter()
+    while proc.poll() is None:
+        elapsed = time.perf_counter() - start
+        if elapsed > deadline_s or (elapsed > deadline_s / 2
+                                    and _saves_in_flight(directory) - stale):
+            raise subprocess.TimeoutExpired(proc.args, elapsed)
+        time.sleep(0.005)
+
+
 def _run_to_end(workdir, env) -> float:
     start = time.perf_counter()
     proc = subprocess.run(_command(workdir), cwd=ROOT, env=env, capture_output=True, text=True)
@@ -206,6 +229,7 @@ def main():
     parser.add_argument('--kills', type=int, default=20)
     parser.add_argument('--seed', type=int, default=0)
     parser.add_argument('--workdir', default='/tmp/t2t-torture')
+    parser.add_argument('--aim_at_saves', type=float, default=0.0)
     parser.add_argument('--sigterm', default='', help='a config: measure SIGTERM to exit instead')
     parser.add_argument('--sigterm_after_log', type=int, default=1)
     parser.add_argument('--delay', type=float, default=0.0)
@@ -234,25 +258,30 @@ def main():
         workdir = os.path.join(args.workdir, f'round-{len(rounds)}')
         round_kills = 0
         while kills < args.kills:
+            checkpoints = os.path.join(workdir, 'checkpoints')
+            stale = _saves_in_flight(checkpoints)  # left by the last kill, removed at start
             proc = subprocess.Popen(_command(workdir), cwd=ROOT, env=env, text=True,
                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             restarts += 1
             delay = rng.uniform(0.0, duration * 0.6)
+            aimed = rng.random() < args.aim_at_saves
             try:
-                proc.wait(timeout=delay)
+                if aimed:
+                    _wait_for_a_save(proc, checkpoints, delay, stale)
+                else:
+                    proc.wait(timeout=delay)
             except subprocess.TimeoutExpired:
                 proc.send_signal(signal.SIGUSR1)  # the stack dump says where the kill lands
                 time.sleep(0.3)
-                tmp = [n for n in os.listdir(os.path.join(workdir, 'checkpoints'))
-                       if 'orbax-checkpoint-tmp' in n] \
-                    if os.path.isdir(os.path.join(workdir, 'checkpoints')) else []
+                tmp = _saves_in_flight(checkpoints) - stale
                 proc.kill()
                 _, stderr = proc.communicate()
                 phase = _phase(stderr, bool(tmp), loop_line)
                 landed[phase] += 1
                 kills += 1
                 round_kills += 1
-                print(f'kill {kills} after {delay:.1f} s: {phase}', flush=True)
+                print(f'kill {kills}{" aimed at a save" if aimed else f" after {delay:.1f} s"}: '
+                      f'{phase}', flush=True)
                 continue
             stderr = proc.stderr.read()
             if proc.returncode:

@@ -146,18 +146,6 @@ def test_mfu_counts_real_tokens_and_labels_the_padded_figure():
     assert 'mfu' not in logged
 
 
-def test_peak_flops_pick_the_most_specific_device_kind():
-    # Every listed kind resolves to its own entry, not to a shorter name listed before it.
-    for name, peak in metrics._PEAK_FLOPS:
-        assert metrics.peak_flops_per_device(name.upper()) == peak, name
-    # jax's names: 'TPU v5 lite' is v5e, 'TPU v5' is v5p; a PCIe H100 is not an SXM one.
-    assert metrics.peak_flops_per_device('TPU v5 lite') < metrics.peak_flops_per_device('TPU v5')
-    assert (metrics.peak_flops_per_device('NVIDIA H100 PCIe')
-            < metrics.peak_flops_per_device('NVIDIA H100 80GB HBM3'))
-    assert metrics.peak_flops_per_device('cpu') is None
-    assert metrics.peak_flops_per_device() is None  # this machine: MFU is left out, not guessed
-
-
 # --- positions beyond the table ---------------------------------------------------------------
 
 
