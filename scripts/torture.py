@@ -11,8 +11,8 @@ step), every metrics.jsonl value except timings at every step, every TensorBoard
 step written twice in either.
 
 With --aim_at_saves=P, a kill is, with probability P, aimed at a save instead: the script polls
-the checkpoint directory and kills as soon as an orbax temporary directory appears (or, when none
-appears before the random moment, at that moment).
+the checkpoint directory and SIGKILLs as soon as a new orbax temporary directory appears (or at
+the random moment if none does); if that directory outlives the kill, the kill landed mid-save.
 
 Where a kill landed: just before it, the script sends SIGUSR1, on which train.py prints every
 thread's stack (faulthandler); the main thread's innermost known frame gives startup (imports,
@@ -80,7 +80,7 @@ def _phase(stderr: str, save_in_flight: bool, loop_line: int) -> str:
     """Where the main thread was: startup, mid-step, mid-eval or mid-save."""
     frames = _main_thread_frames(stderr)
     if not frames:
-        return 'startup (imports, before the stack dump handler)'
+        return 'unknown (no stack dump read)'
     loop_frame = [n for f, n, fn in frames
                   if f.endswith('t2t/loop.py') and fn == 'train_and_evaluate']
     if not loop_frame or loop_frame[0] < loop_line:
@@ -271,12 +271,21 @@ def main():
                 else:
                     proc.wait(timeout=delay)
             except subprocess.TimeoutExpired:
-                proc.send_signal(signal.SIGUSR1)  # the stack dump says where the kill lands
-                time.sleep(0.3)
-                tmp = _saves_in_flight(checkpoints) - stale
-                proc.kill()
-                _, stderr = proc.communicate()
-                phase = _phase(stderr, bool(tmp), loop_line)
+                if aimed:  # at once: a small save is written in milliseconds
+                    proc.kill()
+                    proc.communicate()
+                    # orbax renames the temporary directory when the save completes
+                    phase = ('mid-save (aimed)' if _saves_in_flight(checkpoints) - stale else
+                             'aimed at a save, landed after it')
+                else:
+                    proc.send_signal(signal.SIGUSR1)  # the stack dump says where the kill lands
+                    time.sleep(0.3)
+                    tmp = _saves_in_flight(checkpoints) - stale
+                    proc.kill()
+                    _, stderr = proc.communicate()
+                    phase = ('startup (imports, before the stack dump handler)'
+                             if proc.returncode == -signal.SIGUSR1 else
+                             _phase(stderr, bool(tmp), loop_line))
                 landed[phase] += 1
                 kills += 1
                 round_kills += 1

@@ -40,7 +40,7 @@ def test_watch_evaluates_each_checkpoint_once_while_training_runs(tmp_path, monk
     monkeypatch.setattr(checkpoint, 'restore_params', restore_finished_only)
     try:
         lines = []
-        results = watch.run(config, str(workdir), poll_s=0.2, timeout_s=240, echo=lines.append)
+        results = watch.run(config, str(workdir), poll_s=0.2, timeout_s=600, echo=lines.append)
         _, stderr = training.communicate(timeout=600)
     finally:
         training.kill()
