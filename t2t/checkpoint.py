@@ -63,6 +63,7 @@ class Manager:
     directory: epath.Path
     config: dict | None  # the experiment config as JSON-compatible data, stored in each step
     pending: list = dataclasses.field(default_factory=list)  # the step being saved, if any
+    cleaners: list = dataclasses.field(default_factory=list)  # threads emptying the trash
 
 
 def checkpoint_dir(workdir) -> epath.Path:
@@ -102,14 +103,15 @@ def make_manager(workdir, config, async_: bool = True) -> Manager:
         todelete_subdir=TRASH,  # a step is renamed away in one step, then removed
         create=True,
     )
-    _empty_trash(directory)
     handlers = {
         STATE: ocp.StandardCheckpointHandler(),
         DATA: grain.checkpoint.CheckpointHandler(),
         META: ocp.JsonCheckpointHandler(),
     }
     manager = ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
-    return Manager(manager=manager, directory=directory, config=_config_data(config))
+    result = Manager(manager=manager, directory=directory, config=_config_data(config))
+    _empty_trash(result)
+    return result
 
 
 @contextlib.contextmanager
@@ -154,17 +156,20 @@ def _finished(directory: epath.Path) -> list[int]:
     return sorted(ocp.path.step.checkpoint_steps(directory))
 
 
-def _empty_trash(directory: epath.Path) -> None:
+def _empty_trash(manager: Manager) -> None:
     """Removes the steps orbax renamed into the trash. Called while no save is in flight: the
     trash is renamed away first (orbax makes a new one), then removed in a thread, so training
-    goes on meanwhile; the interpreter waits for it at exit, a kill leaves it to the next call."""
+    goes on meanwhile; `close` waits for it, a kill leaves it to the next call."""
+    directory = manager.directory
     if jax.process_index() or '://' in str(directory) or not directory.exists():
         return  # on GCS orbax deletes at once
     if (directory / TRASH).exists():
         (directory / TRASH).rename(directory / f'{TRASH}-{time.time_ns()}')
     for doomed in directory.glob(f'{TRASH}-*'):
-        threading.Thread(target=shutil.rmtree, args=(os.fspath(doomed),),
-                         kwargs={'ignore_errors': True}, name='t2t_empty_trash').start()
+        cleaner = threading.Thread(target=shutil.rmtree, args=(os.fspath(doomed),),
+                                   kwargs={'ignore_errors': True}, name='t2t_empty_trash')
+        cleaner.start()
+        manager.cleaners.append(cleaner)
 
 
 def _save_failed(step_dir, error: Exception) -> CheckpointError:
@@ -191,11 +196,14 @@ def wait(manager: Manager) -> None:
     if step is not None and step not in _finished(manager.directory):
         raise CheckpointError(f'saving checkpoint {step_dir} failed: it is not on disk after the '
                               'save; the earlier checkpoints are intact')
-    _empty_trash(manager.directory)
+    _empty_trash(manager)
 
 
 def close(manager: Manager) -> None:
     manager.manager.close()
+    for cleaner in manager.cleaners:
+        cleaner.join()
+    manager.cleaners.clear()
 
 
 # --- fingerprints -------------------------------------------------------------------------------
