@@ -7,7 +7,6 @@ actions (a real signal each time, at a moment chosen exactly instead of by chanc
   none          train to the end
   kill_in_save  SIGKILL while the checkpoint of step `at` is being written (its metadata item, in
                 orbax's background commit: the step's temporary directory is half written)
-  kill_in_eval  SIGKILL in the middle of the `at`-th evaluation of this run (after one batch)
   sigterm_in_eval  SIGTERM (a preemption notice) as the `at`-th evaluation of this run starts
 Prints {"step": ..., "stopped_by": ...} when training returns.
 """
@@ -33,18 +32,16 @@ def _install(action: str, at: int) -> None:
             return await original(self, item, directory)
 
         ocp.JsonCheckpointHandler._save_fn = save_fn
-    elif action in ('kill_in_eval', 'sigterm_in_eval'):
+    elif action == 'sigterm_in_eval':
         original_eval, calls = loop.evaluate_loss, []
-        signum, batch_index = ((signal.SIGKILL, 1) if action == 'kill_in_eval' else
-                               (signal.SIGTERM, 0))
 
         def evaluate_loss(eval_fn, params, batches, mesh, num_batches):
             calls.append(1)
 
             def batches_then_signal():
                 for i, batch in enumerate(batches):
-                    if i == batch_index and len(calls) == at:
-                        os.kill(os.getpid(), signum)
+                    if i == 0 and len(calls) == at:
+                        os.kill(os.getpid(), signal.SIGTERM)
                     yield batch
 
             return original_eval(eval_fn, params, batches_then_signal(), mesh, num_batches)

@@ -208,10 +208,12 @@ def test_beam_and_greedy_never_generate_pad():
 
 @pytest.fixture(scope='module')
 def small_model():
+    """(config with dropout 0.3, host params, a fresh train state)."""
     config = _tiny(dropout_rate=0.3)
     mesh = sharding.make_mesh((-1, 1, 1))
-    state, _ = train_lib.create_sharded_state(config, mesh, optim.make_optimizer(config))
-    return config, jax.device_get(state.params)
+    tx = optim.make_optimizer(config)
+    state, shardings = train_lib.create_sharded_state(config, mesh, tx)
+    return config, jax.device_get(state.params), (mesh, tx, state, shardings)
 
 
 def _eval_sums(params, batch, config):
@@ -221,7 +223,7 @@ def _eval_sums(params, batch, config):
 
 
 def test_pad_targets_are_not_counted_in_the_loss(small_model):
-    config, params = small_model
+    config, params, _ = small_model
     sums = [_eval_sums(params, _batch(pad_to=n), config) for n in (12, 20)]
     real = int((_batch()['targets'] != PAD_ID).sum())
     assert sums[0]['tokens'] == sums[1]['tokens'] == real  # 9 real targets per row, not 12 or 20
@@ -230,13 +232,10 @@ def test_pad_targets_are_not_counted_in_the_loss(small_model):
 
 
 def test_dropout_is_on_in_training_and_off_in_evaluation_and_decoding(small_model):
-    config, params = small_model
+    config, params, (mesh, tx, state, shardings) = small_model
     step_config = train_lib.StepConfig.from_config(config)
     batch = _batch()
     # Training: the step draws dropout masks from the state's rng, so another rng, another loss.
-    mesh = sharding.make_mesh((-1, 1, 1))
-    tx = optim.make_optimizer(config)
-    state, shardings = train_lib.create_sharded_state(config, mesh, tx)
     jitted = train_lib.jit_train_step(step_config, tx, shardings, mesh)
     losses = []
     for seed in (0, 1):

@@ -1,9 +1,10 @@
 """Kills, preemption, corrupt checkpoints and failed saves: the run resumes and ends exact.
 
 The kill test trains in subprocesses that signal themselves at exact moments (tests/kill_driver.py:
-mid-save, a SIGTERM, mid-evaluation) and compares the resumed workdir with one uninterrupted run:
-the final state bitwise, every metrics.jsonl value and TensorBoard scalar at the same steps, and
-no step written twice. scripts/torture.py does the same with kills at random moments.
+a SIGKILL mid-save, a SIGTERM mid-evaluation) and compares the resumed workdir with one
+uninterrupted run: the final state bitwise, every metrics.jsonl value and TensorBoard scalar at the
+same steps, and no step written twice. scripts/torture.py does the same with kills at random
+moments.
 """
 
 import collections
@@ -114,8 +115,8 @@ def _leftovers(workdir):
     return [n for n in os.listdir(workdir / 'checkpoints') if not n.isdigit()]
 
 
-def test_killed_mid_save_preempted_mid_eval_and_killed_mid_eval_the_run_ends_exact(
-        corpus, reference, tmp_path):
+def test_killed_mid_save_then_preempted_mid_eval_the_run_ends_exact(corpus, reference,
+                                                                    tmp_path):
     workdir = tmp_path / 'run'
     # SIGKILL while step 6 is written: steps 4..6 were logged past checkpoint 3.
     killed = _drive(corpus, workdir, 'kill_in_save', at=6)
@@ -135,12 +136,8 @@ def test_killed_mid_save_preempted_mid_eval_and_killed_mid_eval_the_run_ends_exa
     assert 'eval_loss' not in metrics.read_jsonl(workdir)[-1]
     assert loop.read_finished(workdir) is None
 
-    # The next run evaluates step 4 first, then is SIGKILLed in the middle of the final
-    # evaluation (step 8, before its checkpoint).
-    killed = _drive(corpus, workdir, 'kill_in_eval', at=2)
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    assert 8 not in checkpoint.finished_steps(workdir)
-
+    # The last run evaluates step 4 first, then trains to the end. (A SIGKILL mid-evaluation:
+    # scripts/torture.py, which kills at random moments.)
     finished = _drive(corpus, workdir, 'none')
     assert finished.returncode == 0, finished.stderr[-2000:]
     assert loop.read_finished(workdir) == {'step': 8, 'stopped_by': 'num_train_steps'}
