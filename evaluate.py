@@ -3,6 +3,7 @@
   python evaluate.py --config=configs/default.py --workdir=DIR            # the latest checkpoint
       [--step=N | --all | --average_last=N [--write_averaged=OUT_DIR]] [--split=test]
   python evaluate.py --config=... --workdir=DIR --translate [--input=FILE|-] [--output=FILE|-]
+  python evaluate.py --config=... --workdir=DIR --watch [--split=...] [--timeout=3600]
 
 Several processes: the same command on each, with --coordinator_address/--num_processes/
 --process_id or --distributed as for train.py; they split the sentences, process 0 writes.
@@ -27,6 +28,10 @@ _SPLIT = flags.DEFINE_string('split', '', 'The split to decode (default: config.
 _TRANSLATE = flags.DEFINE_bool('translate', False, 'Translate --input line by line instead.')
 _INPUT = flags.DEFINE_string('input', '-', 'With --translate: a file of sentences, - for stdin.')
 _OUTPUT = flags.DEFINE_string('output', '-', 'With --translate: the output file, - for stdout.')
+_WATCH = flags.DEFINE_bool('watch', False, 'Evaluate each new checkpoint while training runs, '
+                           'until training finishes (see t2t/watch.py).')
+_TIMEOUT = flags.DEFINE_float('timeout', 3600.0, 'With --watch: give up after this many seconds '
+                              'without a new checkpoint.')
 
 
 def main(argv):
@@ -35,15 +40,18 @@ def main(argv):
     distributed.initialize()
     if not flags.FLAGS['verbosity'].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
-    from t2t import checkpoint, evaluation  # after flag parsing: --help stays fast
+    from t2t import checkpoint, evaluation, startup, watch  # after flag parsing: fast --help
 
     try:
+        if _WATCH.value:
+            watch.run(_CONFIG.value, _WORKDIR.value, split=_SPLIT.value, timeout_s=_TIMEOUT.value)
+            return
         evaluation.run(
             _CONFIG.value, _WORKDIR.value, step=_STEP.value, all_steps=_ALL.value,
             average_last=_AVERAGE_LAST.value, write_averaged=_WRITE_AVERAGED.value,
             split=_SPLIT.value, translate=_TRANSLATE.value, input_path=_INPUT.value,
             output_path=_OUTPUT.value)
-    except (evaluation.EvalError, checkpoint.CheckpointError) as e:
+    except (evaluation.EvalError, checkpoint.CheckpointError, startup.ConfigError) as e:
         sys.exit(f'evaluate.py: {e}')
 
 

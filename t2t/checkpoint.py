@@ -8,11 +8,19 @@ number of processes).
 
 Atomicity: orbax writes a step into a temporary directory and renames it when every item is
 complete, so a crash mid-save leaves no half-written step (leftovers are removed at the next start).
+Old steps beyond keep_checkpoints are first renamed into checkpoints/.deleted (emptied after each
+save and at start), so a crash mid-deletion never leaves a half-deleted step that looks complete
+(`finished_steps` and orbax skip names that are not step numbers).
+A failed save (e.g. a full disk) raises CheckpointError naming the step at the next `save` or
+`wait`; the steps saved before stay intact. `save` refuses a state that holds NaN or inf.
 
 Integrity: orbax stores large arrays as raw chunks without a checksum, so a flipped byte on disk
 restores silently wrong values (seen with orbax 0.12.8). `save` therefore records a bitwise
 fingerprint of every array and `restore` / `restore_params` check it; any unreadable, incomplete or
-corrupt checkpoint raises CheckpointError with a one-line message that names the step directory.
+corrupt checkpoint raises CorruptCheckpointError (a CheckpointError) with a one-line message that
+names the step directory. A checkpoint that is readable but does not fit the requested state (a
+different config) raises a plain CheckpointError. `restore_newest_good` falls back over corrupt
+steps, moving each aside to WORKDIR/corrupt/<step>-<time> so a restarted job does not trip on it.
 
 Multi-process: call `save` and `restore` on every process (orbax coordinates the writes);
 `restore_params` and `average_checkpoints` may run on one process alone.
@@ -22,7 +30,10 @@ import contextlib
 import dataclasses
 import importlib.metadata
 import json
+import logging
 import os
+import shutil
+import threading
 import time
 from collections.abc import Iterator, Sequence
 
@@ -34,10 +45,16 @@ from etils import epath
 
 STATE, META = 'state', 'meta'
 ITERATOR_KEY = 'data_iterator'  # the grain iterator's get_state(), inside META
+TRASH = '.deleted'  # old steps are renamed here (atomic), then removed
+CORRUPT = 'corrupt'  # WORKDIR/corrupt/<step>-<time>: steps that failed to restore
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or corrupt."""
+    """A checkpoint is missing, incomplete, corrupt, does not fit, or could not be saved."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint's files are unreadable, truncated or fail their checksums."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +64,8 @@ class Manager:
     manager: ocp.CheckpointManager
     directory: epath.Path
     config: dict | None  # the experiment config as JSON-compatible data, stored in each step
+    pending: list = dataclasses.field(default_factory=list)  # the step being saved, if any
+    cleaners: list = dataclasses.field(default_factory=list)  # threads emptying the trash
 
 
 def checkpoint_dir(workdir) -> epath.Path:
@@ -83,11 +102,14 @@ def make_manager(workdir, config, async_: bool = True) -> Manager:
         max_to_keep=config.keep_checkpoints if config is not None else None,
         enable_async_checkpointing=async_,
         cleanup_tmp_directories=True,  # remove what a crash mid-save left behind
+        todelete_subdir=TRASH,  # a step is renamed away in one step, then removed
         create=True,
     )
     handlers = {STATE: ocp.StandardCheckpointHandler(), META: ocp.JsonCheckpointHandler()}
     manager = ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
-    return Manager(manager=manager, directory=directory, config=_config_data(config))
+    result = Manager(manager=manager, directory=directory, config=_config_data(config))
+    _empty_trash(result)
+    return result
 
 
 @contextlib.contextmanager
@@ -115,13 +137,67 @@ def all_steps(manager: Manager) -> list[int]:
     return sorted(manager.manager.all_steps())
 
 
+def finished_steps(workdir) -> list[int]:
+    """Steps of WORKDIR whose save completed (orbax's finalized directories), read from disk.
+
+    A step still being written (a temporary directory, or on GCS one without its commit marker)
+    is not listed; nothing is created or removed.
+    """
+    return _finished(checkpoint_dir(workdir))
+
+
+def _finished(directory: epath.Path) -> list[int]:
+    return sorted(ocp.path.step.checkpoint_steps(directory))
+
+
+def _empty_trash(manager: Manager) -> None:
+    """Removes the steps orbax renamed into the trash. Called while no save is in flight: the
+    trash is renamed away first (orbax makes a new one), then removed in a thread, so training
+    goes on meanwhile; `close` waits for it, a kill leaves it to the next call."""
+    directory = manager.directory
+    if jax.process_index() or '://' in str(directory) or not directory.exists():
+        return  # on GCS orbax deletes at once
+    if (directory / TRASH).exists():
+        (directory / TRASH).rename(directory / f'{TRASH}-{time.time_ns()}')
+    for doomed in directory.glob(f'{TRASH}-*'):
+        cleaner = threading.Thread(target=shutil.rmtree, args=(os.fspath(doomed),),
+                                   kwargs={'ignore_errors': True}, name='t2t_empty_trash')
+        cleaner.start()
+        manager.cleaners.append(cleaner)
+
+
+def _save_failed(step_dir, error: Exception) -> CheckpointError:
+    first = (str(error).strip().splitlines() or [''])[0][:300]
+    if 'No space left on device' in str(error):
+        first = f'the disk is full ({first})'
+    return CheckpointError(f'saving checkpoint {step_dir} failed: {type(error).__name__}: {first}'
+                           '; the earlier checkpoints are intact')
+
+
 def wait(manager: Manager) -> None:
-    """Blocks until the pending asynchronous save (if any) is on disk; re-raises its error."""
-    manager.manager.wait_until_finished()
+    """Blocks until the pending asynchronous save (if any) is on disk.
+
+    Raises CheckpointError naming the step when that save failed (orbax's error, or a step that is
+    not on disk afterwards); earlier steps are untouched.
+    """
+    mgr = manager.manager
+    step = manager.pending.pop() if manager.pending else None
+    step_dir = _step_dir(mgr, step) if step is not None else manager.directory
+    try:
+        mgr.wait_until_finished()
+    except Exception as e:  # orbax re-raises the background thread's error as it was
+        raise _save_failed(step_dir, e) from e
+    if step is not None and step not in _finished(manager.directory):
+        raise CheckpointError(f'saving checkpoint {step_dir} failed: it is not on disk after the '
+                              'save; the earlier checkpoints are intact')
+    _empty_trash(manager)
 
 
 def close(manager: Manager) -> None:
     manager.manager.close()
+    for cleaner in manager.cleaners:
+        cleaner.join()
+    manager.cleaners.clear()
 
 
 # --- fingerprints -------------------------------------------------------------------------------
@@ -151,7 +227,16 @@ def _leaf_fingerprint(x):
     return jnp.sum(x * (2 * position + 1), dtype=jnp.uint32)
 
 
-_fingerprints = jax.jit(lambda tree: jax.tree.map(_leaf_fingerprint, tree))
+def _leaf_finite(x):
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.all(jnp.isfinite(x))
+    return jnp.array(True)
+
+
+# One pass over the arrays: fingerprints and whether each leaf is finite (one compile per tree
+# structure serves both the save and the restore of a run).
+_fingerprints_and_finite = jax.jit(
+    lambda tree: (jax.tree.map(_leaf_fingerprint, tree), jax.tree.map(_leaf_finite, tree)))
 
 
 def _key_name(key) -> str:
@@ -166,15 +251,29 @@ def _path_name(path) -> str:
     return '/'.join(_key_name(k) for k in path)
 
 
+def _local(scalar):
+    # Scalars are replicated, so every process holds the value locally.
+    return np.asarray(scalar.addressable_data(0)).item()
+
+
+def _named(tree, values) -> dict:
+    named = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {_path_name(p): v for (p, _), v in zip(named, values, strict=True)}
+
+
 def checksums(tree) -> dict[str, list]:
     """{'params/.../kernel': [dtype, fingerprint]} for every array leaf of `tree`."""
+    return checksums_and_nonfinite(tree)[0]
+
+
+def checksums_and_nonfinite(tree) -> tuple[dict[str, list], list[str]]:
+    """(`checksums(tree)`, names of the leaves holding NaN or inf), in one pass over the arrays."""
     tree = jax.tree.map(jnp.asarray, tree)
-    sums = _fingerprints(tree)
-    # Scalars are replicated, so every process holds the value locally.
-    sums = jax.tree.map(lambda s: int(np.asarray(s.addressable_data(0))), sums)
-    named = jax.tree_util.tree_flatten_with_path(sums)[0]
-    dtypes = jax.tree.leaves(jax.tree.map(lambda x: str(x.dtype), tree))
-    return {_path_name(p): [d, s] for (p, s), d in zip(named, dtypes, strict=True)}
+    fingerprints, finite = map(jax.tree.leaves, _fingerprints_and_finite(tree))
+    dtypes = [str(x.dtype) for x in jax.tree.leaves(tree)]
+    sums = _named(tree, [[d, int(_local(s))] for d, s in zip(dtypes, fingerprints, strict=True)])
+    ok = _named(tree, [bool(_local(f)) for f in finite])
+    return sums, [name for name, good in ok.items() if not good]
 
 
 def _verify(stored: dict | None, tree, step_dir) -> None:
@@ -186,7 +285,7 @@ def _verify(stored: dict | None, tree, step_dir) -> None:
         if name in stored and stored[name][0] == dtype and stored[name][1] != value
     ]
     if bad:
-        raise CheckpointError(
+        raise CorruptCheckpointError(
             f'checkpoint {step_dir} is corrupt: checksum mismatch in {", ".join(bad[:3])}'
             + (f' and {len(bad) - 3} more arrays' if len(bad) > 3 else '')
         )
@@ -199,9 +298,9 @@ def _step_dir(manager: ocp.CheckpointManager, step: int) -> epath.Path:
     return epath.Path(manager.directory) / str(step)
 
 
-def _one_line(step_dir, error: Exception) -> CheckpointError:
+def _one_line(step_dir, error: Exception) -> CorruptCheckpointError:
     first = (str(error).strip().splitlines() or [''])[0][:300]
-    return CheckpointError(
+    return CorruptCheckpointError(
         f'checkpoint {step_dir} is unreadable (incomplete or corrupt): '
         f'{type(error).__name__}: {first}'
     )
@@ -230,20 +329,63 @@ def save(manager: Manager, step: int, state, data_iter=None, force: bool = False
     for the previous asynchronous save first; call `wait` before exiting.
     """
     mgr = manager.manager
+    wait(manager)  # the previous save must have succeeded (its error names its step)
     if step in mgr.all_steps() or not (force or mgr.should_save(step)):
         return False  # checked first: the checksums below cost a pass over the state
+    sums, nonfinite = checksums_and_nonfinite(state)
+    if nonfinite:
+        raise CheckpointError(
+            f'step {step}: refusing to save a state with NaN or inf in {", ".join(nonfinite[:3])}'
+            + (f' and {len(nonfinite) - 3} more arrays' if len(nonfinite) > 3 else ''))
     meta = {
         't2t_version': _version(),
         'step': int(step),
         'saved_at': time.time(),
         'config': manager.config,
-        'checksums': checksums(state),
+        'checksums': sums,
         **(extra_metadata or {}),
     }
     if data_iter is not None:
         meta[ITERATOR_KEY] = data_iter.get_state()
     items = {STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)}
-    return mgr.save(step, args=ocp.args.Composite(**items), force=force)
+    try:
+        saved = mgr.save(step, args=ocp.args.Composite(**items), force=force)
+    except Exception as e:  # e.g. the disk filled while the step directory was created
+        raise _save_failed(_step_dir(mgr, step), e) from e
+    if saved:
+        manager.pending.append(step)
+    return saved
+
+
+def _check_fits(mgr: ocp.CheckpointManager, step: int, abstract_state, step_dir) -> None:
+    """The checkpoint holds the arrays of `abstract_state`, in its shapes (from the metadata).
+
+    A mismatch is a CheckpointError (a different config, not damage); unreadable metadata is a
+    CorruptCheckpointError. PRNG keys are compared by name only (stored as their raw data).
+    """
+    try:
+        stored = mgr.item_metadata(step)[STATE]
+        stored = getattr(stored, 'tree', stored)
+        have = {_path_name(p): tuple(m.shape)
+                for p, m in jax.tree_util.tree_flatten_with_path(stored)[0]}
+    except Exception as e:
+        raise _one_line(step_dir, e) from e
+    if not have:
+        raise CorruptCheckpointError(f'checkpoint {step_dir} is unreadable (incomplete or '
+                                     'corrupt): no state metadata')
+    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]:
+        name = _path_name(path)
+        if name not in have:
+            raise CheckpointError(f'checkpoint {step_dir} does not fit the state of this config: '
+                                  f'it has no {name}')
+        if not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key) \
+                and have[name] != tuple(leaf.shape):
+            raise CheckpointError(f'checkpoint {step_dir} does not fit the state of this config: '
+                                  f'{name} is {have[name]}, the config wants {tuple(leaf.shape)}')
+    extra = len(have) - len(jax.tree.leaves(abstract_state))
+    if extra:
+        raise CheckpointError(f'checkpoint {step_dir} does not fit the state of this config: '
+                              f'it has {extra} more arrays')
 
 
 def restore(manager: Manager, step: int | None, abstract_state, data_iter=None):
@@ -256,6 +398,7 @@ def restore(manager: Manager, step: int | None, abstract_state, data_iter=None):
     mgr = manager.manager
     step = _resolve_step(mgr, step)
     step_dir = _step_dir(mgr, step)
+    _check_fits(mgr, step, abstract_state, step_dir)
     items = {STATE: ocp.args.StandardRestore(abstract_state), META: ocp.args.JsonRestore()}
     try:
         restored = mgr.restore(step, args=ocp.args.Composite(**items))
@@ -268,6 +411,58 @@ def restore(manager: Manager, step: int | None, abstract_state, data_iter=None):
             raise CheckpointError(f'checkpoint {step_dir} holds no data iterator state')
         data_iter.set_state(meta[ITERATOR_KEY])
     return restored[STATE]
+
+
+def _all_processes_ok(ok: bool) -> bool:
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.asarray(ok, np.int32))))
+
+
+def quarantine(manager: Manager, step: int) -> epath.Path:
+    """Moves step's directory to WORKDIR/corrupt/<step>-<time>, out of orbax's sight.
+
+    Only process 0 moves; every process then waits for it and rescans the steps.
+    """
+    mgr = manager.manager
+    target = manager.directory.parent / CORRUPT / f'{step}-{time.strftime("%Y%m%d-%H%M%S")}'
+    if jax.process_index() == 0:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _step_dir(mgr, step).rename(target)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(f't2t_quarantine_{step}')
+    mgr.reload()
+    return target
+
+
+def restore_newest_good(manager: Manager, restore_fn):
+    """(step, restore_fn(step)) for the newest step that restores, or None when there is none.
+
+    restore_fn(step) restores one step (e.g. `restore` with the abstract state and the data
+    iterator). A step that raises CorruptCheckpointError on any process is moved aside
+    (`quarantine`) with a warning naming it, and the next older one is tried, so a restarted job
+    resumes instead of failing on the same step again. Any other error (e.g. a checkpoint of a
+    different config) propagates: good checkpoints are never moved.
+
+    Limitation: a read error on one process only, raised while the others are inside a
+    collective of the restore, is not caught here (the others would wait for it).
+    """
+    for step in reversed(all_steps(manager)):
+        error = None
+        try:
+            result = restore_fn(step)
+        except CorruptCheckpointError as e:
+            error, result = e, None
+        if _all_processes_ok(error is None):
+            return step, result
+        moved = quarantine(manager, step)
+        logging.warning('%s; moved it to %s and falling back to an older checkpoint',
+                        error or f'checkpoint {step} failed to restore on another process', moved)
+    return None
 
 
 def read_metadata(workdir, step: int | None = None) -> dict:

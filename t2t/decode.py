@@ -6,7 +6,8 @@ The model is seen only through a closure
 
 that feeds one token per row, advances its decode cache by one position and returns the logits
 of the next token. Rows are beams flattened batch-major: row n = b * K + k. The first token fed
-is 0 (PAD acts as BOS, as the model shifts targets right with 0).
+is 0 (PAD acts as BOS, as the model shifts targets right with 0). PAD is never generated: its
+log-probability is set to -inf (not renormalized), so a hypothesis is tokens, EOS, then 0s.
 
 The cache handed to `beam_search` is the model's decode cache for B sequences: every leaf of
 ndim >= 1 has leading dim B (e.g. the encoder output and the self-attention key/value buffers);
@@ -41,6 +42,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 from jax import lax
+
+from t2t.ids import PAD_ID
 
 NEG_INF = float('-inf')
 
@@ -183,6 +186,7 @@ def beam_search(
         logits_NV, cache = tokens_to_logits(ids_N1, state.alive_cache)
         V = logits_NV.shape[-1]
         log_probs_BKV = jax.nn.log_softmax(logits_NV.astype(jnp.float32)).reshape(B, K, V)
+        log_probs_BKV = log_probs_BKV.at[:, :, PAD_ID].set(NEG_INF)  # never generated
         cand_log_probs_BKV = state.alive_log_probs_BK[:, :, None] + log_probs_BKV
 
         # 2K candidates: at most K of them end in EOS, so K can always stay alive.
@@ -270,7 +274,7 @@ def greedy_search(
     def body_fn(state: GreedyState):
         i = state.step
         logits_BV, cache = tokens_to_logits(state.seqs_BT[:, i][:, None], state.cache)
-        token_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+        token_B = jnp.argmax(logits_BV.at[:, PAD_ID].set(NEG_INF), axis=-1).astype(jnp.int32)
         token_B = jnp.where(state.finished_B, 0, token_B)
         finished_B = state.finished_B | (token_B == eos_id) | (i + 1 >= limit_B)
         return GreedyState(

@@ -11,7 +11,9 @@ WORKDIR/hypotheses-<split>-<label>.txt (one line per example of the split, in or
 into WORKDIR/eval-<split>.json, merged by label. Scores are over every example of the split: an
 example skipped as longer than max_eval_len counts as an empty hypothesis, and is counted.
 
-Every user-facing failure is an EvalError (or checkpoint.CheckpointError) with a one-line message.
+Every user-facing failure is an EvalError (or checkpoint.CheckpointError, startup.ConfigError) with
+a one-line message; lengths are checked against the position table before anything is read. With
+--all, a checkpoint that fails to load is a `corrupt: ...` row of the table and the others go on.
 
 Several processes (evaluate.py --coordinator_address=... on each): every process reads the
 parameters, decodes its rows of each batch on its devices, and receives every hypothesis; only
@@ -30,7 +32,7 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
-from t2t import bleu, checkpoint, inference, sharding
+from t2t import bleu, checkpoint, inference, sharding, startup
 from t2t.model import TransformerConfig
 from t2t.summary import abstract_params
 
@@ -228,6 +230,9 @@ def _split_tag(split: str) -> str:
 def _table(results: dict[str, dict]) -> str:
     lines = [f'{"checkpoint":>24}  {"sacreBLEU":>9}  {"chrF":>6}  {"tok.BLEU":>8}  {"capped":>6}']
     for label, r in results.items():
+        if 'corrupt' in r:
+            lines.append(f'{label:>24}  corrupt: {r["corrupt"]}')
+            continue
         lines.append(f'{label:>24}  {r["sacrebleu"]:9.2f}  {r["chrf"]:6.2f}  '
                      f'{r["tok_bleu_compound_split"]:8.2f}  {r["capped_at_max_decode_len"]:6d}')
     return '\n'.join(lines)
@@ -255,6 +260,7 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
 
     Decodes on `devices` (default: all devices of all processes).
     """
+    startup.check_lengths(config)
     if not workdir:
         raise EvalError('--workdir is required')
     if write_averaged and not average_last:
@@ -281,7 +287,14 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
     json_path = os.path.join(workdir, f'eval-{_split_tag(split)}.json')
     results = {}
     for label, steps in selection:
-        params = _params_for(config, workdir, label, steps, write_averaged, mesh)
+        try:
+            params = _params_for(config, workdir, label, steps, write_averaged, mesh)
+        except checkpoint.CorruptCheckpointError as e:
+            if len(selection) == 1:
+                raise
+            echo(f'== {label}: corrupt: {e}')  # --all: report it and go on
+            results[label] = {'corrupt': str(e), 'steps': steps}
+            continue
         record = evaluate_params(config, params, tokenizer, eval_split, split=split, label=label,
                                  steps=steps, workdir=workdir, progress=progress, echo=echo,
                                  mesh=mesh)

@@ -1,22 +1,35 @@
 """The training loop: data -> train_step -> metrics, with evaluation, checkpoints and preemption.
 
 Everything here is orchestration with I/O; the maths lives in t2t/train_lib.py. A workdir that
-holds checkpoints is resumed from the latest one (state, data iterator position and rng), so a
-stopped and resumed run computes exactly what an uninterrupted one would.
+holds checkpoints is resumed from the newest good one (state, data iterator position and rng; a
+corrupt step is moved aside), so a stopped, killed or preempted and resumed run computes exactly
+what an uninterrupted one would: the same states, and the same metrics at every logged step (the
+sums of steps not yet logged travel in the checkpoint; records after the restored step, written
+before the interruption, are removed from metrics.jsonl and the event files).
+
+A SIGTERM (preemption) is seen at the next step: the loop skips evaluation, saves and returns. The
+host runs at most one step ahead of the device, so that moment is near. A run that completed
+(num_train_steps or the time budget) leaves WORKDIR/TRAINING_FINISHED for evaluate.py --watch.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
+import os
 import time
 
 import jax
 import numpy as np
 
-from t2t import checkpoint, flops, metrics, optim, sharding, train_lib
-from t2t.preemption import PreemptionFlag
+from t2t import checkpoint, flops, metrics, optim, sharding, startup, train_lib
+from t2t.preemption import Interrupted, PreemptionFlag
+
+FINISHED_NAME = 'TRAINING_FINISHED'  # JSON {step, stopped_by}: the run has nothing left to do
+# Token sums that add up over the steps of a log interval (carried across a resume).
+_SUM_KEYS = ('loss_sum', 'nll_sum', 'correct_sum', 'tokens', 'nonfinite')
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -76,41 +89,63 @@ def _check_config(config, mesh) -> None:
     parallel = sharding.data_parallel_size(mesh)
     micro = config.batch_size // max(config.grad_accum_steps, 1)
     if config.batch_size % parallel:
-        raise ValueError(f'batch_size={config.batch_size} is not divisible by the {parallel} '
-                         f'data-parallel devices of mesh {dict(mesh.shape)}')
+        raise startup.ConfigError(f'batch_size={config.batch_size} is not divisible by the '
+                                  f'{parallel} data-parallel devices of mesh {dict(mesh.shape)}')
     if config.batch_size % config.grad_accum_steps or micro % parallel:
-        raise ValueError(f'batch_size={config.batch_size} / grad_accum_steps='
-                         f'{config.grad_accum_steps} must be a multiple of {parallel} devices')
-    # Positions index a table of max_position rows; a longer sequence would read clamped rows.
-    for name in ('max_len', 'max_eval_len', 'max_decode_len'):
-        if config[name] > config.max_position:
-            raise ValueError(f'{name}={config[name]} exceeds max_position={config.max_position}')
+        raise startup.ConfigError(f'batch_size={config.batch_size} / grad_accum_steps='
+                                  f'{config.grad_accum_steps} must be a multiple of {parallel} '
+                                  'devices')
+    startup.check_lengths(config)
 
 
 class _Interval:
     """Per-step device metrics since the last log, left on device until the log step.
 
-    The host waits for the device once per log interval (when it fetches), never per step.
+    The host fetches them once per log interval. It never runs more than one step ahead of the
+    device: `add` waits for the previous step (the device has the new one queued meanwhile), so
+    a preemption or a time budget is acted on within about a step.
+    `carried`: host sums (_SUM_KEYS) of steps before a resume that no log covered yet.
     """
 
-    def __init__(self):
+    def __init__(self, carried: dict | None = None):
         self.pending = []  # (step, device metrics dict)
+        self.carried = dict(carried or {})
         self.start_time = time.perf_counter()
 
     def add(self, step, device_metrics):
         self.pending.append((step, device_metrics))
+        if len(self.pending) > 1:
+            jax.block_until_ready(self.pending[-2][1])
+
+    def check_finite(self, skip_nonfinite: bool, fetched=None):
+        """Raises NonFiniteLossError for the first pending step whose loss/gradient is not finite.
+
+        With skip_nonfinite such steps were not applied, so the state stayed finite.
+        """
+        if skip_nonfinite:
+            return
+        for step, m in jax.device_get(self.pending) if fetched is None else fetched:
+            if m['nonfinite']:
+                raise NonFiniteLossError(
+                    f'step {step}: the loss or the gradient is not finite (loss sum '
+                    f'{float(m["loss_sum"])}, grad norm {float(m["grad_norm"])}); set '
+                    'skip_nonfinite=True to skip such steps')
 
     def drain(self, skip_nonfinite: bool):
         """Host copies of the pending metrics; checks each step for a non-finite loss."""
         fetched = jax.device_get(self.pending)
         self.pending = []
-        for step, m in fetched:
-            if m['nonfinite'] and not skip_nonfinite:
-                raise NonFiniteLossError(
-                    f'step {step}: the loss or the gradient is not finite (loss sum '
-                    f'{float(m["loss_sum"])}, grad norm {float(m["grad_norm"])}); set '
-                    'skip_nonfinite=True to skip such steps')
+        self.check_finite(skip_nonfinite, fetched)
         return fetched
+
+    def unlogged(self) -> dict:
+        """Host sums of the steps no log covered yet, for the checkpoint (added in step order,
+        as `_log_train` adds them, so a resumed run logs the same floats)."""
+        sums = dict(self.carried)
+        for _, m in jax.device_get(self.pending):
+            for k in _SUM_KEYS:
+                sums[k] = sums.get(k, 0) + float(m[k])
+        return sums
 
 
 def _spans(rows, shown: int = 4) -> str:
@@ -138,6 +173,7 @@ def train_and_evaluate(config, workdir: str, devices=None) -> TrainResult:
     """
     from t2t import data  # grain / tfds / sentencepiece stay out of the model path
 
+    startup.check_writable(workdir)
     mesh = sharding.make_mesh(config.mesh_shape, devices, config.dcn_mesh_shape)
     _say(f'mesh {dict(mesh.shape)} over {mesh.size} {mesh.devices.flat[0].platform} devices '
          f'({jax.process_count()} processes)')
@@ -159,31 +195,42 @@ def train_and_evaluate(config, workdir: str, devices=None) -> TrainResult:
     train_iter = data.train_iterator(config, tokenizer, rows=rows)
 
     tx = optim.make_optimizer(config)
-    schedule = optim.learning_rate_schedule(config.d_model, config.warmup_steps,
-                                            config.learning_rate_scale)
     manager = checkpoint.make_manager(workdir, config)
-    latest = checkpoint.latest_step(manager)
     abstract = train_lib.abstract_state(config, mesh, tx)
     state_shardings = jax.tree_util.tree_map(lambda x: x.sharding, abstract)
     trained_s = 0.0  # training seconds of earlier runs of this workdir (the budget is total)
-    if latest is None:
+    meta = {}
+    restored = checkpoint.restore_newest_good(
+        manager, lambda s: checkpoint.restore(manager, s, abstract, train_iter))
+    if restored is None:
         state, _ = train_lib.create_sharded_state(config, mesh, tx)
     else:
+        latest, state = restored
         _say(f'resuming from checkpoint {latest} in {workdir}')
-        state = checkpoint.restore(manager, latest, abstract, train_iter)
-        trained_s = float(checkpoint.read_metadata(workdir, latest).get('train_seconds', 0.0))
+        meta = checkpoint.read_metadata(workdir, latest)
+        trained_s = float(meta.get('train_seconds', 0.0))
+    _clear_finished(workdir)
 
     step_config = train_lib.StepConfig.from_config(config)
-    train_step = train_lib.jit_train_step(step_config, tx, state_shardings, mesh, schedule)
+    train_step = train_lib.jit_train_step(step_config, tx, state_shardings, mesh)
     eval_step = train_lib.jit_eval_step(step_config, state_shardings.params, mesh)
     eval_data = data.eval_split(config, tokenizer, config.eval_split)
+    num_eval = len(eval_data.plan(config.eval_batch_size))
+    _say(f'eval loss on {eval_data.name}: ' + (
+        f'all {num_eval} batches' if not 0 <= config.num_eval_batches < num_eval else
+        f'{config.num_eval_batches} of {num_eval} batches, a fixed seeded sample across the '
+        'length buckets (num_eval_batches=-1: all)'))
 
-    writer = metrics.MetricWriter(workdir, enabled=jax.process_index() == 0)
+    step = int(jax.device_get(state.step))
+    # A pending evaluation (see below) may have been written by a run killed after it.
+    writer = metrics.MetricWriter(
+        workdir, enabled=jax.process_index() == 0, start_step=step,
+        redo_at_start=('eval_',) if meta.get('evaluation_pending') else ())
     flops_per_step = flops.config_flops_per_step(config)
+    flops_per_token = flops.config_flops_per_token(config)
     peak = metrics.peak_flops_per_device()
     bleu_eval = _make_bleu_eval(config, step_config.model, tokenizer, eval_data, mesh)
 
-    step = int(jax.device_get(state.step))
     train_start = time.perf_counter()
 
     def train_seconds():
@@ -192,12 +239,31 @@ def train_and_evaluate(config, workdir: str, devices=None) -> TrainResult:
     def over_budget():
         return config.train_time_budget_s > 0 and train_seconds() >= config.train_time_budget_s
 
-    interval = _Interval()
+    def evaluate():
+        """The eval scalars (also written), or None when a SIGTERM arrived meanwhile."""
+        batches = eval_data.batches(config.eval_batch_size, eval_rows,
+                                    num_batches=config.num_eval_batches, seed=config.seed)
+        try:
+            summary = evaluate_loss(eval_step, state.params, preemption.interruptible(batches),
+                                    mesh, -1)
+        except Interrupted:
+            return None
+        summary = {f'eval_{k}': v for k, v in summary.items()}
+        if bleu_eval is not None:
+            summary.update(bleu_eval(state.params))
+        writer.write_scalars(step, summary)
+        return summary
+
+    interval = _Interval(meta.get('unlogged_metrics'))
     stopped_by = 'num_train_steps'
     train_summary, eval_summary = {}, {}
     preemption = PreemptionFlag().install()
     try:
-        if _all_processes_agree(over_budget()):
+        if meta.get('evaluation_pending'):  # preempted at an evaluation step: evaluate it now
+            eval_summary = evaluate()
+            if eval_summary is None:  # preempted again: the checkpoint still says pending
+                stopped_by, eval_summary = 'preemption', {}
+        if stopped_by == 'num_train_steps' and _all_processes_agree(over_budget()):
             stopped_by = 'time_budget'
             _say(f'the time budget of {config.train_time_budget_s:.0f} s is spent in {workdir}: '
                  'nothing to train')
@@ -210,26 +276,29 @@ def train_and_evaluate(config, workdir: str, devices=None) -> TrainResult:
             is_last = step == config.num_train_steps
             logged = step % config.log_every_steps == 0 or is_last
             if logged:
-                train_summary = _log_train(writer, interval, config, step, flops_per_step,
-                                           peak, mesh.size)
+                train_summary = _log_train(writer, interval, config, step, state,
+                                           flops_per_step, flops_per_token, peak, mesh.size)
                 if _all_processes_agree(over_budget()):
                     stopped_by = 'time_budget'
-                if preemption.any_process():
-                    stopped_by = 'preemption'
+            if preemption.reached(step, at_log_step=logged):
+                stopped_by = 'preemption'
 
             stopping = stopped_by != 'num_train_steps' or is_last
-            if step % config.eval_every_steps == 0 or stopping:
-                eval_summary = evaluate_loss(
-                    eval_step, state.params,
-                    eval_data.batches(config.eval_batch_size, eval_rows),
-                    mesh, config.num_eval_batches)
-                eval_summary = {f'eval_{k}': v for k, v in eval_summary.items()}
-                if bleu_eval is not None:
-                    eval_summary.update(bleu_eval(state.params))
-                writer.write_scalars(step, eval_summary)
+            preempted = stopped_by == 'preemption'
+            scheduled_eval = step % config.eval_every_steps == 0 or is_last
+            # Preempted: save at once; a scheduled evaluation is left to the resumed run.
+            if (scheduled_eval or stopping) and not preempted:
+                summary = evaluate()
+                if summary is None:  # SIGTERM during the evaluation: save this step now
+                    stopped_by, stopping, preempted = 'preemption', True, True
+                else:
+                    eval_summary = summary
             if step % config.checkpoint_every_steps == 0 or stopping:
-                checkpoint.save(manager, step, state, train_iter,
-                                extra_metadata={'train_seconds': train_seconds()})
+                interval.check_finite(config.skip_nonfinite)  # never save a non-finite state
+                checkpoint.save(manager, step, state, train_iter, extra_metadata={
+                    'train_seconds': train_seconds(),
+                    'unlogged_metrics': interval.unlogged(),
+                    'evaluation_pending': scheduled_eval and preempted})
             if stopping:
                 break
             if logged:  # after evaluation and saving, so step times measure training alone
@@ -239,16 +308,53 @@ def train_and_evaluate(config, workdir: str, devices=None) -> TrainResult:
         checkpoint.wait(manager)
         checkpoint.close(manager)
         writer.close()
+    if stopped_by != 'preemption':
+        _mark_finished(workdir, step, stopped_by)
     return TrainResult(step=step, stopped_by=stopped_by, train_metrics=train_summary,
                        eval_metrics=eval_summary)
 
 
-def _log_train(writer, interval: _Interval, config, step, flops_per_step, peak, num_devices):
+def _clear_finished(workdir) -> None:
+    """A run that starts (or resumes) is not finished until it says so again."""
+    if jax.process_index() == 0:
+        try:
+            os.remove(os.path.join(workdir, FINISHED_NAME))
+        except FileNotFoundError:
+            pass
+
+
+def _mark_finished(workdir, step: int, stopped_by: str) -> None:
+    """WORKDIR/TRAINING_FINISHED: every checkpoint of this run is on disk (for --watch)."""
+    if jax.process_index() == 0:
+        path = os.path.join(workdir, FINISHED_NAME)
+        with open(path + '.tmp', 'w', encoding='utf-8') as f:
+            json.dump({'step': step, 'stopped_by': stopped_by}, f)
+        os.replace(path + '.tmp', path)
+
+
+def read_finished(workdir) -> dict | None:
+    """The TRAINING_FINISHED record of WORKDIR, or None while training may still save steps."""
+    try:
+        with open(os.path.join(workdir, FINISHED_NAME), encoding='utf-8') as f:
+            return json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _log_train(writer, interval: _Interval, config, step, state, flops_per_step,
+               flops_per_token, peak, num_devices):
+    """Writes the interval's train scalars. Means cover every step since the last log (carried
+    ones too); throughput and MFU cover the steps this process ran."""
     fetched = interval.drain(config.skip_nonfinite)
     elapsed = time.perf_counter() - interval.start_time
     steps = len(fetched)
-    sums = {k: sum(float(m[k]) for _, m in fetched)
-            for k in ('loss_sum', 'nll_sum', 'correct_sum', 'tokens')}
+    sums, carried, interval.carried = {}, interval.carried, {}
+    for k in _SUM_KEYS:  # the same left-to-right additions as _Interval.unlogged
+        total = carried.get(k, 0)
+        for _, m in fetched:
+            total = total + float(m[k])
+        sums[k] = total
+    ran = {k: sum(float(m[k]) for _, m in fetched) for k in ('tokens', 'source_tokens')}
     last = fetched[-1][1]
     step_time = elapsed / max(steps, 1)
     scalars = dict(train_lib.summarize_metrics(sums))
@@ -256,14 +362,19 @@ def _log_train(writer, interval: _Interval, config, step, flops_per_step, peak, 
         learning_rate=float(last['learning_rate']),
         grad_norm=float(last['grad_norm']),
         step_time_s=step_time,
-        target_tokens_per_s=sums['tokens'] / max(elapsed, 1e-9),
+        target_tokens_per_s=ran['tokens'] / max(elapsed, 1e-9),
+        skipped_steps=sums['nonfinite'],
     )
-    skipped = sum(float(m['nonfinite']) for _, m in fetched)
-    if skipped:
-        scalars['skipped_steps'] = skipped
-    utilization = metrics.mfu(flops_per_step, step_time, num_devices, peak)
-    if not math.isnan(utilization):
-        scalars['mfu'] = utilization
+    applied = optim.applied_updates(state.opt_state)
+    if applied is not None:  # skipped steps advance the step but not the optimizer's count
+        scalars['skipped_steps_total'] = step - int(jax.device_get(applied))
+    # MFU on the real (non-pad) tokens, and on every slot of the batch as if all were real.
+    real_flops = ran['source_tokens'] * flops_per_token[0] + ran['tokens'] * flops_per_token[1]
+    for name, per_step in (('mfu_real_tokens', real_flops / max(steps, 1)),
+                           ('mfu_padded_slots', flops_per_step)):
+        utilization = metrics.mfu(per_step, step_time, num_devices, peak)
+        if not math.isnan(utilization):
+            scalars[name] = utilization
     writer.write_scalars(step, scalars)
     return scalars
 

@@ -4,22 +4,32 @@
   stdout           one line: `step 1200 | loss 3.214 | lr 0.000512 | ...`
   DIR/events.*     TensorBoard event files (tensorboardX, no TensorFlow)
   DIR/metrics.jsonl one JSON object per call, {"step": 1200, "loss": 3.214, ...}, appended and
-                   flushed at once so a crash loses nothing. After a resume from an earlier
-                   checkpoint a step may appear twice: the later line is the one that counts
-                   (`read_jsonl` keeps it). Non-finite values are written as null (strict JSON).
+                   flushed at once (after the event), so a crash loses at most the call in flight.
+                   Non-finite values are written as null (strict JSON).
+A run resumed from the checkpoint of step S passes start_step=S: the records and events of later
+steps, written before the interruption, are removed first (each file rewritten to a new file that
+replaces it atomically), and so are those at step S whose keys all start with one of
+`redo_at_start` (values the resumed run writes again, e.g. a pending evaluation). The new event
+file tells a running TensorBoard to purge steps > S (tensorboardX's purge_step: a SessionLog.START
+event), so no step ever holds two values.
 Only the writer with enabled=True writes (pass enabled=jax.process_index() == 0).
 """
 
+import glob
 import json
 import math
 import os
+import struct
 import sys
-from collections.abc import Mapping
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
 
 import jax
 import numpy as np
 
 JSONL_NAME = 'metrics.jsonl'
+EVENTS_GLOB = 'events.out.tfevents.*'
 
 
 def _to_float(value) -> float:
@@ -31,7 +41,9 @@ def _format(value: float) -> str:
 
 
 class MetricWriter:
-    def __init__(self, logdir, enabled: bool = True, tensorboard: bool = True, stream=None):
+    def __init__(self, logdir, enabled: bool = True, tensorboard: bool = True, stream=None,
+                 start_step: int | None = None, redo_at_start: tuple[str, ...] = ()):
+        """start_step: the step this run starts from (0 fresh, S resumed): later records go."""
         self.logdir = os.fspath(logdir)
         self.enabled = enabled
         self._stream = stream
@@ -40,11 +52,18 @@ class MetricWriter:
         if not enabled:
             return
         os.makedirs(self.logdir, exist_ok=True)
+        if start_step is not None:
+            truncate(self.logdir, start_step, redo_at_start)
         self._jsonl = open(os.path.join(self.logdir, JSONL_NAME), 'a', encoding='utf-8')
         if tensorboard:
             from tensorboardX import SummaryWriter  # imported lazily: it pulls in protobuf
 
-            self._tb = SummaryWriter(self.logdir)
+            # tensorboardX names files by the second and opens them with 'wb': the suffix keeps
+            # a writer started within the same second from wiping the previous one's file.
+            # purge_step hides the steps a running TensorBoard read before this (re)start.
+            self._tb = SummaryWriter(
+                self.logdir, filename_suffix=f'.{time.time_ns()}.{os.getpid()}',
+                purge_step=None if start_step is None else start_step + 1)
 
     def write_scalars(self, step: int, scalars: Mapping[str, object]) -> None:
         """Writes `scalars` (numbers or 0-d arrays; None values are skipped) at `step`."""
@@ -54,13 +73,15 @@ class MetricWriter:
         values = {k: _to_float(v) for k, v in scalars.items() if v is not None}
         line = ' | '.join([f'step {step}'] + [f'{k} {_format(v)}' for k, v in values.items()])
         print(line, file=self._stream or sys.stdout, flush=True)
-        record = {'step': step, **{k: v if math.isfinite(v) else None for k, v in values.items()}}
-        self._jsonl.write(json.dumps(record) + '\n')
-        self._jsonl.flush()
         if self._tb is not None:
             for k, v in values.items():
                 self._tb.add_scalar(k, v, step)
             self._tb.flush()
+        # Last: a record in metrics.jsonl means the call is complete (evaluate.py --watch relies
+        # on it to know what it has done).
+        record = {'step': step, **{k: v if math.isfinite(v) else None for k, v in values.items()}}
+        self._jsonl.write(json.dumps(record) + '\n')
+        self._jsonl.flush()
 
     def close(self) -> None:
         if self._jsonl is not None:
@@ -81,8 +102,7 @@ def read_jsonl(path) -> list[dict]:
     """The records of a metrics.jsonl (a file or its directory), one per step, sorted by step.
 
     Lines of the same step are merged (training and evaluation scalars are written separately);
-    where a key repeats, the later write wins (a resumed run rewrites steps after its checkpoint).
-    A torn last line (crash mid-write) is ignored.
+    where a key repeats, the later write wins. A torn last line (crash mid-write) is ignored.
     """
     path = os.fspath(path)
     if os.path.isdir(path):
@@ -96,6 +116,97 @@ def read_jsonl(path) -> list[dict]:
                 continue
             by_step.setdefault(record['step'], {}).update(record)
     return [by_step[s] for s in sorted(by_step)]
+
+
+# --- truncation on resume ----------------------------------------------------------------------
+
+
+def _replace_atomically(path: str, chunks) -> None:
+    """Writes `chunks` (bytes) to a new file beside `path`, then renames it over `path`."""
+    directory = os.path.dirname(os.path.abspath(path))
+    with tempfile.NamedTemporaryFile('wb', dir=directory, delete=False, suffix='.tmp') as f:
+        for chunk in chunks:
+            f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(f.name, path)
+
+
+def _kept(step: int, keys, last_step: int, redo: tuple[str, ...]) -> bool:
+    if step == last_step and redo:
+        return not all(key.startswith(redo) for key in keys)
+    return step <= last_step
+
+
+def _jsonl_lines_up_to(path: str, last_step: int, redo: tuple[str, ...]) -> Iterator[bytes]:
+    with open(path, 'rb') as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a torn line (crash mid-write)
+            step = record.pop('step', 0)
+            if _kept(step, record, last_step, redo):
+                yield line if line.endswith(b'\n') else line + b'\n'
+
+
+def _records(path: str) -> Iterator[bytes]:
+    """The framed records of a TFRecord file (length, crc, data, crc), each as its raw bytes.
+
+    Stops at a torn record (crash mid-write) or a damaged length field.
+    """
+    from tensorboardX.record_writer import masked_crc32c
+
+    with open(path, 'rb') as f:
+        while True:
+            header = f.read(12)
+            if len(header) < 12:
+                return
+            length, length_crc = struct.unpack('<QI', header)
+            if masked_crc32c(header[:8]) != length_crc:
+                return
+            body = f.read(length + 4)
+            if len(body) < length + 4:
+                return
+            yield header + body
+
+
+def _event(record: bytes):
+    from tensorboardX.proto.event_pb2 import Event
+
+    return Event.FromString(record[12:-4])
+
+
+def _event_records_up_to(path: str, last_step: int, redo: tuple[str, ...]) -> Iterator[bytes]:
+    for record in _records(path):
+        event = _event(record)
+        # Keep the file header (file_version) and anything at or before the step.
+        tags = [value.tag for value in event.summary.value]
+        if event.HasField('file_version') or _kept(event.step, tags, last_step,
+                                                   redo if tags else ()):
+            yield record
+
+
+def truncate(logdir, last_step: int, redo_at_last: tuple[str, ...] = ()) -> None:
+    """Removes the records of steps > last_step from DIR/metrics.jsonl and DIR's event files,
+    and those at last_step whose keys all start with one of `redo_at_last`."""
+    logdir = os.fspath(logdir)
+    path = os.path.join(logdir, JSONL_NAME)
+    if os.path.exists(path):
+        _replace_atomically(path, list(_jsonl_lines_up_to(path, last_step, redo_at_last)))
+    for events in sorted(glob.glob(os.path.join(logdir, EVENTS_GLOB))):
+        _replace_atomically(events, list(_event_records_up_to(events, last_step, redo_at_last)))
+
+
+def read_events(logdir) -> list[tuple[str, int, float]]:
+    """(tag, step, value) of every scalar in DIR's event files, in file order (as written)."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(os.fspath(logdir), EVENTS_GLOB))):
+        for record in _records(path):
+            event = _event(record)
+            for value in event.summary.value:
+                out.append((value.tag, int(event.step), float(value.simple_value)))
+    return out
 
 
 # --- model FLOPs utilization ----------------------------------------------------------------------

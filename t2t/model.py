@@ -28,8 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-PAD_ID = 0  # padding; also the decoder's start token (targets are shifted right with it)
-EOS_ID = 1
+from t2t.ids import EOS_ID, PAD_ID  # noqa: F401 (re-exported: t2t.model.EOS_ID)
 
 Array = jax.Array
 _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
@@ -403,11 +402,18 @@ class Embedder(nn.Module):
         x_BLD = jnp.take(self.embedding, ids_BL, axis=0)
         if cfg.scale_embeddings:
             x_BLD = x_BLD * math.sqrt(cfg.d_model)
-        if cfg.position_embedding == 'sinusoidal':
-            table = jnp.asarray(sinusoidal_table(cfg.max_position, cfg.d_model))
-            x_BLD = x_BLD + jnp.take(table, positions_BL, axis=0)
-        elif cfg.position_embedding == 'learned':
-            x_BLD = x_BLD + jnp.take(self.position_table, positions_BL, axis=0)
+        if cfg.position_embedding in ('sinusoidal', 'learned'):
+            # Positions are < the row length (packed ones restart per segment; in decode mode the
+            # cache index is < decode_len): a length within the table keeps every read in range.
+            # Checked while tracing, so it is an error before any compile; mode='clip' replaces
+            # jnp.take's NaN fill, which the check leaves unreachable.
+            length = cfg.decode_len if cfg.decode else ids_BL.shape[1]
+            if length > cfg.max_position:
+                raise ValueError(f'sequence length {length} exceeds max_position='
+                                 f'{cfg.max_position} (the position table)')
+            table = (jnp.asarray(sinusoidal_table(cfg.max_position, cfg.d_model))
+                     if cfg.position_embedding == 'sinusoidal' else self.position_table)
+            x_BLD = x_BLD + jnp.take(table, positions_BL, axis=0, mode='clip')
         x_BLD = self.dropout(x_BLD.astype(cfg.dtype), deterministic=cfg.deterministic)
         return nn.with_logical_constraint(x_BLD, ('batch', 'length', 'embed'))
 

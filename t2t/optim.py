@@ -43,17 +43,44 @@ def make_optimizer(config) -> optax.GradientTransformation:
     (> 0 clips before Adam) and weight_decay (> 0: decoupled decay, optax convention: the update
     subtracts lr * weight_decay * param, on parameters with ndim > 1). Gradient accumulation is done
     by the train step, not here.
+
+    The schedule is injected with `optax.inject_hyperparams`, so the optimizer state holds the rate
+    each update applied (`applied_learning_rate`): what the logs report is what Adam used, also
+    when a skipped step (skip_nonfinite) leaves the state, and with it the count, unchanged. State:
+    InjectStatefulHyperparamsState(count, hyperparams={'learning_rate'}, hyperparams_states,
+    inner_state=(clip state,) adam state).
     """
     schedule = learning_rate_schedule(
         config.d_model, config.warmup_steps, config.learning_rate_scale
     )
     adam_kwargs = dict(b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps)
-    if config.weight_decay > 0:
-        tx = optax.adamw(
-            schedule, weight_decay=config.weight_decay, mask=_decay_mask, **adam_kwargs
-        )
-    else:
-        tx = optax.adam(schedule, **adam_kwargs)
-    if config.clip_grad_norm > 0:
-        tx = optax.chain(optax.clip_by_global_norm(config.clip_grad_norm), tx)
-    return tx
+
+    def adam(learning_rate):
+        # Only the rate is a hyperparameter in the state: Adam's constants stay Python floats.
+        if config.weight_decay > 0:
+            tx = optax.adamw(
+                learning_rate, weight_decay=config.weight_decay, mask=_decay_mask, **adam_kwargs
+            )
+        else:
+            tx = optax.adam(learning_rate, **adam_kwargs)
+        if config.clip_grad_norm > 0:
+            tx = optax.chain(optax.clip_by_global_norm(config.clip_grad_norm), tx)
+        return tx
+
+    return optax.inject_hyperparams(adam)(learning_rate=schedule)
+
+
+def applied_learning_rate(opt_state):
+    """The learning rate of the last update applied (before any update: the first one's rate).
+
+    None for an optimizer built without `make_optimizer`'s injected schedule.
+    """
+    hyperparams = getattr(opt_state, 'hyperparams', None)
+    return None if hyperparams is None else hyperparams.get('learning_rate')
+
+
+def applied_updates(opt_state):
+    """How many updates the optimizer applied (skipped steps do not count); None if unknown."""
+    if applied_learning_rate(opt_state) is None:
+        return None
+    return opt_state.count

@@ -20,7 +20,7 @@ import optax
 from flax import linen as nn
 from flax import struct
 
-from t2t import sharding
+from t2t import optim, sharding
 from t2t.model import PAD_ID, Transformer, TransformerConfig, batch_forward_args
 
 BATCH_KEYS = ('inputs', 'targets', 'inputs_segment_ids', 'targets_segment_ids',
@@ -150,8 +150,7 @@ def _split_micro_batches(batch, num: int, batch_sharding=None):
 
 
 def train_step(state: TrainState, batch, *, step_config: StepConfig,
-               tx: optax.GradientTransformation, schedule=None, batch_sharding=None,
-               param_shardings=None):
+               tx: optax.GradientTransformation, batch_sharding=None, param_shardings=None):
     """One update on the batch (accumulated over step_config.grad_accum_steps micro-batches).
 
     The loss is the mean over all non-pad target tokens of the whole batch, so accumulating M
@@ -203,9 +202,11 @@ def train_step(state: TrainState, batch, *, step_config: StepConfig,
         new_params = keep(new_params, state.params)
         new_opt_state = keep(new_opt_state, state.opt_state)
 
-    metrics = dict(sums, grad_norm=grad_norm, nonfinite=1.0 - finite.astype(jnp.float32))
-    if schedule is not None:
-        metrics['learning_rate'] = schedule(state.step)
+    metrics = dict(sums, grad_norm=grad_norm, nonfinite=1.0 - finite.astype(jnp.float32),
+                   source_tokens=(batch['inputs'] != PAD_ID).sum().astype(jnp.float32))
+    applied_lr = optim.applied_learning_rate(new_opt_state)
+    if applied_lr is not None:  # what Adam used; after a skipped step, the last rate applied
+        metrics['learning_rate'] = applied_lr
     new_state = state.replace(step=state.step + 1, params=new_params, opt_state=new_opt_state)
     return new_state, metrics
 
@@ -216,10 +217,10 @@ def eval_step(params, batch, *, step_config: StepConfig):
     return sums
 
 
-def jit_train_step(step_config: StepConfig, tx, state_shardings, mesh, schedule=None):
+def jit_train_step(step_config: StepConfig, tx, state_shardings, mesh):
     """train_step compiled once for the mesh: state sharded as derived, batch split over data."""
     batch_sharding = sharding.batch_sharding(mesh)
-    step = functools.partial(train_step, step_config=step_config, tx=tx, schedule=schedule,
+    step = functools.partial(train_step, step_config=step_config, tx=tx,
                              batch_sharding=batch_sharding,
                              param_shardings=state_shardings.params)
     jitted = jax.jit(step, in_shardings=(state_shardings, batch_sharding),

@@ -195,3 +195,27 @@ def test_preemption_flag_catches_sigterm():
         os.kill(os.getpid(), signal.SIGTERM)
         assert flag.is_set() and flag.any_process()
     assert signal.getsignal(signal.SIGTERM) is previous
+
+
+def test_a_checkpoint_of_another_config_is_an_error_not_corruption(tmp_path):
+    manager = ckpt.make_manager(tmp_path, config(), async_=False)
+    ckpt.save(manager, 1, make_state())
+    other = make_state()
+    other = other.replace(params={**other.params, 'dense': {'kernel': jnp.zeros((8, 5)),
+                                                            'bias': jnp.zeros(4)}})
+    abstract = jax.eval_shape(lambda: other)
+    with pytest.raises(ckpt.CheckpointError, match=r'does not fit the state of this config: '
+                       r'params/dense/kernel is \(8, 4\), the config wants \(8, 5\)') as error:
+        ckpt.restore_newest_good(manager, lambda step: ckpt.restore(manager, step, abstract))
+    assert not isinstance(error.value, ckpt.CorruptCheckpointError)
+    assert ckpt.all_steps(manager) == [1] and not (tmp_path / 'corrupt').exists()  # not moved
+
+
+def test_a_state_with_nan_is_refused(tmp_path):
+    manager = ckpt.make_manager(tmp_path, config(), async_=False)
+    state = make_state()
+    state = state.replace(params={**state.params, 'emb': state.params['emb'].at[3, 1].set(jnp.inf)})
+    with pytest.raises(ckpt.CheckpointError, match='step 2: refusing to save a state with NaN or '
+                                                   'inf in params/emb'):
+        ckpt.save(manager, 2, state)
+    assert ckpt.all_steps(manager) == [] and ckpt.finished_steps(tmp_path) == []

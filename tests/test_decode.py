@@ -84,13 +84,14 @@ def _pen(length, alpha):
 
 
 def exhaustive(table, offset, limit, alpha):
-    """All hypotheses (ended by EOS, or cut at `limit`), best first: [(score, tokens)]."""
+    """All hypotheses (ended by EOS, or cut at `limit`; PAD is never generated), best first:
+    [(score, tokens)]."""
     table = np.asarray(table)
     results = []
 
     def expand(prefix, log_prob):
         log_probs_V = _log_softmax(table[_hash([0] + prefix, offset)])
-        for v in range(V):
+        for v in range(1, V):
             seq, lp = prefix + [v], log_prob + log_probs_V[v]
             if v == EOS or len(seq) == limit:
                 results.append((lp / _pen(len(seq), alpha), seq))
@@ -104,7 +105,7 @@ def exhaustive(table, offset, limit, alpha):
 def reference_greedy(table, offset, limit):
     table, seq = np.asarray(table), []
     while len(seq) < limit and (not seq or seq[-1] != EOS):
-        seq.append(int(np.argmax(table[_hash([0] + seq, offset)])))
+        seq.append(1 + int(np.argmax(table[_hash([0] + seq, offset)][1:])))  # never PAD
     return seq
 
 
@@ -136,8 +137,9 @@ def test_length_penalty_is_gnmt_formula(length, alpha):
 
 
 def test_wide_beam_equals_exhaustive_search_per_example_limits():
-    # K = 64 = (V - 1) ** 3 keeps every unfinished prefix alive up to length 4, so beam search
-    # is exact. Example 1 (limit 2) has only 1 + 4 * 5 = 21 hypotheses: the rest stay -inf.
+    # K = 64 > (V - 2) ** 3 keeps every unfinished prefix (no EOS, no PAD) alive up to length 4,
+    # so beam search is exact. Example 1 (limit 2) has only 1 + 3 * 4 = 13 hypotheses: the rest
+    # stay -inf.
     L, K = 4, 64
     table = _table(0)
     offset_B = jnp.array([0, 1, 2], jnp.int32)

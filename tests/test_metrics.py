@@ -53,22 +53,15 @@ def test_mfu_arithmetic():
     assert math.isnan(metrics.mfu(6e14, 0.0, 2, 1e15))
 
 
-@pytest.mark.parametrize(
-    'kind, peak',
-    [
-        ('NVIDIA H100 80GB HBM3', 989e12),
-        ('NVIDIA H200', 989e12),
-        ('NVIDIA A100-SXM4-40GB', 312e12),
-        ('TPU v4', 275e12),
-        ('TPU v5 lite', 197e12),
-        ('TPU v5', 459e12),
-        ('TPU v5p', 459e12),
-        ('TPU v6 lite', 918e12),
-        ('cpu', None),
-    ],
-)
-def test_peak_flops_by_device_kind(kind, peak):
-    assert metrics.peak_flops_per_device(kind) == peak
+def test_peak_flops_pick_the_most_specific_device_kind():
+    # Every listed kind resolves to its own entry, not to a shorter name listed before it.
+    for name, peak in metrics._PEAK_FLOPS:
+        assert metrics.peak_flops_per_device(name.upper()) == peak, name
+    # jax's names: 'TPU v5 lite' is v5e, 'TPU v5' is v5p; a PCIe H100 is not an SXM one.
+    assert metrics.peak_flops_per_device('TPU v5 lite') < metrics.peak_flops_per_device('TPU v5')
+    assert (metrics.peak_flops_per_device('NVIDIA H100 PCIe')
+            < metrics.peak_flops_per_device('NVIDIA H100 80GB HBM3'))
+    assert metrics.peak_flops_per_device('cpu') is None
 
 
 def test_peak_flops_of_this_machine_is_unknown_on_cpu():

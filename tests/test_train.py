@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import signal
 
 import jax
 import jax.numpy as jnp
@@ -217,14 +218,22 @@ def test_train_leaves_checkpoints_events_and_metrics(corpus, tmp_path):
 
 
 def test_preemption_saves_a_checkpoint_and_stops(corpus, tmp_path, monkeypatch):
-    class PreemptedAtOnce(loop.PreemptionFlag):
-        """As if SIGTERM arrived during the first steps (the signal itself: test_checkpoint)."""
+    real_jit = train_lib.jit_train_step
 
-        def any_process(self):
-            return True
+    def sigterm_in_the_first_step(*args, **kwargs):
+        step = real_jit(*args, **kwargs)
 
-    monkeypatch.setattr(loop, 'PreemptionFlag', PreemptedAtOnce)
+        def signalled(state, batch):
+            if int(state.step) == 0:  # the real signal, caught by the loop's handler
+                os.kill(os.getpid(), signal.SIGTERM)
+            return step(state, batch)
+
+        return signalled
+
+    monkeypatch.setattr(train_lib, 'jit_train_step', sigterm_in_the_first_step)
     config = _run_config(corpus, num_train_steps=50, checkpoint_every_steps=40)
     result = loop.train_and_evaluate(config, str(tmp_path / 'run'))
-    assert (result.step, result.stopped_by) == (config.log_every_steps, 'preemption')
-    assert os.listdir(tmp_path / 'run' / 'checkpoints') == [str(config.log_every_steps)]
+    # Seen at the very next step, not at a log step: saved at once, not evaluated.
+    assert (result.step, result.stopped_by) == (1, 'preemption')
+    assert os.listdir(tmp_path / 'run' / 'checkpoints') == ['1']
+    assert checkpoint.read_metadata(str(tmp_path / 'run'))['evaluation_pending'] is False

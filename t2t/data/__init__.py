@@ -21,7 +21,8 @@ from t2t.data.pipeline import (
     vocab_path,
 )
 from t2t.data.sources import open_split
-from t2t.data.tokenizer import EOS_ID, PAD_ID, UNK_ID, Tokenizer
+from t2t.data.tokenizer import Tokenizer
+from t2t.ids import EOS_ID, PAD_ID, UNK_ID
 
 __all__ = ['EOS_ID', 'PAD_ID', 'UNK_ID', 'EvalSplit', 'Tokenizer', 'eval_batches', 'eval_split',
            'get_tokenizer', 'open_split', 'packed_split', 'split_names', 'split_texts',

@@ -137,9 +137,10 @@ class EvalSplit:
     read_skipped: dict[str, int]  # lines dropped before indexing (empty, invalid UTF-8, ...)
     max_len: int
 
-    def plan(self, batch_size: int, global_rows: int | None = None
-             ) -> list[tuple[int, np.ndarray]]:
-        """(bucket length, indices [G] with -1 padding) of every batch of batch_size examples.
+    def plan(self, batch_size: int, global_rows: int | None = None, num_batches: int = -1,
+             seed: int = 0) -> list[tuple[int, np.ndarray]]:
+        """(bucket length, indices [G] with -1 padding) of every batch of batch_size examples, or
+        of a fixed sample of num_batches of them (>= 0: see `sample_batches`).
 
         G = global_rows (>= batch_size, default batch_size): batches are padded to G rows, e.g. a
         multiple of the devices they are split over, without changing which examples they hold.
@@ -159,12 +160,13 @@ class EvalSplit:
                 chunk = idx[start:start + batch_size]
                 pad = np.full(global_rows - len(chunk), -1, np.int32)
                 batches.append((length, np.concatenate([chunk, pad])))
-        return batches
+        return batches if num_batches < 0 else sample_batches(batches, num_batches, seed)
 
-    def batches(self, batch_size: int,
-                global_rows: int | None = None) -> Iterator[dict[str, np.ndarray]]:
-        """Every global batch of `plan`: the same on every process (each puts its own rows)."""
-        for length, idx in self.plan(batch_size, global_rows):
+    def batches(self, batch_size: int, global_rows: int | None = None, num_batches: int = -1,
+                seed: int = 0) -> Iterator[dict[str, np.ndarray]]:
+        """Every global batch of `plan` (or of its sample): the same on every process (each puts
+        its own rows)."""
+        for length, idx in self.plan(batch_size, global_rows, num_batches, seed):
             rows = len(idx)
             batch = {'inputs': np.zeros((rows, length), np.int32),
                      'targets': np.zeros((rows, length), np.int32), 'index': idx}
@@ -173,6 +175,29 @@ class EvalSplit:
                     batch['inputs'][r, :len(self.inputs[i])] = self.inputs[i]
                     batch['targets'][r, :len(self.targets[i])] = self.targets[i]
             yield batch
+
+
+def sample_batches(batches: list, num: int, seed: int) -> list:
+    """A fixed sample of `num` of the (bucket length, indices) batches, stratified by bucket.
+
+    Each bucket gets its share of `num` in proportion to its batches (largest remainders round),
+    drawn with `seed`; the result keeps the plan's order. The same arguments give the same
+    sample, so every evaluation of a run sees the same sentences. num >= len(batches): all.
+    """
+    if num >= len(batches):
+        return batches
+    by_bucket = collections.defaultdict(list)
+    for position, (length, _) in enumerate(batches):
+        by_bucket[length].append(position)
+    buckets = sorted(by_bucket)
+    exact = np.array([num * len(by_bucket[b]) / len(batches) for b in buckets])
+    quota = np.floor(exact).astype(int)
+    for i in np.argsort(-(exact - quota), kind='stable')[:num - quota.sum()]:
+        quota[i] += 1
+    rng = np.random.default_rng(seed)
+    chosen = [p for b, q in zip(buckets, quota, strict=True)
+              for p in rng.choice(by_bucket[b], q, replace=False).tolist()]
+    return [batches[p] for p in sorted(chosen)]
 
 
 def eval_split(config, tokenizer: Tokenizer, split: str) -> EvalSplit:

@@ -1,6 +1,6 @@
 """One SentencePiece (unigram) vocabulary shared by source and target.
 
-Ids: PAD=0, EOS=1, UNK=2 and no BOS, the same constants as t2t/model.py. `encode` adds no EOS; the
+Ids: PAD=0, EOS=1, UNK=2 and no BOS (t2t/ids.py). `encode` adds no EOS; the
 pipelines append it, so the tokenizer stays a plain text <-> pieces map.
 """
 
@@ -8,9 +8,7 @@ import os
 import tempfile
 from collections.abc import Iterable, Sequence
 
-PAD_ID = 0
-EOS_ID = 1
-UNK_ID = 2
+from t2t.ids import EOS_ID, PAD_ID, UNK_ID
 
 
 class Tokenizer:

@@ -1,0 +1,43 @@
+"""Checks every entry point runs first, before data is read or anything is compiled.
+
+Each failure is a ConfigError (a ValueError) with a one-line message that names the config key or
+the path, so train.py and evaluate.py can print it instead of a traceback.
+"""
+
+import os
+import tempfile
+
+# Every length a config asks the model to handle; positions 0 .. length - 1 index the table.
+LENGTH_KEYS = ('max_len', 'max_eval_len', 'max_decode_len')
+
+
+class ConfigError(ValueError):
+    """A config value or a path the run cannot work with."""
+
+
+def check_lengths(config, keys=LENGTH_KEYS) -> None:
+    """Each length fits the position table (max_position rows) of a sinusoidal/learned model.
+
+    A longer sequence would read positions beyond the table (the model refuses them at trace time
+    too; see model.Embedder). Checked for rotary positions as well, so that a config is valid or
+    not whatever its position_embedding.
+    """
+    for key in keys:
+        if config[key] > config.max_position:
+            raise ConfigError(f'{key}={config[key]} exceeds max_position={config.max_position} '
+                              f'(--config.{key} or --config.max_position)')
+
+
+def check_writable(workdir) -> None:
+    """WORKDIR exists or can be created, and a file can be written in it."""
+    if '://' in os.fspath(workdir):
+        return  # gs:// and the like: the first checkpoint save reports a problem
+    path = os.path.abspath(os.fspath(workdir))
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path) as f:
+            f.write(b'0')
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise ConfigError(f'workdir {path} is not writable: {e.strerror or e}') from e

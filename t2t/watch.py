@@ -1,0 +1,97 @@
+"""evaluate.py --watch: evaluate every checkpoint of a training run once, while it trains.
+
+    run(config, workdir)                  # until training has finished, or an hour without news
+
+The eval-job pattern of large codebases. The loop polls WORKDIR for finished checkpoint steps:
+orbax writes a step into `<step>.orbax-checkpoint-tmp*` and renames it when complete (on GCS it
+adds a commit_success.txt instead); `checkpoint.finished_steps` lists only such steps, so a step
+still being written is never read. Each new step is decoded and scored like evaluate.py does
+(hypotheses file, WORKDIR/eval-<split>.json under the label step-N) and its scores are written to
+WORKDIR/watch-<split>/: metrics.jsonl (one record per step: the scores file) and TensorBoard
+events under eval/ tags (a run of its own beside the training run's events).
+
+Restartable: a step with a record in that metrics.jsonl is done (the record is written last); a
+restarted watcher skips those and drops anything written after the last one. It returns when
+training has finished (WORKDIR/TRAINING_FINISHED, written after the last save) and every step is
+evaluated, or after timeout_s without a new checkpoint. A step that keep_checkpoints deleted before
+it was read, or that is corrupt, is reported in one line and skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+from t2t import checkpoint, evaluation, metrics, sharding, startup
+
+
+def _done_steps(logdir: str) -> set[int]:
+    if not os.path.exists(os.path.join(logdir, metrics.JSONL_NAME)):
+        return set()
+    return {r['step'] for r in metrics.read_jsonl(logdir)}
+
+
+def run(config, workdir, *, split: str = '', timeout_s: float = 3600.0, poll_s: float = 5.0,
+        progress: bool = False, echo: Callable[[str], None] = print,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep) -> dict[int, dict]:
+    """Evaluates each new checkpoint of WORKDIR once; returns {step: record} of this call."""
+    from t2t import loop
+
+    startup.check_lengths(config)
+    if not workdir:
+        raise evaluation.EvalError('--workdir is required')
+    split = split or config.test_split
+    tag = evaluation._split_tag(split)
+    logdir = os.path.join(workdir, f'watch-{tag}')
+    json_path = os.path.join(workdir, f'eval-{tag}.json')
+    done = _done_steps(logdir)
+    skipped: set[int] = set()
+    tokenizer = evaluation._get_tokenizer(config)
+    eval_split = evaluation._load_split(config, tokenizer, split)
+    mesh = sharding.make_mesh((-1, 1, 1))  # decoding: every device its own rows
+    echo(f'watching {workdir} ({split}); done before: {sorted(done) or "none"}')
+    results = {}
+    writer = metrics.MetricWriter(logdir, start_step=max(done, default=0))
+    last_news = clock()
+    try:
+        while True:
+            finished = loop.read_finished(workdir)  # read before listing: see the last step
+            steps = checkpoint.finished_steps(workdir) if os.path.isdir(workdir) else []
+            todo = [s for s in steps if s not in done and s not in skipped]
+            for step in todo:
+                label = f'step-{step}'
+                try:
+                    params = sharding.put_global(checkpoint.restore_params(workdir, step),
+                                                 sharding.replicated(mesh))
+                except checkpoint.CheckpointError as e:
+                    gone = step not in checkpoint.finished_steps(workdir)
+                    echo(f'== {label}: ' + ('deleted by training (keep_checkpoints) before it '
+                                            'was read' if gone else f'corrupt: {e}'))
+                    skipped.add(step)
+                    continue
+                record = evaluation.evaluate_params(
+                    config, params, tokenizer, eval_split, split=split, label=label,
+                    steps=[step], workdir=workdir, progress=progress, echo=echo, mesh=mesh)
+                evaluation._merge_json(json_path, label, record)
+                writer.write_scalars(step, {
+                    'eval/sacrebleu': record['sacrebleu'], 'eval/chrf': record['chrf'],
+                    'eval/tok_bleu': record['tok_bleu_compound_split'],
+                    'eval/hit_length_limit': record['hit_length_limit']})
+                done.add(step)
+                results[step] = record
+            if todo:
+                last_news = clock()
+            elif finished is not None:
+                echo(f'training finished at step {finished["step"]} ({finished["stopped_by"]}); '
+                     f'evaluated {len(results)} new checkpoints -> {logdir}')
+                return results
+            elif clock() - last_news > timeout_s:
+                echo(f'no new checkpoint for {timeout_s:.0f} s: stopping; evaluated '
+                     f'{len(results)} new checkpoints -> {logdir}')
+                return results
+            else:
+                sleep(poll_s)
+    finally:
+        writer.close()
