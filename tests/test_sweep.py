@@ -157,7 +157,8 @@ def test_sweep_trains_records_failures_resumes_after_a_kill_and_summarizes(tmp_p
     assert state['status'] == 'running' and state['pid'] > 0
     failed = json.loads((workdir / 'max_decode_len=300' / 'sweep_point.json').read_text())
     assert failed['status'] == 'failed' and failed['returncode'] == 1
-    assert failed['error'] == 'ValueError: max_decode_len=300 exceeds max_position=256'
+    assert failed['error'] == ('train.py: max_decode_len=300 exceeds max_position=256 '
+                               '(--config.max_decode_len or --config.max_position)')
 
     # Second run: the done point is skipped, the failed one is left alone (no --retry_failed),
     # the killed one resumes from its checkpoint (its train.py got SIGTERM when the sweep died).
@@ -192,4 +193,4 @@ def test_sweep_trains_records_failures_resumes_after_a_kill_and_summarizes(tmp_p
     assert (workdir / 'curves.png').read_bytes()[:4] == b'\x89PNG'
     markdown = (workdir / 'summary.md').read_text()
     assert '3 points: 2 done, 1 failed' in markdown and f'| `{LONG}` | done |' in markdown
-    assert 'ValueError: max_decode_len=300 exceeds max_position=256' in markdown
+    assert 'max_decode_len=300 exceeds max_position=256' in markdown
