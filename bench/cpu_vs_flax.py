@@ -37,6 +37,7 @@ import sys
 import time
 from types import SimpleNamespace
 
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # a CPU comparison (and no TPU probing)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, 'bench'))
@@ -142,11 +143,12 @@ def peer_predict(models, decode, args):
 
 
 def timed(fn, n):
+    """[(wall s, process CPU s)] of n synced calls."""
     ts = []
     for _ in range(n):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn()
-        ts.append(time.perf_counter() - t0)
+        ts.append((time.perf_counter() - t0, time.process_time() - c0))
     return ts
 
 
@@ -159,16 +161,23 @@ def alternate(runs: dict, rounds: int, steps: int) -> dict:
         for n in (names if r % 2 == 0 else names[::-1]):
             ts = timed(runs[n], steps)
             times[n] += ts
-            per_round[n].append(statistics.median(ts))
+            per_round[n].append(statistics.median(t for t, _ in ts))
     return times, per_round
 
 
 def report(kind: str, times, per_round, extra: dict) -> dict:
-    t2t, peer = statistics.median(times['t2t']), statistics.median(times['peer'])
+    """Wall-time medians and ratios; also process CPU time (all threads), which other
+    processes' load disturbs less than wall time."""
+    wall = {k: [t for t, _ in v] for k, v in times.items()}
+    cpu = {k: [c for _, c in v] for k, v in times.items()}
+    t2t, peer = statistics.median(wall['t2t']), statistics.median(wall['peer'])
+    cpu_t2t, cpu_peer = statistics.median(cpu['t2t']), statistics.median(cpu['peer'])
     round_ratios = [a / b for a, b in zip(per_round['t2t'], per_round['peer'], strict=True)]
     rec = dict(kind=kind, t2t_ms=round(t2t * 1e3, 2), peer_ms=round(peer * 1e3, 2),
                ratio=round(t2t / peer, 3), ratio_round_median=round(statistics.median(
                    round_ratios), 3), round_ratios=[round(r, 3) for r in round_ratios],
+               t2t_cpu_s=round(cpu_t2t, 3), peer_cpu_s=round(cpu_peer, 3),
+               cpu_time_ratio=round(cpu_t2t / cpu_peer, 3),
                n_each=len(times['t2t']), loadavg=[round(x, 2) for x in os.getloadavg()],
                **extra)
     print('RESULT ' + json.dumps(rec), flush=True)
@@ -260,8 +269,10 @@ def compare_compile(models, args):
     times = {'t2t': [], 'peer': []}
     for r in range(args.compile_reps):
         for name in (('t2t', 'peer') if r % 2 == 0 else ('peer', 't2t')):
-            times[name].append(t2t_compile() if name == 't2t' else peer_compile())
-    per_round = {k: v for k, v in times.items()}
+            c0 = time.process_time()
+            wall = t2t_compile() if name == 't2t' else peer_compile()
+            times[name].append((wall, time.process_time() - c0))
+    per_round = {k: [t for t, _ in v] for k, v in times.items()}
     return report('base_train_compile_s', times, per_round, dict(
         scan_layers=args.compile_scan, remat=args.remat, note='values in ms are seconds x 1000'))
 
