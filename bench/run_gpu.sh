@@ -24,6 +24,8 @@ if [[ "${1:-}" == prepare ]]; then
     mkdir -p shared/bench
     cp ../shared/bench/peers_gpu.py ../shared/bench/README.md shared/bench/ || exit 1
     if [[ -d ../.peer ]]; then mkdir -p shared/.peer && cp -r ../.peer/. shared/.peer/; fi
+    # flax examples/wmt, verbatim and git-ignored (bench/cpu_vs_flax.py keeps it in .peer/)
+    if [[ -d .peer ]]; then mkdir -p shared/.peer && cp -r .peer/. shared/.peer/; fi
     commit=$(git rev-parse HEAD)
     if ! git diff-index --quiet HEAD -- || [[ -n $(git ls-files --others --exclude-standard) ]]
     then commit="$commit+uncommitted-changes"; fi

@@ -11,11 +11,20 @@ index i. Everything else (embeddings, final norms) is the same in both.
 
 Every dict in the tree that holds layer subtrees is converted, so a TrainState converts its
 parameters and the optimizer's moments alike; other leaves pass through unchanged.
+
+A checkpoint's parameters, for evaluate.py with a config of the other layout:
+
+    python -m t2t.layers_convert --workdir=RUN --out=RUN_scanned --to=scanned [--step=N]
+
+writes checkpoint N (default: the latest) of RUN as a parameters-only checkpoint of RUN_scanned
+(the format of averaged checkpoints), readable by `checkpoint.restore_params` and evaluate.py.
 """
 
 from __future__ import annotations
 
+import argparse
 import re
+import sys
 
 import jax
 import numpy as np
@@ -75,3 +84,34 @@ def to_unrolled(tree):
 def to_layout(tree, *, scan_layers: bool):
     """The tree in the layout a model with this scan_layers setting expects (a no-op if it is)."""
     return to_scanned(tree) if scan_layers else to_unrolled(tree)
+
+
+def convert_checkpoint(workdir: str, out: str, to: str, step: int | None = None) -> str:
+    """Writes the params of checkpoint `step` of `workdir` in layout `to` ('scanned' or
+    'unrolled') as a params-only checkpoint of `out`; returns its directory."""
+    from t2t import checkpoint
+
+    if to not in ('scanned', 'unrolled'):
+        raise ValueError(f"to={to!r}; one of ('scanned', 'unrolled')")
+    meta = checkpoint.read_metadata(workdir, step)  # step None: the latest
+    step = int(meta['step'])
+    params = checkpoint.restore_params(workdir, step)
+    converted = to_layout(params, scan_layers=to == 'scanned')
+    return str(checkpoint.write_averaged(
+        out, converted, step, extra_metadata={'converted_from': str(workdir), 'layers': to}))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description='Checkpoint parameters between unrolled and '
+                                 'scanned layers (a params-only checkpoint, for evaluation).')
+    ap.add_argument('--workdir', required=True)
+    ap.add_argument('--out', required=True)
+    ap.add_argument('--to', required=True, choices=('scanned', 'unrolled'))
+    ap.add_argument('--step', type=int, default=None)
+    args = ap.parse_args(argv)
+    print(convert_checkpoint(args.workdir, args.out, args.to, args.step))
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -41,8 +41,9 @@ def _batch(seed=0, rows=3, src=7, tgt=6):
 
 
 def _init(cfg, batch):
-    return nn.unbox(Transformer(cfg).init(jax.random.key(0), batch['inputs'],
-                                          batch['targets'])['params'])
+    init = jax.jit(lambda: Transformer(cfg).init(jax.random.key(0), batch['inputs'],
+                                                 batch['targets']))
+    return nn.unbox(init()['params'])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -209,26 +210,47 @@ def test_scanned_layers_equal_unrolled_ones_and_checkpoints_convert_both_ways():
     assert scanned['encoder_layers']['ffn']['wi']['kernel'].shape == (2, 32, 64)
     assert 'encoder_1' in unrolled and 'encoder_layers' not in unrolled
     # The logical names: a leading 'layers' axis, then the layer's own.
-    boxed = Transformer(scanned_cfg).init(jax.random.key(0), batch['inputs'], batch['targets'])
+    boxed = jax.eval_shape(lambda: Transformer(scanned_cfg).init(
+        jax.random.key(0), batch['inputs'], batch['targets']))
     names = boxed['params']['decoder_layers']['ffn']['wi']['kernel'].names
     assert names == ('layers', 'embed', 'mlp')
 
-    apply = lambda cfg, p: Transformer(cfg).apply({'params': p}, batch['inputs'],
-                                                  batch['targets'])
+    apply = jax.jit(lambda p, b, cfg: Transformer(cfg).apply({'params': p}, b['inputs'],
+                                                             b['targets']), static_argnums=2)
     for params, cfg in ((unrolled, unrolled_cfg), (scanned, scanned_cfg)):
-        want = apply(cfg, params)
+        want = apply(params, batch, cfg)
         other_cfg = cfg.replace(scan_layers=not cfg.scan_layers)
         converted = layers_convert.to_layout(params, scan_layers=other_cfg.scan_layers)
-        np.testing.assert_allclose(apply(other_cfg, converted), want, atol=2e-5)
+        np.testing.assert_allclose(apply(converted, batch, other_cfg), want, atol=2e-5)
         back = layers_convert.to_layout(converted, scan_layers=cfg.scan_layers)
         jax.tree_util.tree_map(np.testing.assert_array_equal, back, params)
     # A whole train state (Adam's moments too) converts, and to_layout is a no-op when done.
-    state = train_lib.init_state(jax.random.PRNGKey(1), unrolled_cfg, optax.adam(1e-3), (1, 6))
-    state = jax.tree_util.tree_map(np.asarray, nn.unbox(state))
+    state = jax.jit(lambda key: nn.unbox(train_lib.init_state(key, unrolled_cfg,
+                                                              optax.adam(1e-3), (1, 6))))(
+        jax.random.PRNGKey(1))
+    state = jax.tree_util.tree_map(np.asarray, state)
     converted = layers_convert.to_scanned(state)
     assert converted.opt_state[0].mu['decoder_layers']['ffn']['wo']['kernel'].shape[0] == 3
     assert jax.tree_util.tree_structure(layers_convert.to_scanned(converted)) == \
         jax.tree_util.tree_structure(converted)
+
+
+def test_checkpoint_parameters_convert_on_disk(tmp_path):
+    from t2t import checkpoint
+
+    params = {'embedder': {'embedding': np.ones((5, 2), np.float32)},
+              **{f'encoder_{i}': {'w': np.full((2, 3), i, np.float32)} for i in range(2)},
+              **{f'decoder_{i}': {'w': np.full((3,), i, np.float32)} for i in range(3)}}
+    checkpoint.write_averaged(str(tmp_path / 'run'), params, 7)
+    layers_convert.main(['--workdir', str(tmp_path / 'run'), '--out', str(tmp_path / 'scanned'),
+                         '--to', 'scanned'])
+    scanned = checkpoint.restore_params(str(tmp_path / 'scanned'), 7)
+    np.testing.assert_array_equal(scanned['decoder_layers']['w'], [[0] * 3, [1] * 3, [2] * 3])
+    assert checkpoint.read_metadata(str(tmp_path / 'scanned'))['layers'] == 'scanned'
+    layers_convert.main(['--workdir', str(tmp_path / 'scanned'), '--out',
+                         str(tmp_path / 'back'), '--to', 'unrolled'])
+    jax.tree_util.tree_map(np.testing.assert_array_equal,
+                           checkpoint.restore_params(str(tmp_path / 'back')), params)
 
 
 def test_cached_decoding_equals_teacher_forcing_with_scanned_layers():
@@ -237,7 +259,7 @@ def test_cached_decoding_equals_teacher_forcing_with_scanned_layers():
     src, tgt = batch['inputs'], batch['targets'].at[2:].set(0)
     params = _init(cfg, batch)
     model = Transformer(cfg)
-    want = model.apply({'params': params}, src, tgt)
+    want = jax.jit(model.apply)({'params': params}, src, tgt)
     decoder = Transformer(cfg.replace(decode=True, decode_len=tgt.shape[1]))
     encoded = model.apply({'params': params}, src, method=Transformer.encode)
     prev = jnp.zeros((2, 1), jnp.int32)
@@ -246,11 +268,12 @@ def test_cached_decoding_equals_teacher_forcing_with_scanned_layers():
     cache, cross = variables['cache'], variables['cross_cache']
     # Batch stays the leading axis of every cache leaf (beam search tiles and gathers it).
     assert all(x.shape[0] == 2 for x in jax.tree_util.tree_leaves(cache) if x.ndim)
+    step = jax.jit(lambda cache, prev: decoder.apply(
+        {'params': params, 'cache': cache, 'cross_cache': cross}, encoded, src, prev,
+        method=Transformer.decode_step, mutable=['cache']))
     steps = []
     for t in range(tgt.shape[1]):
-        logits, updated = decoder.apply({'params': params, 'cache': cache, 'cross_cache': cross},
-                                        encoded, src, prev, method=Transformer.decode_step,
-                                        mutable=['cache'])
+        logits, updated = step(cache, prev)
         cache = updated['cache']
         steps.append(logits[:, 0])
         prev = tgt[:, t:t + 1]
