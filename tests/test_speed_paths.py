@@ -3,6 +3,7 @@
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import os
 
 import jax
@@ -148,6 +149,15 @@ def test_attention_implementations_equal_the_reference(packed, causal):
         q, k, v, scale=0.3, implementation='xla', **cudnn_arguments(cudnn_mask))
     splash_mask = make_attention_mask('splash', q_valid, k_valid, q_seg, k_seg, causal)
     got['splash_interpret'] = splash_attention(q, k, v, splash_mask, scale=0.3, interpret=True)
+    if packed and causal:  # per shard under a mesh: batch over (data, fsdp), heads over tensor
+        from t2t import sharding
+
+        twice = lambda x: jnp.concatenate([x, x])  # 4 rows: 2 x 2 batch shards
+        with jax.set_mesh(sharding.make_mesh((2, 2, 2))), \
+                nn.logical_axis_rules(sharding.LOGICAL_AXIS_RULES):
+            sharded = jax.jit(functools.partial(splash_attention, scale=0.3, interpret=True))(
+                twice(q), twice(k), twice(v), jax.tree_util.tree_map(twice, splash_mask))
+        got['splash_sharded'] = sharded[2:]
     for name, out in got.items():
         np.testing.assert_allclose(np.asarray(out)[rows], np.asarray(want)[rows], atol=2e-5,
                                    err_msg=name)
