@@ -14,7 +14,9 @@
 # the peers; each t2t part is cut at its own cap and at the overall deadline, least important last.
 # Knobs (environment): PYTHON, BUDGET_S, PEER_BUDGET_S, MODELS (base|big|both), PEER_SECTIONS
 # (default hw,hf,torch; the jax section needs flax examples/wmt in shared/.peer/flax_wmt and about
-# 150 s more).
+# 150 s more), LEVERS (train_speed.py options of every t2t train run; default scanned layers, rbg
+# dropout keys, fused loss in chunks of 32 positions: "--scan_layers --rng_impl rbg
+# --loss_chunk_len 32"), REMAT (remat policy of the last run, default dots_saveable).
 set -u
 cd "$(dirname "$0")/.."
 
@@ -22,6 +24,8 @@ if [[ "${1:-}" == prepare ]]; then
     mkdir -p shared/bench
     cp ../shared/bench/peers_gpu.py ../shared/bench/README.md shared/bench/ || exit 1
     if [[ -d ../.peer ]]; then mkdir -p shared/.peer && cp -r ../.peer/. shared/.peer/; fi
+    # flax examples/wmt, verbatim and git-ignored (bench/cpu_vs_flax.py keeps it in .peer/)
+    if [[ -d .peer ]]; then mkdir -p shared/.peer && cp -r .peer/. shared/.peer/; fi
     commit=$(git rev-parse HEAD)
     if ! git diff-index --quiet HEAD -- || [[ -n $(git ls-files --others --exclude-standard) ]]
     then commit="$commit+uncommitted-changes"; fi
@@ -48,6 +52,8 @@ else
     MODELS=${MODELS:-both}
 fi
 PEER_BUDGET_S=${PEER_BUDGET_S:-230}
+LEVERS=${LEVERS:---scan_layers --rng_impl rbg --loss_chunk_len 32}
+REMAT=${REMAT:-dots_saveable}
 START=$(date +%s)
 DEADLINE=$((START + BUDGET_S))
 left() { echo $((DEADLINE - $(date +%s))); }
@@ -102,15 +108,22 @@ for l in open(sys.argv[1]):
     fi
 fi
 
-# 2. t2t, in order of importance: the shipped configs' attention (dot_product) for both models, then
-# decoding (both attention implementations), then training with cuDNN flash attention forced
-# (attention_impl='cudnn'; never run on a GPU before this script's first run: it may fail, and the
-# table then says so).
-run_capped 200 t2t_train_dot_product \
-    $PY bench/train_speed.py --model "$MODELS" --attention dot_product $TINY
-run_capped 100 t2t_decode $PY bench/decode_speed.py --attention dot_product,xla $TINY
+# 2. t2t, in order of importance: the shipped configs' attention (dot_product) for both models with
+# the speed levers ($LEVERS), then decoding (both attention implementations), then training with
+# cuDNN flash attention (attention_impl='cudnn': sequence lengths + the causal flag, no dense mask;
+# never run on a GPU before this script's first run: it may fail, and the table then says so),
+# then BIG with rematerialization ($REMAT: memory for speed; least important).
+# shellcheck disable=SC2086  # LEVERS is a list of options
+run_capped 170 t2t_train_dot_product \
+    $PY bench/train_speed.py --model "$MODELS" --attention dot_product $LEVERS $TINY
+run_capped 80 t2t_decode $PY bench/decode_speed.py --attention dot_product,xla $TINY
 CUDNN=cudnn; [ -n "$TINY" ] && CUDNN=xla  # no cuDNN on a CPU smoke run
-run_capped 200 t2t_train_cudnn $PY bench/train_speed.py --model "$MODELS" --attention $CUDNN $TINY
+# shellcheck disable=SC2086
+run_capped 150 t2t_train_cudnn \
+    $PY bench/train_speed.py --model "$MODELS" --attention $CUDNN $LEVERS $TINY
+# shellcheck disable=SC2086
+run_capped 90 t2t_train_remat \
+    $PY bench/train_speed.py --model big --attention $CUDNN $LEVERS --remat "$REMAT" $TINY
 
 # 3. Summary: t2t / peer ratios from this run, and against the peers' published H200 run.
 $PY - "$OUT" "$commit" <<'EOF' | tee "$OUT/summary.md"
@@ -146,10 +159,10 @@ for r in ok(peers):
         label = "torch" if r["section"] == "torch" else "flax wmt"
         peer_train.setdefault(r["name"], {})[label] = r
 print("\n### training (128 x 256 pairs, vocab 32768, bf16); ratio = t2t tok/s / peer tok/s")
-print("| t2t | status | step ms | tgt tok/s | MFU@989 | MFU@meas | compile s "
+print("| t2t | levers | status | step ms | tgt tok/s | MFU@989 | MFU@meas | compile s "
       "| vs torch (this run) | vs flax wmt (this run) | vs torch (published) "
       "| vs flax wmt (published) |")
-print("|---|---|---|---|---|---|---|---|---|---|---|")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|")
 for r in t2t:
     if not r["name"].startswith(("train_", "t2t_train")):
         continue
@@ -160,7 +173,10 @@ for r in t2t:
     pub = PUBLISHED.get(key, {}) if (r.get("batch"), r.get("seq"), r.get("vocab")) == (
         128, 256, 32768) else {}
     ratio = lambda p: fmt(tok / p, "{:.2f}x") if tok and p else ""
-    cells = [r["name"], r["status"], fmt(r.get("step_ms"), "{:.1f}"), fmt(tok, "{:,.0f}"),
+    levers = " ".join(f"{k}={r[k]}" for k in ("remat", "scan_layers", "rng_impl",
+                                               "loss_chunk_len") if k in r)
+    cells = [r["name"], levers, r["status"], fmt(r.get("step_ms"), "{:.1f}"),
+             fmt(tok, "{:,.0f}"),
              fmt(r.get("mfu"), "{:.1%}"), fmt(r.get("mfu_measured_peak"), "{:.1%}"),
              fmt(r.get("compile_s"), "{:.0f}"),
              ratio(here.get("torch", {}).get("tgt_tok_s")),
@@ -170,7 +186,7 @@ for r in t2t:
                                                         if r["status"] != "ok" else ""))
 for key, by in sorted(peer_train.items()):
     for label, r in by.items():
-        print(f"| peer {label} {key} | ok | {fmt(r['step_ms'], '{:.1f}')} | "
+        print(f"| peer {label} {key} | | ok | {fmt(r['step_ms'], '{:.1f}')} | "
               f"{fmt(r['tgt_tok_s'], '{:,.0f}')} | {fmt(r.get('mfu_989'), '{:.1%}')} | "
               f"{fmt(r.get('mfu_measured_peak'), '{:.1%}')} | {fmt(r.get('compile_s'), '{:.0f}')} "
               "| | | | |")

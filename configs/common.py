@@ -54,9 +54,16 @@ def base_config() -> ml_collections.ConfigDict:
     c.share_embeddings = True  # one embedding for source and target
     c.tie_output = True  # the output projection is the (target) embedding transposed
     c.dtype = 'float32'  # compute dtype: 'float32' or 'bfloat16' (parameters stay float32)
-    # 'xla' (einsum + softmax), 'dot_product' (jax.nn.dot_product_attention, jax picks the kernel)
-    # or 'cudnn' (the same, forced to cuDNN flash attention: GPU with bfloat16 only)
+    # 'xla' (einsum + softmax), 'dot_product' (jax.nn.dot_product_attention, jax picks the kernel),
+    # 'cudnn' (the same, forced to cuDNN flash attention with sequence lengths and the causal
+    # flag: GPU with bfloat16 only; packed rows fall back to a mask) or 'splash' (the Pallas
+    # splash attention kernel with segment ids: TPU only)
     c.attention_impl = 'xla'
+    # Speed and memory levers that leave the results unchanged (bench/RESULTS.md has numbers):
+    c.remat = 'none'  # per layer: 'none', 'dots_saveable' (recompute all but matmuls) or 'full'
+    c.scan_layers = False  # one nn.scan per stack: faster compiles; parameters stacked per layer
+    c.loss_chunk_len = 32  # target positions per chunk of the fused cross-entropy (0 = one chunk)
+    c.rng_impl = 'threefry'  # dropout keys: 'threefry', 'rbg' or 'unsafe_rbg' (faster on GPU/TPU)
 
     # --- optimization
     c.learning_rate_scale = 1.0  # lr = scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)

@@ -16,6 +16,8 @@ def get_config():
     c.num_train_steps = 300_000
     c.dtype = 'bfloat16'
     c.attention_impl = 'dot_product'
+    c.scan_layers = True  # compile time independent of depth (parameters stacked per stack)
+    c.rng_impl = 'rbg'  # dropout keys from the hardware-friendly generator
     c.checkpoint_every_steps = 5000
     c.keep_checkpoints = 20  # the paper averages the last 20 checkpoints of big
     c.lock()

@@ -41,7 +41,9 @@ START_PIECE = '<start>'  # the decoder's first input (PAD_ID serves as the start
 
 @functools.lru_cache(maxsize=8)
 def _weights_fn(model_config: TransformerConfig):
-    config = model_config.replace(deterministic=True, decode=False, sow_attention=True)
+    # The same weights from the plain XLA path, whatever kernel the config trains with.
+    config = model_config.replace(deterministic=True, decode=False, sow_attention=True,
+                                  attention_impl='xla')
     model = Transformer(config)
 
     def weights(params, inputs_BS, targets_BT):
@@ -77,8 +79,9 @@ def _restore(config, workdir, step):
         tokenizer = data.get_tokenizer(config)
     except (ValueError, OSError) as e:
         raise evaluation.EvalError(f'cannot load the tokenizer: {e}') from e
-    params = evaluation.load_params(workdir, steps)
-    model_config = TransformerConfig.from_config(config)
+    # Unrolled layers whatever the config trains with: one sown entry per layer.
+    params = evaluation.load_params(workdir, steps, scan_layers=False)
+    model_config = TransformerConfig.from_config(config, scan_layers=False)
     evaluation.check_params(params, model_config, tokenizer, label)
     return label, params, tokenizer, model_config
 

@@ -32,7 +32,7 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
-from t2t import bleu, checkpoint, inference, sharding, startup
+from t2t import bleu, checkpoint, inference, layers_convert, sharding, startup
 from t2t.model import TransformerConfig
 from t2t.summary import abstract_params
 
@@ -87,11 +87,14 @@ def select(workdir, *, step: int | None = None, all_steps: bool = False,
     return [(f'step-{steps[-1]}', [steps[-1]])]
 
 
-def load_params(workdir, steps: list[int]):
-    """Params of one step, or the element-wise mean of several (host numpy arrays)."""
+def load_params(workdir, steps: list[int], *, scan_layers: bool = False):
+    """Params of one step, or the element-wise mean of several (host numpy arrays), in the layer
+    layout of a model with this scan_layers setting whatever layout they were saved in."""
     if len(steps) == 1:
-        return checkpoint.restore_params(workdir, steps[0])
-    return checkpoint.average_checkpoints(workdir, steps)
+        params = checkpoint.restore_params(workdir, steps[0])
+    else:
+        params = checkpoint.average_checkpoints(workdir, steps)
+    return layers_convert.to_layout(params, scan_layers=scan_layers)
 
 
 def _embedding_rows(params) -> int:
@@ -309,7 +312,7 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
 
 def _params_for(config, workdir, label, steps, write_averaged, mesh):
     """The params of `steps` (averaged when several), replicated once on the mesh's devices."""
-    params = load_params(workdir, steps)
+    params = load_params(workdir, steps, scan_layers=config.scan_layers)
     if write_averaged and len(steps) > 1:
         out = checkpoint.write_averaged(write_averaged, params, steps[-1], config=config,
                                         extra_metadata={'averaged': steps, 'source': workdir})

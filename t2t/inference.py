@@ -97,7 +97,7 @@ def make_predict_fn(model_config: TransformerConfig, *, beam_size: int, alpha: f
         # The first call only builds the cache: self-attention buffers, cross keys/values.
         _, variables = decoder.apply(
             {'params': params}, encoded_BSD, inputs_BS, jnp.zeros((B, 1), jnp.int32),
-            method=Transformer.decode, mutable=['cache', 'cross_cache'])
+            method=Transformer.decode_step, mutable=['cache', 'cross_cache'])
 
         rows = B if greedy else B * beam_size
         # Once the caches exist the decoder reads only the source padding mask, per row. The
@@ -111,7 +111,7 @@ def make_predict_fn(model_config: TransformerConfig, *, beam_size: int, alpha: f
         def tokens_to_logits(ids_N1, cache):
             logits_N1V, new_vars = decoder.apply(
                 {'params': params, 'cache': cache, 'cross_cache': cross_cache}, unused_N1D,
-                inputs_NS, ids_N1, method=Transformer.decode, mutable=['cache'])
+                inputs_NS, ids_N1, method=Transformer.decode_step, mutable=['cache'])
             logits_NV = logits_N1V[:, 0]
             if num_valid_ids is not None and num_valid_ids < logits_NV.shape[-1]:
                 # Rows the tokenizer cannot detokenize; finite, so log_softmax stays finite.

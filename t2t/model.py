@@ -4,14 +4,20 @@ The defaults are the paper's: post-LN residual blocks LayerNorm(x + Dropout(Subl
 sinusoidal positions, embeddings multiplied by sqrt(d_model), one embedding shared by source and
 target and tied to the output projection, ReLU feed-forward, scaled dot-product attention. Options
 cover what ablations ask for: pre-LN, learned, rotary or no positions, head count, no 1/sqrt(d_k)
-scaling, separate embeddings, bfloat16 compute (parameters stay float32), and
-jax.nn.dot_product_attention (attention_impl='cudnn' forces cuDNN's flash attention on GPU).
+scaling, separate embeddings, bfloat16 compute (parameters stay float32) and the attention
+kernel (attention_impl: 'xla', 'dot_product', 'cudnn' = cuDNN flash attention on GPU, 'splash' =
+the Pallas splash attention kernel on TPU). Speed/memory options that never change the results:
+rematerialization of each layer (remat) and one nn.scan over the identical layers of each stack
+(scan_layers: parameters stacked with a leading 'layers' axis, see t2t/layers_convert.py).
 
 Shape letters: B batch, S source length, T target length, L any length, D d_model, H heads,
 K head dim (d_k = d_v = D / H), F d_ff, V vocabulary.
 
-Masks (padding, causality, packed segments) are built once at the top of encode()/decode() and
-passed down. In decode mode (config.decode) the decoder runs one token per call and keeps its
+Masks (padding, causality, packed segments) are built once at the top of encode()/decode(), in
+the form the attention kernel wants (`AttentionMask`), and passed down. decode() is the
+teacher-forced decoder (gold targets, shifted right here); features() stops before the output
+projection (the loss applies it chunk by chunk, t2t/loss.py). In decode mode (config.decode)
+decode_step() runs one token per call and the decoder keeps its
 self-attention keys/values (buffers of config.decode_len) in the 'cache' collection and the
 cross-attention keys/values, projected once from the encoder output, in 'cross_cache'. The first
 apply without them (mutable=['cache', 'cross_cache']) creates both and decodes nothing.
@@ -27,13 +33,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
+from flax import struct
 
 from t2t.ids import EOS_ID, PAD_ID  # noqa: F401 (re-exported: t2t.model.EOS_ID)
 
 Array = jax.Array
 _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 _POSITIONS = ('sinusoidal', 'learned', 'rope', 'none')
-_ATTENTION_IMPLS = ('xla', 'dot_product', 'cudnn')
+_ATTENTION_IMPLS = ('xla', 'dot_product', 'cudnn', 'splash')
+_REMAT_POLICIES = {'none': None, 'full': None,
+                   'dots_saveable': jax.checkpoint_policies.dots_saveable}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +67,8 @@ class TransformerConfig:
     tie_output: bool = True
     dtype: Any = jnp.float32
     attention_impl: str = 'xla'
+    remat: str = 'none'  # 'none', 'dots_saveable' (keep matmul outputs) or 'full' (keep inputs)
+    scan_layers: bool = False  # one nn.scan over each stack's layers (stacked parameters)
     layer_norm_epsilon: float = 1e-6
     deterministic: bool = False
     decode: bool = False
@@ -74,6 +85,8 @@ class TransformerConfig:
             raise ValueError(f'position_embedding={self.position_embedding!r}; one of {_POSITIONS}')
         if self.attention_impl not in _ATTENTION_IMPLS:
             raise ValueError(f'attention_impl={self.attention_impl!r}; one of {_ATTENTION_IMPLS}')
+        if self.remat not in _REMAT_POLICIES:
+            raise ValueError(f'remat={self.remat!r}; one of {tuple(_REMAT_POLICIES)}')
         if self.position_embedding == 'rope' and (self.d_model // self.num_heads) % 2:
             raise ValueError('rope needs an even head dimension d_model / num_heads')
         if self.attention_impl != 'xla' and self.attention_dropout_rate > 0:
@@ -81,6 +94,9 @@ class TransformerConfig:
                 f'attention_impl={self.attention_impl!r} has no dropout on attention weights: '
                 'set attention_dropout_rate=0 or attention_impl=xla'
             )
+        if self.sow_attention and self.attention_impl not in ('xla', 'dot_product'):
+            raise ValueError(f'sow_attention needs the dense-mask attention (xla or dot_product), '
+                             f'not attention_impl={self.attention_impl!r}')
 
     @classmethod
     def from_config(cls, config, **overrides) -> TransformerConfig:
@@ -156,31 +172,133 @@ def shift_right(targets_BT: Array, segment_ids_BT=None) -> Array:
 # Attention
 
 
+@struct.dataclass
+class AttentionMask:
+    """Who may attend to whom, in the form the attention implementation takes.
+
+    dense_B1QK: boolean [B, 1, Q, K] ('xla', 'dot_product'; 'cudnn' on packed rows).
+    q_lengths_B / k_lengths_B: int32 numbers of leading valid tokens ('cudnn' on right-padded
+      rows: cuDNN skips the padding itself, no [Q, K] mask is ever materialized).
+    q_segment_BQ / k_segment_BK: int32 segment ids, 0 on padding ('splash'; unpacked rows are
+      segment 1).
+    causal: key k is visible to query q only if k <= q (with the lengths or segments).
+    """
+
+    dense_B1QK: Array | None = None
+    q_lengths_B: Array | None = None
+    k_lengths_B: Array | None = None
+    q_segment_BQ: Array | None = None
+    k_segment_BK: Array | None = None
+    causal: bool = struct.field(pytree_node=False, default=False)
+
+
+def make_attention_mask(impl: str, q_valid_BQ: Array, k_valid_BK: Array, q_segment_BQ=None,
+                        k_segment_BK=None, causal: bool = False) -> AttentionMask:
+    """The mask of `attention_mask` in the form that attention implementation `impl` takes.
+
+    'cudnn' uses sequence lengths, so it assumes right padding (valid tokens first), as every
+    t2t batch has. Packed rows (segment ids given) fall back to the dense mask with cuDNN:
+    jax.nn.dot_product_attention takes no segment ids; jax turns the mask into a bias.
+    """
+    if impl == 'cudnn' and q_segment_BQ is None:
+        return AttentionMask(q_lengths_B=q_valid_BQ.sum(-1, dtype=jnp.int32),
+                             k_lengths_B=k_valid_BK.sum(-1, dtype=jnp.int32), causal=causal)
+    if impl == 'splash':
+        def segments(valid, segment):
+            ids = valid.astype(jnp.int32) if segment is None else segment.astype(jnp.int32)
+            return jnp.where(valid, ids, 0)
+        return AttentionMask(q_segment_BQ=segments(q_valid_BQ, q_segment_BQ),
+                             k_segment_BK=segments(k_valid_BK, k_segment_BK), causal=causal)
+    return AttentionMask(dense_B1QK=attention_mask(q_valid_BQ, k_valid_BK, q_segment_BQ,
+                                                   k_segment_BK, causal=causal))
+
+
+def cudnn_arguments(mask: AttentionMask) -> dict:
+    """Keyword arguments of jax.nn.dot_product_attention that express `mask`."""
+    if mask.dense_B1QK is not None:
+        return dict(mask=mask.dense_B1QK)
+    return dict(is_causal=mask.causal, query_seq_lengths=mask.q_lengths_B,
+                key_value_seq_lengths=mask.k_lengths_B)
+
+
 def attention_weights(q_BQHK: Array, k_BKHK: Array, mask_B1QK: Array, scale: float) -> Array:
-    """softmax(q k^T * scale + mask) in float32: [B, H, Q, K]."""
+    """softmax(q k^T * scale + mask) in float32: [B, H, Q, K] (mask: boolean [B, 1, Q, K])."""
     logits_BHQK = jnp.einsum('bqhk,bshk->bhqs', q_BQHK, k_BKHK) * jnp.asarray(scale, q_BQHK.dtype)
     logits_BHQK = jnp.where(mask_B1QK, logits_BHQK.astype(jnp.float32), -1e10)
     return jax.nn.softmax(logits_BHQK, axis=-1)
 
 
-def dot_product_attention(q_BQHK: Array, k_BKHK: Array, v_BKHK: Array, mask_B1QK: Array, *,
+def dot_product_attention(q_BQHK: Array, k_BKHK: Array, v_BKHK: Array, mask, *,
                           scale: float, dropout_rate: float = 0.0, dropout_rng=None,
                           impl: str = 'xla') -> Array:
     """softmax(q k^T * scale + mask) v with the softmax in float32; returns [B, Q, H, K].
 
+    mask: an AttentionMask built for `impl`, or a boolean [B, 1, Q, K] array.
     impl: 'xla' (written out here), 'dot_product' (jax.nn.dot_product_attention, which lets jax
-    pick the kernel: XLA's today) or 'cudnn' (the same function forced to cuDNN's fused flash
-    attention: GPU only, bfloat16/float16 inputs).
+    pick the kernel: XLA's today), 'cudnn' (the same function forced to cuDNN's fused flash
+    attention, with sequence lengths and the causal flag: GPU only, bfloat16/float16 inputs) or
+    'splash' (the Pallas splash attention kernel with segment ids: TPU only).
     """
-    if impl in ('dot_product', 'cudnn'):
-        return jax.nn.dot_product_attention(
-            q_BQHK, k_BKHK, v_BKHK, mask=mask_B1QK, scale=scale,
-            implementation='cudnn' if impl == 'cudnn' else None)
-    weights_BHQK = attention_weights(q_BQHK, k_BKHK, mask_B1QK, scale)
+    if not isinstance(mask, AttentionMask):
+        mask = AttentionMask(dense_B1QK=mask)
+    if impl == 'dot_product':
+        return jax.nn.dot_product_attention(q_BQHK, k_BKHK, v_BKHK, mask=mask.dense_B1QK,
+                                            scale=scale)
+    if impl == 'cudnn':
+        return jax.nn.dot_product_attention(q_BQHK, k_BKHK, v_BKHK, scale=scale,
+                                            implementation='cudnn', **cudnn_arguments(mask))
+    if impl == 'splash':
+        return splash_attention(q_BQHK, k_BKHK, v_BKHK, mask, scale=scale)
+    weights_BHQK = attention_weights(q_BQHK, k_BKHK, mask.dense_B1QK, scale)
     if dropout_rate > 0.0 and dropout_rng is not None:
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights_BHQK.shape)
         weights_BHQK = jnp.where(keep, weights_BHQK / (1.0 - dropout_rate), 0.0)
     return jnp.einsum('bhqs,bshk->bqhk', weights_BHQK.astype(v_BKHK.dtype), v_BKHK)
+
+
+_SPLASH_BLOCK = 128  # the kernel's tile; lengths are padded up to a multiple of it
+
+
+def splash_attention(q_BQHK: Array, k_BKHK: Array, v_BKHK: Array, mask: AttentionMask, *,
+                     scale: float, interpret: bool = False) -> Array:
+    """Attention through jax's Pallas splash attention kernel for TPU (segment ids + causal).
+
+    Lengths are padded to a multiple of 128 (the padding gets segment ids no real token has,
+    and is cut off again). Under a mesh the kernel runs per shard (shard_map): batch split as
+    'batch', heads as 'heads', lengths whole. interpret=True runs the kernel's Python
+    interpretation on any backend (tests).
+    """
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    q_len, k_len = q_BQHK.shape[1], k_BKHK.shape[1]
+    pad_q, pad_k = -q_len % _SPLASH_BLOCK, -k_len % _SPLASH_BLOCK
+
+    def per_shard(q_BQHK, k_BKHK, v_BKHK, q_seg_BQ, k_seg_BK):
+        heads = q_BQHK.shape[2]
+        q_BQHK = q_BQHK * jnp.asarray(scale, q_BQHK.dtype)
+        q_BHQK, k_BHKK, v_BHKK = (
+            jnp.pad(x, ((0, 0), (0, p), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+            for x, p in ((q_BQHK, pad_q), (k_BKHK, pad_k), (v_BKHK, pad_k)))
+        # Padded queries (-1) and keys (-2) match nothing; a fully masked row stays finite.
+        q_seg_BQ = jnp.pad(q_seg_BQ, ((0, 0), (0, pad_q)), constant_values=-1)
+        k_seg_BK = jnp.pad(k_seg_BK, ((0, 0), (0, pad_k)), constant_values=-2)
+        shape = (q_len + pad_q, k_len + pad_k)
+        head_mask = splash.CausalMask(shape) if mask.causal else splash.FullMask(shape)
+        kernel = splash.make_splash_mha(
+            splash.MultiHeadMask([head_mask] * heads), head_shards=1, q_seq_shards=1,
+            interpret=interpret)
+        out_BHQK = jax.vmap(kernel)(q_BHQK, k_BHKK, v_BHKK,
+                                    segment_ids=splash.SegmentIds(q_seg_BQ, k_seg_BK))
+        return out_BHQK.transpose(0, 2, 1, 3)[:, :q_len]
+
+    args = (q_BQHK, k_BKHK, v_BKHK, mask.q_segment_BQ, mask.k_segment_BK)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return per_shard(*args)
+    qkv = nn.logical_to_mesh_axes(('batch', 'length', 'heads', 'kv'))
+    seg = nn.logical_to_mesh_axes(('batch', 'length'))
+    return jax.shard_map(per_shard, mesh=mesh, in_specs=(qkv, qkv, qkv, seg, seg),
+                         out_specs=qkv, check_vma=False)(*args)
 
 
 def _dense_init(names):
@@ -260,13 +378,16 @@ class MultiHeadAttention(nn.Module):
 
         scale = cfg.head_dim ** -0.5 if cfg.scale_attention else 1.0
         if cfg.sow_attention:  # the weights this layer uses (before attention dropout)
+            dense_B1QS = mask_B1QS.dense_B1QK if isinstance(mask_B1QS, AttentionMask) \
+                else mask_B1QS
             self.sow('intermediates', 'attention_weights',
-                     attention_weights(q_BQHK, k_BSHK, mask_B1QS, scale))
+                     attention_weights(q_BQHK, k_BSHK, dense_B1QS, scale))
         dropout_rng = None
         if not cfg.deterministic and cfg.attention_dropout_rate > 0:
             dropout_rng = self.make_rng('dropout')
         # One query token per decode step gains nothing from a fused kernel.
-        impl = 'xla' if cfg.decode and cfg.attention_impl == 'cudnn' else cfg.attention_impl
+        impl = 'xla' if cfg.decode and cfg.attention_impl in ('cudnn', 'splash') else \
+            cfg.attention_impl
         out_BQHK = dot_product_attention(
             q_BQHK, k_BSHK, v_BSHK, mask_B1QS, scale=scale,
             dropout_rate=cfg.attention_dropout_rate, dropout_rng=dropout_rng, impl=impl,
@@ -347,6 +468,7 @@ class Residual(nn.Module):
 
 class EncoderLayer(nn.Module):
     config: TransformerConfig
+    scanned: bool = False  # under nn.scan: returns (carry, None)
 
     @nn.compact
     def __call__(self, x_BSD, mask_B1SS, positions_BS):
@@ -355,11 +477,12 @@ class EncoderLayer(nn.Module):
         x_BSD = Residual(cfg, name='attention_block')(
             x_BSD, lambda h: attn(h, h, mask_B1SS, positions_BS, positions_BS))
         x_BSD = Residual(cfg, name='ffn_block')(x_BSD, FeedForward(cfg, name='ffn'))
-        return x_BSD
+        return (x_BSD, None) if self.scanned else x_BSD
 
 
 class DecoderLayer(nn.Module):
     config: TransformerConfig
+    scanned: bool = False  # under nn.scan: returns (carry, None)
 
     @nn.compact
     def __call__(self, y_BTD, encoded_BSD, self_mask_B1TT, cross_mask_B1TS, positions_BT,
@@ -373,7 +496,36 @@ class DecoderLayer(nn.Module):
         y_BTD = Residual(cfg, name='cross_attention_block')(
             y_BTD, lambda h: cross_attn(h, encoded_BSD, cross_mask_B1TS))
         y_BTD = Residual(cfg, name='ffn_block')(y_BTD, FeedForward(cfg, name='ffn'))
-        return y_BTD
+        return (y_BTD, None) if self.scanned else y_BTD
+
+
+def layer_stack(cfg: TransformerConfig, layer_cls, num_layers: int, prefix: str):
+    """The layers of one stack: a list `<prefix>_<i>`, or one scanned module `<prefix>_layers`.
+
+    Rematerialization (cfg.remat) wraps each layer; it is off in decode mode. Scanned, every
+    parameter gets a leading axis of num_layers with the logical name 'layers', and the decode
+    caches a second axis (batch stays first, as beam search expects).
+    """
+    cls = layer_cls
+    if cfg.remat != 'none' and not cfg.decode:
+        cls = nn.remat(cls, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+    if not cfg.scan_layers:
+        return [cls(cfg, name=f'{prefix}_{i}') for i in range(num_layers)]
+    scanned = nn.scan(
+        cls, length=num_layers, variable_axes={'params': 0, 'cache': 1, 'cross_cache': 1,
+                                               'intermediates': 0},
+        split_rngs={'params': True, 'dropout': True},
+        in_axes=(nn.broadcast,) * (5 if layer_cls is DecoderLayer else 2),
+        metadata_params={nn.PARTITION_NAME: 'layers'})
+    return scanned(cfg, scanned=True, name=f'{prefix}_layers')
+
+
+def _run_stack(layers, x, *args):
+    if isinstance(layers, list | tuple):  # setup turns lists into tuples
+        for layer in layers:
+            x = layer(x, *args)
+        return x
+    return layers(x, *args)[0]
 
 
 class Embedder(nn.Module):
@@ -418,9 +570,27 @@ class Embedder(nn.Module):
         return nn.with_logical_constraint(x_BLD, ('batch', 'length', 'embed'))
 
     def attend(self, y_BTD):
-        """Output logits y E^T in float32 (bf16 inputs, f32 accumulation)."""
-        e_VD = self.embedding.astype(self.config.dtype)
-        return jnp.einsum('btd,vd->btv', y_BTD, e_VD, preferred_element_type=jnp.float32)
+        """Output logits y E^T in float32 (compute-dtype inputs, float32 accumulation)."""
+        return output_logits(y_BTD, self.embedding)
+
+
+def output_logits(y_BTD: Array, w_VD: Array) -> Array:
+    """Logits y W^T: y in the compute dtype, W cast to it, float32 accumulation and output."""
+    return jnp.einsum('btd,vd->btv', y_BTD, w_VD.astype(y_BTD.dtype),
+                      preferred_element_type=jnp.float32)
+
+
+class OutputProjection(nn.Module):
+    """The untied output projection: a [D, V] kernel, no bias."""
+
+    config: TransformerConfig
+
+    def setup(self):
+        self.kernel = self.param('kernel', _dense_init(('embed', 'vocab')),
+                                 (self.config.d_model, self.config.vocab_size), jnp.float32)
+
+    def __call__(self, y_BTD):
+        return output_logits(y_BTD, self.kernel.T)
 
 
 class DecodePosition(nn.Module):
@@ -451,70 +621,106 @@ class Transformer(nn.Module):
                                         else 'source_embedder')
         self.target_embedder = (self.source_embedder if cfg.share_embeddings
                                 else Embedder(cfg, name='target_embedder'))
-        self.encoder_layers = [EncoderLayer(cfg, name=f'encoder_{i}')
-                               for i in range(cfg.num_encoder_layers)]
-        self.decoder_layers = [DecoderLayer(cfg, name=f'decoder_{i}')
-                               for i in range(cfg.num_decoder_layers)]
+        self.encoder_layers = layer_stack(cfg, EncoderLayer, cfg.num_encoder_layers, 'encoder')
+        self.decoder_layers = layer_stack(cfg, DecoderLayer, cfg.num_decoder_layers, 'decoder')
         if cfg.pre_ln:  # pre-LN stacks end with a LayerNorm; post-LN outputs are normed already
             self.encoder_norm = _layer_norm(cfg, 'encoder_norm')
             self.decoder_norm = _layer_norm(cfg, 'decoder_norm')
         if cfg.decode:
             self.decode_position = DecodePosition(name='decode_position')
         if not cfg.tie_output:
-            self.output_projection = nn.DenseGeneral(
-                cfg.vocab_size, dtype=cfg.dtype, use_bias=False, name='output_projection',
-                kernel_init=_dense_init(('embed', 'vocab')))
+            self.output_projection = OutputProjection(cfg, name='output_projection')
 
     def encode(self, inputs_BS, inputs_positions_BS=None, inputs_segment_ids_BS=None):
         """Encoder output [B, S, D]."""
         valid_BS = inputs_BS != PAD_ID
-        mask_B1SS = attention_mask(valid_BS, valid_BS, inputs_segment_ids_BS, inputs_segment_ids_BS)
+        mask_B1SS = make_attention_mask(self.config.attention_impl, valid_BS, valid_BS,
+                                        inputs_segment_ids_BS, inputs_segment_ids_BS)
         if inputs_positions_BS is None:
             inputs_positions_BS = _arange_like(inputs_BS)
         x_BSD = self.source_embedder(inputs_BS, inputs_positions_BS)
-        for layer in self.encoder_layers:
-            x_BSD = layer(x_BSD, mask_B1SS, inputs_positions_BS)
+        x_BSD = _run_stack(self.encoder_layers, x_BSD, mask_B1SS, inputs_positions_BS)
         if self.config.pre_ln:
             x_BSD = self.encoder_norm(x_BSD)
         return x_BSD
 
-    def decode(self, encoded_BSD, inputs_BS, targets_BT, targets_positions_BT=None,
-               inputs_segment_ids_BS=None, targets_segment_ids_BT=None):
-        """Logits [B, T, V] (float32).
+    def decoder_output(self, encoded_BSD, inputs_BS, targets_BT, targets_positions_BT=None,
+                       inputs_segment_ids_BS=None, targets_segment_ids_BT=None):
+        """The teacher-forced decoder's last hidden states [B, T, D] (compute dtype).
 
-        Training: `targets_BT` are the gold targets; they are shifted right here (teacher forcing).
-        Decode mode: `targets_BT` is [B, 1], the previous output token (PAD_ID at the first step);
-        the step's position is the cache index, advanced by one per call.
+        `targets_BT` are the gold targets; they are shifted right here.
         """
         cfg = self.config
-        src_valid_BS = inputs_BS != PAD_ID
-        cache_index = None
         if cfg.decode:
-            y_in_BT = targets_BT
-            cache_index = self.decode_position()
-            targets_positions_BT = jnp.full(targets_BT.shape, cache_index, jnp.int32)
-            self_mask_B1TT = None  # the cache builds it
-            cross_mask_B1TS = attention_mask(jnp.ones(targets_BT.shape, bool), src_valid_BS)
-        else:
-            y_in_BT = shift_right(targets_BT, targets_segment_ids_BT)
-            if targets_positions_BT is None:
-                targets_positions_BT = _arange_like(targets_BT)
-            tgt_valid_BT = targets_BT != PAD_ID
-            self_mask_B1TT = attention_mask(tgt_valid_BT, tgt_valid_BT, targets_segment_ids_BT,
-                                            targets_segment_ids_BT, causal=True)
-            cross_mask_B1TS = attention_mask(tgt_valid_BT, src_valid_BS, targets_segment_ids_BT,
-                                             inputs_segment_ids_BS)
-        y_BTD = self.target_embedder(y_in_BT, targets_positions_BT)
-        for layer in self.decoder_layers:
-            y_BTD = layer(y_BTD, encoded_BSD, self_mask_B1TT, cross_mask_B1TS,
-                          targets_positions_BT, cache_index=cache_index)
-        if cfg.pre_ln:
+            raise ValueError('a decode-mode Transformer runs decode_step(), one token per call')
+        src_valid_BS = inputs_BS != PAD_ID
+        y_in_BT = shift_right(targets_BT, targets_segment_ids_BT)
+        if targets_positions_BT is None:
+            targets_positions_BT = _arange_like(targets_BT)
+        tgt_valid_BT = targets_BT != PAD_ID
+        self_mask_B1TT = make_attention_mask(cfg.attention_impl, tgt_valid_BT, tgt_valid_BT,
+                                             targets_segment_ids_BT, targets_segment_ids_BT,
+                                             causal=True)
+        cross_mask_B1TS = make_attention_mask(cfg.attention_impl, tgt_valid_BT, src_valid_BS,
+                                              targets_segment_ids_BT, inputs_segment_ids_BS)
+        return self._decoder_stack(y_in_BT, encoded_BSD, self_mask_B1TT, cross_mask_B1TS,
+                                   targets_positions_BT, None)
+
+    def decode(self, encoded_BSD, inputs_BS, targets_BT, targets_positions_BT=None,
+               inputs_segment_ids_BS=None, targets_segment_ids_BT=None):
+        """Teacher-forced logits [B, T, V] (float32) of the gold `targets_BT`."""
+        y_BTD = self.decoder_output(encoded_BSD, inputs_BS, targets_BT, targets_positions_BT,
+                                    inputs_segment_ids_BS, targets_segment_ids_BT)
+        return self.logits(y_BTD)
+
+    def decode_step(self, encoded_BSD, inputs_BS, prev_ids_B1):
+        """Decode mode: logits [B, 1, V] (float32) of the token after `prev_ids_B1`.
+
+        `prev_ids_B1` is the previous output token (PAD_ID at the first step); the step's
+        position is the cache index, advanced by one per call. `encoded_BSD` is read only by the
+        call that creates the caches; `inputs_BS` gives the source padding mask.
+        """
+        cfg = self.config
+        if not cfg.decode:
+            raise ValueError('decode_step() needs config.decode=True (and decode_len)')
+        cache_index = self.decode_position()
+        positions_B1 = jnp.full(prev_ids_B1.shape, cache_index, jnp.int32)
+        # One query per step: plain masks (the self-attention cache builds its own).
+        cross_mask_B11S = make_attention_mask('xla', jnp.ones(prev_ids_B1.shape, bool),
+                                              inputs_BS != PAD_ID)
+        y_B1D = self._decoder_stack(prev_ids_B1, encoded_BSD, None, cross_mask_B11S,
+                                    positions_B1, cache_index)
+        return self.logits(y_B1D)
+
+    def _decoder_stack(self, y_in_BT, encoded_BSD, self_mask, cross_mask, positions_BT,
+                       cache_index):
+        y_BTD = self.target_embedder(y_in_BT, positions_BT)
+        y_BTD = _run_stack(self.decoder_layers, y_BTD, encoded_BSD, self_mask, cross_mask,
+                           positions_BT, cache_index)
+        if self.config.pre_ln:
             y_BTD = self.decoder_norm(y_BTD)
-        if cfg.tie_output:
-            logits_BTV = self.target_embedder.attend(y_BTD)
-        else:
-            logits_BTV = self.output_projection(y_BTD).astype(jnp.float32)
+        return y_BTD
+
+    def output_weights(self) -> Array:
+        """The output projection as a float32 [V, D] matrix (the embedding when tied)."""
+        if self.config.tie_output:
+            return self.target_embedder.embedding
+        return self.output_projection.kernel.T
+
+    def logits(self, y_BTD):
+        """Output logits [B, T, V] in float32 (compute-dtype matmul, float32 accumulation)."""
+        logits_BTV = output_logits(y_BTD, self.output_weights())
         return nn.with_logical_constraint(logits_BTV, ('batch', 'length', 'vocab'))
+
+    def features(self, inputs_BS, targets_BT, inputs_positions_BS=None,
+                 targets_positions_BT=None, inputs_segment_ids_BS=None,
+                 targets_segment_ids_BT=None):
+        """(decoder output [B, T, D], output projection [V, D]): the training pass without the
+        logits, which the loss computes chunk by chunk (t2t/loss.py)."""
+        encoded_BSD = self.encode(inputs_BS, inputs_positions_BS, inputs_segment_ids_BS)
+        y_BTD = self.decoder_output(encoded_BSD, inputs_BS, targets_BT, targets_positions_BT,
+                                    inputs_segment_ids_BS, targets_segment_ids_BT)
+        return y_BTD, self.output_weights()
 
     def __call__(self, inputs_BS, targets_BT, inputs_positions_BS=None, targets_positions_BT=None,
                  inputs_segment_ids_BS=None, targets_segment_ids_BT=None):

@@ -39,6 +39,7 @@ LOGICAL_AXIS_RULES = (
     ('embed', 'fsdp'),
     ('length', None),
     ('kv', None),
+    ('layers', None),  # the stacked axis of scanned layers: every device holds all layers
 )
 
 

@@ -2,8 +2,10 @@
 
 train_step(state, batch) -> (state, metrics) is jitted once (see `jit_train_step`) with the state's
 shardings and the state donated. The dropout rng of a step is folded from the state's rng and the
-step number, so a resumed run draws the same masks as an uninterrupted one. Metrics are token sums
-left on device; `summarize_metrics` turns them into means at the log interval.
+step number, so a resumed run draws the same masks as an uninterrupted one; the state keeps the raw
+key data of the configured generator (rng_impl: threefry, rbg or unsafe_rbg). The loss never
+materializes the logits of the whole batch (t2t/loss.py). Metrics are token sums left on device;
+`summarize_metrics` turns them into means at the log interval.
 
 Shape letters: B batch rows, T target length, V vocabulary, M micro-batches.
 """
@@ -20,7 +22,7 @@ import optax
 from flax import linen as nn
 from flax import struct
 
-from t2t import optim, sharding
+from t2t import loss, optim, sharding
 from t2t.model import PAD_ID, Transformer, TransformerConfig, batch_forward_args
 
 BATCH_KEYS = ('inputs', 'targets', 'inputs_segment_ids', 'targets_segment_ids',
@@ -32,7 +34,7 @@ class TrainState:
     step: jax.Array  # int32 scalar: updates applied so far
     params: Any
     opt_state: Any
-    rng: jax.Array  # uint32[2] raw key: the run's base key for dropout
+    rng: jax.Array  # uint32 raw key data (of StepConfig.rng_impl): the run's base dropout key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,13 +45,30 @@ class StepConfig:
     label_smoothing: float = 0.1
     grad_accum_steps: int = 1
     skip_nonfinite: bool = False
+    loss_chunk_len: int = 32  # target positions per chunk of the cross-entropy (0: one chunk)
+    rng_impl: str = 'threefry'  # dropout key generator: 'threefry', 'rbg' or 'unsafe_rbg'
+
+    def __post_init__(self):
+        if self.rng_impl not in RNG_IMPLS:
+            raise ValueError(f'rng_impl={self.rng_impl!r}; one of {tuple(RNG_IMPLS)}')
 
     @classmethod
     def from_config(cls, config) -> StepConfig:
         return cls(model=TransformerConfig.from_config(config),
                    label_smoothing=config.label_smoothing,
                    grad_accum_steps=config.grad_accum_steps,
-                   skip_nonfinite=config.skip_nonfinite)
+                   skip_nonfinite=config.skip_nonfinite,
+                   loss_chunk_len=config.loss_chunk_len,
+                   rng_impl=config.rng_impl)
+
+
+# config name -> jax PRNG implementation of the dropout keys
+RNG_IMPLS = {'threefry': 'threefry2x32', 'rbg': 'rbg', 'unsafe_rbg': 'unsafe_rbg'}
+
+
+def dropout_key(raw_key, rng_impl: str):
+    """The typed dropout key of a state's raw key data."""
+    return jax.random.wrap_key_data(raw_key, impl=RNG_IMPLS[rng_impl])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -72,22 +91,21 @@ def label_smoothed_cross_entropy(logits_BTV, targets_BT, smoothing: float):
 
 
 def loss_sums(params, batch, rng, step_config: StepConfig, deterministic: bool):
-    """Token sums over the batch's non-pad targets: (smoothed loss sum, metrics dict)."""
+    """Token sums over the batch's non-pad targets: (smoothed loss sum, metrics dict).
+
+    The logits are computed chunk by chunk inside the loss (t2t/loss.py), never all at once.
+    """
     model_config = step_config.model.replace(deterministic=deterministic)
-    logits_BTV = Transformer(model_config).apply(
+    y_BTD, w_VD = Transformer(model_config).apply(
         {'params': params}, **batch_forward_args(batch),
-        rngs=None if deterministic else {'dropout': rng})
+        rngs=None if deterministic else {'dropout': rng}, method=Transformer.features)
     targets_BT = batch['targets']
     weights_BT = (targets_BT != PAD_ID).astype(jnp.float32)
-    smoothed_BT, nll_BT = label_smoothed_cross_entropy(logits_BTV, targets_BT,
-                                                       step_config.label_smoothing)
-    correct_BT = (jnp.argmax(logits_BTV, -1) == targets_BT).astype(jnp.float32)
-    sums = {
-        'loss_sum': (smoothed_BT * weights_BT).sum(),
-        'nll_sum': (nll_BT * weights_BT).sum(),
-        'correct_sum': (correct_BT * weights_BT).sum(),
-        'tokens': weights_BT.sum(),
-    }
+    loss_sum, nll_sum, correct_sum = loss.cross_entropy_sums(
+        y_BTD, w_VD, targets_BT, weights_BT, smoothing=step_config.label_smoothing,
+        chunk_len=step_config.loss_chunk_len)
+    sums = {'loss_sum': loss_sum, 'nll_sum': nll_sum, 'correct_sum': correct_sum,
+            'tokens': weights_BT.sum()}
     return sums['loss_sum'], sums
 
 
@@ -96,9 +114,12 @@ def loss_sums(params, batch, rng, step_config: StepConfig, deterministic: bool):
 
 
 def init_state(rng, model_config: TransformerConfig, tx: optax.GradientTransformation,
-               batch_shape: tuple[int, int]) -> TrainState:
+               batch_shape: tuple[int, int], rng_impl: str = 'threefry') -> TrainState:
     """A fresh state; parameters are boxed with logical axis names (see sharding.init_sharded)."""
     init_rng, dropout_rng = jax.random.split(rng)
+    if rng_impl != 'threefry':  # the same draw seeds the other generator
+        seed = jax.random.bits(dropout_rng, (), jnp.uint32)
+        dropout_rng = jax.random.key_data(jax.random.key(seed, impl=RNG_IMPLS[rng_impl]))
     ids = jnp.ones(batch_shape, jnp.int32)
     model = Transformer(model_config.replace(deterministic=True))
     params = model.init(init_rng, ids, ids)['params']
@@ -109,7 +130,7 @@ def init_state(rng, model_config: TransformerConfig, tx: optax.GradientTransform
 def _config_init(config, tx):
     """(init function of the rng, the config's rng): what both state builders below start from."""
     init = functools.partial(init_state, model_config=TransformerConfig.from_config(config),
-                             tx=tx, batch_shape=(1, config.max_len))
+                             tx=tx, batch_shape=(1, config.max_len), rng_impl=config.rng_impl)
     return init, jax.random.PRNGKey(config.seed)
 
 
@@ -158,7 +179,7 @@ def train_step(state: TrainState, batch, *, step_config: StepConfig,
     param_shardings (optional) pin each micro-batch to the data-parallel devices and the
     accumulated gradients to the parameters' shardings.
     """
-    step_rng = jax.random.fold_in(state.rng, state.step)
+    step_rng = jax.random.fold_in(dropout_key(state.rng, step_config.rng_impl), state.step)
     grad_fn = jax.grad(loss_sums, has_aux=True)
     num_micro = step_config.grad_accum_steps
 
@@ -237,11 +258,19 @@ def jit_eval_step(step_config: StepConfig, params_shardings, mesh):
 
 
 def _under_mesh(fn, mesh):
-    """Calls fn with the mesh and the logical axis rules active (for the model's constraints)."""
-    @functools.wraps(fn)
-    def wrapped(*args):
-        with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.LOGICAL_AXIS_RULES):
-            return fn(*args)
+    """Calls fn with the mesh and the logical axis rules active (for the model's constraints).
+
+    `.lower(*args)` lowers the jitted fn in the same context (to compile ahead of time, or to
+    time the compile apart from the first run).
+    """
+    def in_context(call):
+        def run(*args):
+            with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.LOGICAL_AXIS_RULES):
+                return call(*args)
+        return run
+
+    wrapped = functools.wraps(fn)(in_context(fn))
+    wrapped.lower = in_context(fn.lower)
     return wrapped
 
 

@@ -63,8 +63,9 @@ def run(config, workdir, *, split: str = '', timeout_s: float = 3600.0, poll_s: 
             for step in todo:
                 label = f'step-{step}'
                 try:
-                    params = sharding.put_global(checkpoint.restore_params(workdir, step),
-                                                 sharding.replicated(mesh))
+                    params = evaluation.load_params(workdir, [step],
+                                                    scan_layers=config.scan_layers)
+                    params = sharding.put_global(params, sharding.replicated(mesh))
                 except checkpoint.CheckpointError as e:
                     gone = step not in checkpoint.finished_steps(workdir)
                     echo(f'== {label}: ' + ('deleted by training (keep_checkpoints) before it '

@@ -150,13 +150,13 @@ def test_cached_decoding_equals_teacher_forcing(variant):
     encoded = model.apply({'params': params}, src, method=Transformer.encode)
     prev = jnp.zeros((2, 1), jnp.int32)
     _, variables = decoder.apply({'params': params}, encoded, src, prev,
-                                 method=Transformer.decode, mutable=['cache', 'cross_cache'])
+                                 method=Transformer.decode_step, mutable=['cache', 'cross_cache'])
     cache, cross_cache = variables['cache'], variables['cross_cache']
     steps = []
     for t in range(tgt.shape[1]):
         logits, updated = decoder.apply(
             {'params': params, 'cache': cache, 'cross_cache': cross_cache}, encoded, src, prev,
-            method=Transformer.decode, mutable=['cache'])
+            method=Transformer.decode_step, mutable=['cache'])
         cache = updated['cache']
         steps.append(logits[:, 0])
         prev = tgt[:, t:t + 1]

@@ -1,0 +1,145 @@
+"""Per-device memory of t2t's train step on a TPU slice, by ahead-of-time compile on this CPU.
+
+    flock /tmp/t2t-libtpu.lock timeout 900 .venv/bin/python bench/tpu_aot_memory.py \
+        --model big --per_chip 128 --len 256 --topology v5e:2x2 --model_kw remat=full
+
+The train step (t2t.train_lib.train_step: label smoothing 0.1, Adam, bf16 compute, dropout) is
+lowered and compiled for the topology with XLA's TPU compiler from libtpu (no TPU needed, see
+../shared/TPU-AOT.md) on a (data=1, fsdp=chips, tensor=1) mesh, the state sharded as t2t derives
+it and donated. Prints one `RESULT {json}` line with the compiled memory analysis (per device:
+arguments, outputs, aliased, temporaries), XLA's FLOPs per device and the compile time.
+
+--code DIR imports t2t from another checkout (e.g. an older commit unpacked with `git archive`),
+so that the same script measures before and after a change. --model_kw / --step_kw pass extra
+TransformerConfig / StepConfig fields (key=value, Python literals) where the checkout has them.
+Compiling big takes minutes on 2 cores; run one at a time: libtpu allows one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import sys
+import time
+
+MODELS = {'base': (512, 8, 2048, 6), 'big': (1024, 16, 4096, 6)}
+
+
+def parse_kw(items):
+    out = {}
+    for item in items:
+        key, _, value = item.partition('=')
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument('--model', default='big', choices=tuple(MODELS))
+    ap.add_argument('--per_chip', type=int, default=128, help='sentence pairs per chip')
+    ap.add_argument('--len', type=int, default=256, help='tokens per side')
+    ap.add_argument('--vocab', type=int, default=37000)
+    ap.add_argument('--topology', default='v5e:2x2')
+    ap.add_argument('--chips_per_host', default='2,2,1')
+    ap.add_argument('--chip_config', default='default')
+    ap.add_argument('--dtype', default='bfloat16')
+    ap.add_argument('--model_kw', nargs='*', default=[], help='TransformerConfig fields k=v')
+    ap.add_argument('--step_kw', nargs='*', default=[], help='StepConfig fields k=v')
+    ap.add_argument('--code', default=None, help='import t2t from this directory')
+    ap.add_argument('--label', default='')
+    ap.add_argument('--fast', action='store_true',
+                    help='lower optimization effort (compiles faster, reports ~2x temporaries)')
+    args = ap.parse_args(argv)
+
+    os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+    os.environ.setdefault('TPU_SKIP_MDS_QUERY', '1')
+    root = args.code or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.abspath(root))
+
+    import dataclasses
+    import functools
+    from types import SimpleNamespace
+
+    import jax
+    import jax.numpy as jnp
+    from flax import linen as nn
+    from jax.experimental import topologies
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from t2t import optim, sharding, train_lib
+    from t2t.model import TransformerConfig
+
+    topo = topologies.get_topology_desc(
+        platform='tpu', topology_name=args.topology, chip_config_name=args.chip_config,
+        chips_per_host_bounds=tuple(int(x) for x in args.chips_per_host.split(',')),
+        num_slices=1)
+    devices = topo.devices
+    chips = len(devices)
+    mesh = sharding.make_mesh((1, chips, 1), devices=devices)
+
+    d, h, ff, layers = MODELS[args.model]
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    model_kw = parse_kw(args.model_kw)
+    unknown = sorted(set(model_kw) - fields)
+    if unknown:
+        raise SystemExit(f'TransformerConfig of {root} has no field(s) {unknown}')
+    mc = TransformerConfig(
+        vocab_size=args.vocab, d_model=d, d_ff=ff, num_heads=h, num_encoder_layers=layers,
+        num_decoder_layers=layers, dropout_rate=0.1,
+        dtype={'bfloat16': jnp.bfloat16, 'float32': jnp.float32}[args.dtype], **model_kw)
+    step_kw = parse_kw(args.step_kw)
+    step_config = train_lib.StepConfig(model=mc, label_smoothing=0.1, **step_kw)
+    tx = optim.make_optimizer(SimpleNamespace(
+        d_model=d, warmup_steps=4000, learning_rate_scale=1.0, adam_b1=0.9, adam_b2=0.98,
+        adam_eps=1e-9, clip_grad_norm=0.0, weight_decay=0.0))
+
+    init = functools.partial(train_lib.init_state, model_config=mc, tx=tx,
+                             batch_shape=(1, args.len))
+    boxed = jax.eval_shape(init, jax.random.PRNGKey(0))
+    state_shardings = sharding.tree_shardings(boxed, mesh)
+    abstract_state = jax.tree_util.tree_map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), nn.unbox(boxed),
+        state_shardings)
+    batch_size = args.per_chip * chips
+    batch_sharding = sharding.batch_sharding(mesh)
+    abstract_batch = {k: jax.ShapeDtypeStruct((batch_size, args.len), jnp.int32,
+                                              sharding=batch_sharding)
+                      for k in train_lib.BATCH_KEYS}
+    step = functools.partial(train_lib.train_step, step_config=step_config, tx=tx)
+    jitted = jax.jit(step, in_shardings=(state_shardings, batch_sharding),
+                     out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())),
+                     donate_argnums=(0,))
+    options = {'exec_time_optimization_effort': -1.0} if args.fast else None
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.LOGICAL_AXIS_RULES):
+        lowered = jitted.lower(abstract_state, abstract_batch)
+    compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
+    compile_s = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list | tuple) else cost
+    gib = 2 ** 30
+    result = dict(
+        label=args.label, code=os.path.abspath(root), model=args.model, topology=args.topology,
+        chips=chips, device_kind=devices[0].device_kind, per_chip=args.per_chip, len=args.len,
+        vocab=args.vocab, dtype=args.dtype, model_kw=model_kw, step_kw=step_kw, fast=args.fast,
+        jax=jax.__version__, compile_s=round(compile_s, 1),
+        argument_gib=round(mem.argument_size_in_bytes / gib, 3),
+        output_gib=round(mem.output_size_in_bytes / gib, 3),
+        alias_gib=round(mem.alias_size_in_bytes / gib, 3),
+        temp_gib=round(mem.temp_size_in_bytes / gib, 3),
+        total_gib=round((mem.argument_size_in_bytes + mem.output_size_in_bytes
+                         - mem.alias_size_in_bytes + mem.temp_size_in_bytes) / gib, 3),
+        xla_tflop_per_device=round(float(cost.get('flops', 0.0)) / 1e12, 3) if cost else None)
+    print('RESULT ' + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
