@@ -311,39 +311,44 @@ class MaxBatch:
         return (self.largest or 0) + self.unit >= self.smallest_failing
 
 
-def search_max_batch(fits: Callable[[int], bool], start: int, unit: int,
-                     max_tries: int) -> MaxBatch:
-    """Largest multiple of `unit` with fits(batch), by doubling (or halving) then bisecting.
+def _round(batch: float, unit: int) -> int:
+    return max(unit, int(batch) // unit * unit)
 
-    fits must be monotone (a batch that fits, every smaller one fits). Calls it at most max_tries
-    times; start is rounded down to a multiple of unit (at least unit).
+
+def search_max_batch(measure: Callable[[int], Memory | None], start: int, unit: int,
+                     max_tries: int, limit_bytes: float) -> MaxBatch:
+    """Largest multiple of `unit` whose measure(batch).total <= limit_bytes, in max_tries measures.
+
+    measure(batch) -> Memory (bytes per device), or None when the compiler ran out of memory; the
+    total must grow with the batch. Compiles are the cost, so each try is placed with the numbers
+    of the last one: where they put the limit (temporaries grow with the batch, the rest does
+    not), kept at least one unit inside what is known (above the largest fit, below the smallest
+    failure). Without numbers (the compiler ran out of memory) the batch halves, or the interval
+    is bisected. The first try is `start` rounded down to a multiple of unit.
     """
     if unit < 1 or max_tries < 1:
         raise ValueError(f'unit={unit} and max_tries={max_tries} must be >= 1')
     tries: list[tuple[int, bool]] = []
     lo, hi = None, None  # largest fitting, smallest failing
-
-    def attempt(batch: int) -> bool:
-        ok = fits(batch)
-        tries.append((batch, ok))
-        return ok
-
-    batch = max(unit, start // unit * unit)
-    while len(tries) < max_tries:  # bracket: double up from a fit, halve down from a failure
-        if attempt(batch):
-            lo = batch
+    batch = _round(start, unit)
+    while len(tries) < max_tries:
+        memory = measure(batch)
+        fits = memory is not None and memory.total <= limit_bytes
+        tries.append((batch, fits))
+        lo, hi = (batch, hi) if fits else (lo, batch)
+        if hi is not None and hi - (lo or 0) <= unit:
+            break  # exact, or not even the smallest batch fits
+        if memory is not None and memory.temporaries > 0:
+            fixed = memory.total - memory.temporaries
+            batch = _round(batch * (limit_bytes - fixed) / memory.temporaries, unit)
+            if lo is not None:
+                batch = max(batch, lo + unit)
             if hi is not None:
-                break
-            batch *= 2
+                batch = min(batch, hi - unit)
+        elif hi is None:
+            batch = 2 * lo
+        elif lo is None:
+            batch = _round(hi // 2, unit)
         else:
-            hi = batch
-            if lo is not None or batch == unit:
-                break
-            batch = max(unit, batch // 2 // unit * unit)
-    while len(tries) < max_tries and lo is not None and hi is not None and hi - lo > unit:
-        mid = (lo + hi) // 2 // unit * unit
-        if attempt(mid):
-            lo = mid
-        else:
-            hi = mid
+            batch = (lo + hi) // 2 // unit * unit
     return MaxBatch(lo, hi, tuple(tries), unit)

@@ -128,19 +128,21 @@ def tpu_dry_run(config, plan, *, find_max_batch: bool = False, max_tries: int = 
         step = plan.batch_step
         compiled_at = {}
 
-        def fits(batch_size: int) -> bool:
+        def measure(batch_size: int):
             _, compiled = train_at(batch_size)
             compiled_at[batch_size] = compiled
-            ok = compiled.fits(hbm, margin)
-            total = ('more than the compiler could place' if compiled.memory is None
-                     else _size(compiled.memory.total))
-            out(f'  try {len(compiled_at)}: batch_size={batch_size}: total {total} of '
-                f'{_size(hbm)}: {"fits" if ok else "does not fit"} '
+            m = compiled.memory
+            verdict = 'fits' if compiled.fits(hbm, margin) else 'does not fit'
+            sizes = ('the compiler ran out of HBM' if m is None else
+                     f'arguments {_size(m.arguments)}, temporaries {_size(m.temporaries)}, '
+                     f'total {_size(m.total)}')
+            out(f'  try {len(compiled_at)}: batch_size={batch_size}: {sizes}: {verdict} '
                 f'(compile {compiled.seconds:.0f} s)')
-            return ok
+            return m
 
         out(f'find_max_batch: multiples of {step}, at most {max_tries} compiles')
-        result = aot.search_max_batch(fits, config.batch_size, step, max_tries)
+        result = aot.search_max_batch(measure, config.batch_size, step, max_tries,
+                                      (1.0 - margin) * hbm)
         if result.largest is None:
             out(f'largest batch_size that fits: none (batch_size={result.smallest_failing} '
                 'does not fit)')

@@ -74,24 +74,48 @@ def test_slice_names_map_to_topologies_and_hbm():
             aot.parse_slice(bad)
 
 
-def test_search_max_batch_doubles_halves_and_bisects():
-    def fits_below(limit):
-        return lambda batch: batch <= limit
+def _memory_model(fixed, per_row, oom_above=None, power=1.0):
+    """A stand-in compile: bytes per device for a batch (None: the compiler ran out of HBM)."""
+    def measure(batch):
+        if oom_above is not None and batch > oom_above:
+            return None
+        temporaries = int(per_row * batch**power)
+        return aot.Memory(arguments=fixed, outputs=fixed, aliased=fixed, temporaries=temporaries,
+                          code=0)
+    return measure
 
-    up = aot.search_max_batch(fits_below(1000), start=96, unit=8, max_tries=20)
-    assert (up.largest, up.smallest_failing, up.exact) == (1000, 1008, True)
-    assert [b for b, _ in up.tries[:5]] == [96, 192, 384, 768, 1536]  # doubling, then bisecting
-    assert len(up.tries) <= 20 and all(b % 8 == 0 for b, _ in up.tries)
-    down = aot.search_max_batch(fits_below(100), start=1000, unit=8, max_tries=20)
-    assert (down.largest, down.smallest_failing) == (96, 104)
-    assert [b for b, _ in down.tries[:4]] == [1000, 496, 248, 120]
-    bounded = aot.search_max_batch(fits_below(1000), start=96, unit=8, max_tries=6)
-    assert len(bounded.tries) == 6 and not bounded.exact
-    assert bounded.largest <= 1000 < bounded.smallest_failing
-    nothing = aot.search_max_batch(fits_below(4), start=64, unit=8, max_tries=20)
+
+def test_search_max_batch_aims_with_the_numbers_then_bisects():
+    limit = 1000.0
+    # Linear memory: the second try lands on the answer, the third confirms the next one fails.
+    linear = aot.search_max_batch(_memory_model(100, 1.0), start=96, unit=8, max_tries=10,
+                                  limit_bytes=limit)
+    assert (linear.largest, linear.smallest_failing, linear.exact) == (896, 904, True)
+    assert [b for b, _ in linear.tries] == [96, 896, 904]
+    # Memory growing faster than the batch: the aim overshoots, then the search closes in.
+    steep = aot.search_max_batch(_memory_model(100, 0.05, power=1.5), start=96, unit=8,
+                                 max_tries=12, limit_bytes=limit)
+    want = max(b for b in range(8, 4000, 8) if 100 + int(0.05 * b**1.5) <= limit)
+    assert (steep.largest, steep.smallest_failing) == (want, want + 8) and steep.exact
+    assert steep.tries[1][1] is False and len(steep.tries) <= 12
+    # Starting above the limit: aims down from the failing try's numbers.
+    down = aot.search_max_batch(_memory_model(100, 1.0), start=4000, unit=8, max_tries=10,
+                                limit_bytes=limit)
+    assert (down.largest, down.smallest_failing) == (896, 904) and down.tries[1] == (896, True)
+    # The compiler out of memory (no numbers): halves until a batch fits, then aims and bisects.
+    oom = aot.search_max_batch(_memory_model(100, 1.0, oom_above=2000), start=64000, unit=8,
+                               max_tries=12, limit_bytes=limit)
+    assert [b for b, _ in oom.tries[:4]] == [64000, 32000, 16000, 8000]
+    assert (oom.largest, oom.smallest_failing) == (896, 904)
+    bounded = aot.search_max_batch(_memory_model(100, 0.05, power=1.5), start=8, unit=8,
+                                   max_tries=2, limit_bytes=limit)
+    assert len(bounded.tries) == 2 and not bounded.exact
+    nothing = aot.search_max_batch(_memory_model(2000, 1.0), start=64, unit=8, max_tries=20,
+                                   limit_bytes=limit)
     assert nothing.largest is None and nothing.smallest_failing == 8
-    everything = aot.search_max_batch(fits_below(10**9), start=8, unit=8, max_tries=3)
-    assert (everything.largest, everything.smallest_failing) == (32, None)
+    for result in (linear, steep, down, oom, bounded):
+        assert all(b % 8 == 0 and b >= 8 for b, _ in result.tries)
+        assert len({b for b, _ in result.tries}) == len(result.tries)  # no compile repeated
 
 
 def test_find_max_batch_report_prints_every_try(monkeypatch):
