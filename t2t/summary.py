@@ -130,12 +130,19 @@ def tpu_dry_run(config, plan, *, find_max_batch: bool = False, max_tries: int = 
 
         def measure(batch_size: int):
             _, compiled = train_at(batch_size)
-            compiled_at[batch_size] = compiled
             m = compiled.memory
             verdict = 'fits' if compiled.fits(hbm, margin) else 'does not fit'
-            sizes = ('the compiler ran out of HBM' if m is None else
-                     f'arguments {_size(m.arguments)}, temporaries {_size(m.temporaries)}, '
-                     f'total {_size(m.total)}')
+            if m is None:
+                sizes = 'the compiler ran out of HBM'
+            else:
+                # FLOPs per row above the first try's: recomputation the compiler chose to fit.
+                first = next(((b, c) for b, c in compiled_at.items() if c.memory is not None),
+                             (batch_size, compiled))
+                per_row = (compiled.flops_per_device / batch_size
+                           / (first[1].flops_per_device / first[0]))
+                sizes = (f'arguments {_size(m.arguments)}, temporaries {_size(m.temporaries)}, '
+                         f'total {_size(m.total)}, XLA FLOPs per row x{per_row:.2f} of the first')
+            compiled_at[batch_size] = compiled
             out(f'  try {len(compiled_at)}: batch_size={batch_size}: {sizes}: {verdict} '
                 f'(compile {compiled.seconds:.0f} s)')
             return m

@@ -128,7 +128,7 @@ def test_find_max_batch_report_prints_every_try(monkeypatch):
     def fake_compile(c, mesh):
         memory = aot.Memory(arguments=1 << 20, outputs=1 << 20, aliased=1 << 20,
                             temporaries=c.batch_size * per_row // mesh.size, code=0)
-        return aot.Compiled(memory, flops_per_device=1e9, seconds=0.5)
+        return aot.Compiled(memory, flops_per_device=1e6 * c.batch_size, seconds=0.5)
 
     monkeypatch.setattr(aot, 'compile_train_step', fake_compile)
     plan = aot.Plan(aot.parse_slice('v5e-8'), sharding.make_mesh((-1, 1, 1)), batch_step=8)
@@ -142,7 +142,7 @@ def test_find_max_batch_report_prints_every_try(monkeypatch):
     assert f'largest batch_size that fits: {want} (' in text and '; exact;' in text
     tries = [line for line in lines if line.startswith('  try ')]
     assert tries[0].startswith('  try 1: batch_size=16: ')
-    assert tries[0].endswith(': fits (compile 0 s)')
+    assert tries[0].endswith('XLA FLOPs per row x1.00 of the first: fits (compile 0 s)')
     assert any('does not fit' in t for t in tries) and len(tries) <= 12
 
 
