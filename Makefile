@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TPU_STAMP := $(VENV)/.tpu-installed
 WORKDIR ?= workdirs/default
 
 .PHONY: demo test lint clean
@@ -12,6 +13,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
 	touch $(STAMP)
 
+# XLA's TPU compiler (libtpu) for the ahead-of-time compile tests: jax[tpu] pinned to the jax in
+# the venv (jax's own extra pins the libtpu of that release). Without TPU chips t2t never starts
+# the TPU backend, so nothing else changes (t2t/platforms.py).
+$(TPU_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet --disable-pip-version-check \
+		"jax[tpu]==$$($(BIN)/python -c 'import jax; print(jax.__version__)')"
+	touch $(TPU_STAMP)
+
 # The main job: prepare the embedded corpus, train within the config's time budget (a workdir
 # that already spent it is only re-evaluated), evaluate on the test split, plot the curve.
 demo: $(STAMP)
@@ -20,7 +29,7 @@ demo: $(STAMP)
 	$(BIN)/python evaluate.py --config=configs/default.py --workdir=$(WORKDIR)
 	$(BIN)/python bench/learning_curve.py --workdir=$(WORKDIR)
 
-test: $(STAMP)
+test: $(STAMP) $(TPU_STAMP)
 	JAX_PLATFORMS=cpu $(BIN)/pytest -n 2 --durations=15 tests
 
 lint: $(STAMP)

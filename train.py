@@ -3,6 +3,12 @@
     python train.py --config=configs/default.py --workdir=workdirs/default
     python train.py --config=configs/wmt14_ende_base.py --config.batch_size=208 --workdir=runs/base
     python train.py --config=configs/wmt14_ende_big.py --dry_run     # parameters and FLOPs only
+    python train.py --config=configs/wmt14_ende_big.py --dry_run --topology=v5e-16 \
+        [--config.mesh_shape=1,16,1] [--config.batch_size=256] [--find_max_batch]
+
+--topology compiles the train step and the beam search for that TPU slice on this machine's CPU
+(pip install -e '.[tpu]') and reports per-device memory against the chip's HBM and XLA's FLOPs;
+exit status 0 when it fits, 1 when it does not, 2 on a bad slice name, mesh or batch.
 
 A workdir that holds checkpoints is resumed from the newest good one. Multi-host: run the same
 command on every host; jax.distributed is initialized from --coordinator_address/--num_processes/
@@ -30,9 +36,13 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f'unexpected arguments: {argv[1:]}')
     config = _CONFIG.value
+    if (_TOPOLOGY.value and not _DRY_RUN.value) or (_FIND_MAX_BATCH.value and not _TOPOLOGY.value):
+        raise app.UsageError('--topology needs --dry_run, --find_max_batch needs --topology')
     if _DRY_RUN.value:
         from t2t import summary
 
+        if _TOPOLOGY.value:
+            sys.exit(_tpu_dry_run(config, summary))
         print(summary.summarize(config))
         return
     if not _WORKDIR.value:
@@ -51,6 +61,33 @@ def main(argv):
         sys.exit(f'train.py: {e}')
     print(f'finished at step {result.step} ({result.stopped_by}); '
           + ' '.join(f'{k}={v:.4g}' for k, v in result.eval_metrics.items()))
+
+
+# --dry_run --topology: TPU ahead-of-time compile (t2t/aot.py, report in t2t/summary.py)
+_TOPOLOGY = flags.DEFINE_string(
+    'topology', None, 'With --dry_run: compile for this TPU slice on the CPU and report memory '
+    'and FLOPs (v4-8, v5e-16, v5p-8, v6e-256, or a topology such as v5e:4x4).')
+_FIND_MAX_BATCH = flags.DEFINE_bool(
+    'find_max_batch', False, 'With --topology: search the largest batch_size that fits.')
+_MAX_BATCH_TRIES = flags.DEFINE_integer(
+    'max_batch_tries', 8, 'With --find_max_batch: at most this many compiles.', lower_bound=1)
+_BATCH_STEP = flags.DEFINE_integer(
+    'batch_step', 0, 'With --find_max_batch: try multiples of this (0: the data-parallel devices '
+    'x grad_accum_steps).', lower_bound=0)
+
+
+def _tpu_dry_run(config, summary) -> int:
+    """The exit status: 0 fits, 1 does not, 2 bad input (reported before anything compiles)."""
+    from t2t import aot
+
+    try:
+        plan = aot.plan(config, _TOPOLOGY.value, _BATCH_STEP.value)
+    except ValueError as e:
+        print(f'train.py: {e}', file=sys.stderr)
+        return 2
+    print(summary.summarize(config), flush=True)
+    return summary.tpu_dry_run(config, plan, find_max_batch=_FIND_MAX_BATCH.value,
+                               max_tries=_MAX_BATCH_TRIES.value)
 
 
 if __name__ == '__main__':

@@ -1,0 +1,129 @@
+"""Submit train.py (or evaluate.py) to a SLURM GPU cluster: an sbatch script with one srun step.
+
+    python scripts/launch_slurm.py --nodes=2 --gpus_per_node=8 --partition=gpu \\
+        --config=configs/wmt14_ende_big.py --workdir=/shared/runs/big --dry_run \\
+        -- --config.batch_size=512
+
+One process per GPU (default; --per=node: one per node driving all its GPUs), each started by
+srun with the same flags and `--distributed`: jax.distributed.initialize() reads SLURM's variables
+(SLURM_JOB_ID, SLURM_STEP_NODELIST, SLURM_NTASKS, SLURM_PROCID, SLURM_LOCALID) for the
+coordinator, the process count and id, and gives process SLURM_LOCALID the GPU of that index;
+with one process per node JAX_LOCAL_DEVICE_IDS hands it all the node's GPUs. The workdir must be
+on a file system every node sees. Logs: <logs>/<job>-<jobid>.out (the batch script) and
+<logs>/<job>-<jobid>-<task>.out (one per process). SIGTERM reaches the processes --signal_s
+seconds before the time limit, so t2t saves a checkpoint; submitting again resumes from it.
+The script is written to <logs>/<job>.sbatch and submitted with sbatch; --dry_run prints both.
+Arguments after `--` go to the script verbatim.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+
+
+def sbatch_script(args, passthrough: list[str]) -> str:
+    """The batch script: #SBATCH resources, environment, one srun step running t2t."""
+    per_gpu = args.per == 'gpu'
+    tasks_per_node = args.gpus_per_node if per_gpu else 1
+    logs = args.logs
+    directives = [
+        f'--job-name={args.job_name}',
+        f'--nodes={args.nodes}',
+        f'--ntasks-per-node={tasks_per_node}',
+        f'--gpus-per-node={args.gpus_per_node}',
+        f'--output={logs}/%x-%j.out',
+        '--open-mode=append',  # a requeued job appends to its logs
+    ]
+    if args.cpus_per_task:
+        directives.append(f'--cpus-per-task={args.cpus_per_task}')
+    for name in ('time', 'partition', 'account', 'qos'):
+        if getattr(args, name):
+            directives.append(f'--{name}={getattr(args, name)}')
+    if args.signal_s:
+        directives.append(f'--signal=TERM@{args.signal_s}')  # to the job steps: t2t checkpoints
+    if args.requeue:
+        directives.append('--requeue')
+    script = 'evaluate.py' if args.evaluate else 'train.py'
+    argv = [args.python, script, f'--config={args.config}', f'--workdir={args.workdir}',
+            '--distributed', *passthrough]
+    srun = ['srun', '--kill-on-bad-exit=1', f'--output={logs}/%x-%j-%t.out']
+    if per_gpu:
+        srun.append('--gpu-bind=none')  # every task sees the node's GPUs; jax picks SLURM_LOCALID
+    processes = args.nodes * tasks_per_node
+    lines = ['#!/bin/bash'] + [f'#SBATCH {d}' for d in directives] + [
+        f'# t2t {script}: {processes} processes, one per {args.per} '
+        f'({args.nodes} nodes x {args.gpus_per_node} GPUs)',
+        'set -eo pipefail',
+        f'cd {shlex.quote(args.chdir)}',
+        *args.setup,
+    ]
+    if not per_gpu:
+        ids = ','.join(str(i) for i in range(args.gpus_per_node))
+        lines.append(f'export JAX_LOCAL_DEVICE_IDS={ids}  # all GPUs of the node to its process')
+    lines.append(f'{shlex.join(srun)} \\\n    {shlex.join(argv)}')
+    return '\n'.join(lines) + '\n'
+
+
+def parse_args(argv: list[str]):
+    if '--' in argv:
+        i = argv.index('--')
+        argv, passthrough = argv[:i], argv[i + 1:]
+    else:
+        passthrough = []
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog='Arguments after -- are passed to train.py verbatim.')
+    p.add_argument('--nodes', type=int, required=True)
+    p.add_argument('--gpus_per_node', type=int, required=True)
+    p.add_argument('--per', choices=('gpu', 'node'), default='gpu',
+                   help='one process per GPU (default) or per node')
+    p.add_argument('--config', default='configs/wmt14_ende_big.py')
+    p.add_argument('--workdir', required=True, help='on a file system shared by all nodes')
+    p.add_argument('--job_name', default='t2t')
+    p.add_argument('--time', default='', help='time limit, e.g. 2-00:00:00')
+    p.add_argument('--partition', default='')
+    p.add_argument('--account', default='')
+    p.add_argument('--qos', default='')
+    p.add_argument('--cpus_per_task', type=int, default=0)
+    p.add_argument('--signal_s', type=int, default=300,
+                   help='SIGTERM this many seconds before the time limit (0: none)')
+    p.add_argument('--requeue', action='store_true', help='#SBATCH --requeue')
+    p.add_argument('--setup', action='append', default=[],
+                   help='a shell line run before srun (repeatable), e.g. "module load cuda/12"')
+    p.add_argument('--python', default='.venv/bin/python', help='relative to --chdir or absolute')
+    p.add_argument('--chdir', default=os.getcwd(), help='the t2t checkout (default: here)')
+    p.add_argument('--logs', default='', help='log directory (default: <chdir>/logs)')
+    p.add_argument('--evaluate', action='store_true', help='run evaluate.py instead of train.py')
+    p.add_argument('--dry_run', action='store_true', help='print the script and sbatch command')
+    args = p.parse_args(argv)
+    if args.nodes < 1 or args.gpus_per_node < 1:
+        p.error(f'--nodes={args.nodes} and --gpus_per_node={args.gpus_per_node} must be >= 1')
+    args.chdir = os.path.abspath(args.chdir)
+    args.logs = os.path.abspath(args.logs or os.path.join(args.chdir, 'logs'))
+    if '://' not in args.workdir:  # every node resolves it the same way
+        args.workdir = os.path.abspath(args.workdir)
+    if any(c.isspace() for c in args.logs):  # #SBATCH lines are not shell-quoted
+        p.error(f'--logs={args.logs!r}: the log directory may not contain spaces')
+    return args, passthrough
+
+
+def main(argv: list[str]) -> int:
+    args, passthrough = parse_args(argv)
+    script = sbatch_script(args, passthrough)
+    path = os.path.join(args.logs, f'{args.job_name}.sbatch')
+    command = ['sbatch', path]
+    if args.dry_run:
+        print(f'# {path}\n{script}\n{shlex.join(command)}')
+        return 0
+    os.makedirs(args.logs, exist_ok=True)
+    with open(path, 'w', encoding='utf-8') as f:
+        f.write(script)
+    return subprocess.run(command, check=False).returncode
+
+
+if __name__ == '__main__':
+    sys.exit(main(sys.argv[1:]))

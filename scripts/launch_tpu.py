@@ -1,0 +1,122 @@
+"""Run train.py (or evaluate.py) on every host of a Cloud TPU VM slice, with one gcloud command.
+
+    python scripts/launch_tpu.py --tpu=my-v5e --zone=us-west4-a --setup \\
+        --repo=https://github.com/ORG/t2t.git --ref=main --dry_run
+    python scripts/launch_tpu.py --tpu=my-v5e --zone=us-west4-a \\
+        --config=configs/wmt14_ende_big.py --workdir=gs://BUCKET/runs/big \\
+        -- --config.batch_size=512 --config.mesh_shape=1,-1,1
+
+Every worker runs the same command (`gcloud compute tpus tpu-vm ssh --worker=all`): the same
+config and overrides, `--distributed` so that jax.distributed.initialize() finds the other hosts
+itself (Cloud TPU metadata), and the same workdir, which must be shared by all hosts (a gs://
+bucket). Each worker's output goes to ~/t2t-logs/<script>-<hostname>.log on that worker (also
+streamed back here unless --detach). Arguments after `--` go to the script verbatim.
+--dry_run prints the gcloud command lines instead of running them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+
+LOG_DIR = '~/t2t-logs'  # on each worker; '~' expands there
+
+
+def gcloud_ssh(args, remote: str) -> list[str]:
+    """The gcloud command that runs the shell command `remote` on every worker of the slice."""
+    cmd = ['gcloud', 'compute', 'tpus', 'tpu-vm', 'ssh', args.tpu, f'--zone={args.zone}',
+           '--worker=all', f'--command={remote}']
+    if args.project:
+        cmd.insert(6, f'--project={args.project}')
+    return cmd
+
+
+def setup_command(args) -> str:
+    """Clones (or updates) the repository at --ref into --dir and installs t2t with the tpu extra.
+
+    gcsfs lets orbax / etils read and write gs:// paths.
+    """
+    d, ref, repo = shlex.quote(args.dir), shlex.quote(args.ref), shlex.quote(args.repo)
+    py = shlex.quote(args.python)
+    return (f'set -e; if [ ! -d {d}/.git ]; then git clone --quiet {repo} {d}; fi; '
+            f'git -C {d} fetch --quiet origin {ref}; '
+            f'git -C {d} checkout --quiet --detach FETCH_HEAD; cd {d}; {py} -m venv .venv; '
+            '.venv/bin/pip install --quiet --upgrade pip; '
+            ".venv/bin/pip install --quiet -e '.[tpu]' gcsfs")
+
+
+def run_command(args, passthrough: list[str]) -> str:
+    """The shell command each worker runs: the script with the same flags on every host."""
+    script = 'evaluate.py' if args.evaluate else 'train.py'
+    argv = ['.venv/bin/python', script, f'--config={args.config}', f'--workdir={args.workdir}',
+            '--distributed', *passthrough]
+    log = f'{LOG_DIR}/{script[:-3]}-$(hostname).log'  # $(hostname) expands on the worker
+    cd = f'cd {shlex.quote(args.dir)} && mkdir -p {LOG_DIR}'
+    if args.detach:  # keeps running after the ssh session ends
+        return f'{cd} && nohup {shlex.join(argv)} > {log} 2>&1 < /dev/null &'
+    return f'set -o pipefail; {cd} && {shlex.join(argv)} 2>&1 | tee -a {log}'
+
+
+def parse_args(argv: list[str]):
+    if '--' in argv:
+        i = argv.index('--')
+        argv, passthrough = argv[:i], argv[i + 1:]
+    else:
+        passthrough = []
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog='Arguments after -- are passed to train.py verbatim.')
+    p.add_argument('--tpu', required=True, help='TPU VM name (gcloud compute tpus tpu-vm create)')
+    p.add_argument('--zone', required=True)
+    p.add_argument('--project', default='', help='default: gcloud\'s configured project')
+    p.add_argument('--config', default='configs/wmt14_ende_big.py')
+    p.add_argument('--workdir', default='',
+                   help='shared by all hosts: gs://BUCKET/PATH (checkpoints, metrics)')
+    p.add_argument('--dir', default='t2t', help='the checkout on each worker, relative to ~')
+    p.add_argument('--setup', action='store_true',
+                   help='first clone/update --repo at --ref into --dir and pip install on all')
+    p.add_argument('--setup_only', action='store_true', help='--setup, then do not launch')
+    p.add_argument('--repo', default='', help='git URL of t2t (with --setup)')
+    p.add_argument('--ref', default='main', help='branch, tag or commit (with --setup)')
+    p.add_argument('--python', default='python3', help='interpreter for the venv (>= 3.11)')
+    p.add_argument('--evaluate', action='store_true',
+                   help='run evaluate.py instead of train.py (on every worker)')
+    p.add_argument('--detach', action='store_true',
+                   help='start in the background (nohup) and return; logs stay on the workers')
+    p.add_argument('--dry_run', action='store_true', help='print the gcloud commands only')
+    args = p.parse_args(argv)
+    args.setup = args.setup or args.setup_only
+    if args.setup and not args.repo:
+        p.error('--setup needs --repo (the git URL to clone on every worker)')
+    if not args.setup_only and not args.workdir:
+        p.error('--workdir is required (gs://BUCKET/PATH, shared by all hosts)')
+    if args.workdir and not args.workdir.startswith('gs://'):
+        print(f'warning: --workdir={args.workdir} is not a gs:// path: every host must see the '
+              'same directory (a shared file system)', file=sys.stderr)
+    return args, passthrough
+
+
+def commands(args, passthrough: list[str]) -> list[list[str]]:
+    """The gcloud command lines, in order: the setup (optional), then the launch."""
+    cmds = [gcloud_ssh(args, setup_command(args))] if args.setup else []
+    if not args.setup_only:
+        cmds.append(gcloud_ssh(args, run_command(args, passthrough)))
+    return cmds
+
+
+def main(argv: list[str]) -> int:
+    args, passthrough = parse_args(argv)
+    for cmd in commands(args, passthrough):
+        if args.dry_run:
+            print(shlex.join(cmd))
+            continue
+        status = subprocess.run(cmd, check=False).returncode
+        if status:
+            return status
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main(sys.argv[1:]))

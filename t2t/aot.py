@@ -1,0 +1,354 @@
+"""Ahead-of-time compiles for a TPU slice on this machine's CPU: memory, FLOPs, the largest batch.
+
+    tpu = aot.parse_slice('v5e-16')                  # or 'v5e:4x4', 'v5litepod-16'
+    plan = aot.plan(config, 'v5e-16')                # devices of the slice, the config's mesh
+    train = aot.compile_train_step(config, plan.mesh)   # Compiled(memory, flops_per_device, s)
+    train.memory.total <= plan.tpu.hbm_bytes         # what the step keeps resident per device
+    predict = aot.compile_predict(config, plan.mesh)    # beam search on an eval batch
+
+XLA's TPU compiler ships in libtpu and runs without TPU hardware: jax.experimental.topologies
+describes the devices of a slice, the real train step (train_lib.jit_train_step on
+train_lib.abstract_state) lowers for a mesh over them and compiles, compiled.memory_analysis()
+gives the buffers XLA assigned per device and cost_analysis() its FLOP count per device (MaxText's
+train_compile.py does the same). The process itself runs on the CPU backend (platforms.py).
+
+What memory_analysis counts, per device: arguments (state and batch shards), outputs, aliased
+(outputs written into donated arguments, counted once), temporaries (XLA's scratch at its peak:
+activations, gradients, Adam's updates) and the generated code. It does not count the TPU
+runtime's own reservation, other executables alive at the same time (the predict function's
+buffers are reported separately), the input pipeline's device buffers, nor fragmentation: hence
+the HBM_MARGIN kept free before calling a size a fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from t2t import inference, optim, platforms, sharding, train_lib
+from t2t.model import TransformerConfig
+
+GIB = 1 << 30
+HBM_MARGIN = 0.05  # of HBM kept free for what memory_analysis does not count
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chip:
+    topology_prefix: str  # libtpu's topology names: 'v5e:4x4', 'v5:2x2x1' (v5p)
+    cloud_prefix: str  # Cloud TPU accelerator types: 'v5litepod-16', 'v5p-8'
+    cores_per_chip: int  # accelerator types count TensorCores: 2 per v4 / v5p chip
+    chip_config: str  # 'megacore': one jax device per chip, its two TensorCores fused
+    hbm_gib: int
+    dims: int  # 2D or 3D torus
+
+
+# HBM per chip from Google's TPU docs (v4 32 GiB, v5e 16 GB, v5p 95 GB, v6e 32 GB; binary units:
+# a v6e reports 33550237696 usable bytes, more than 32e9).
+CHIPS = {
+    'v4': _Chip('v4', 'v4', 2, 'megacore', 32, 3),
+    'v5e': _Chip('v5e', 'v5litepod', 1, 'default', 16, 2),
+    'v5p': _Chip('v5', 'v5p', 2, 'megacore', 95, 3),
+    'v6e': _Chip('v6e', 'v6e', 1, 'default', 32, 2),
+}
+_ALIASES = {'v5litepod': 'v5e', 'v5': 'v5p', 'v6': 'v6e'}
+# Slice shapes by chip count (MaxText's accelerator table, Cloud TPU docs).
+_SHAPES = {
+    2: {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16),
+        256: (16, 16)},
+    3: {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4), 128: (4, 4, 8),
+        256: (4, 8, 8), 512: (8, 8, 8), 1024: (8, 8, 16), 2048: (8, 16, 16),
+        4096: (16, 16, 16)},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuSlice:
+    generation: str  # key of CHIPS
+    shape: tuple[int, ...]  # chips along each torus axis
+
+    @property
+    def chip(self) -> _Chip:
+        return CHIPS[self.generation]
+
+    @property
+    def chips(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def name(self) -> str:
+        """The accelerator type users write: 'v5e-16', 'v4-8' (TensorCores for v4 / v5p)."""
+        return f'{self.generation}-{self.chips * self.chip.cores_per_chip}'
+
+    @property
+    def accelerator_type(self) -> str:
+        return f'{self.chip.cloud_prefix}-{self.chips * self.chip.cores_per_chip}'
+
+    @property
+    def topology(self) -> str:
+        return f'{self.chip.topology_prefix}:' + 'x'.join(map(str, self.shape))
+
+    @property
+    def hbm_bytes(self) -> int:
+        return self.chip.hbm_gib * GIB
+
+    @property
+    def chips_per_host_bounds(self) -> tuple[int, int, int]:
+        # 4 chips per host (2x2), as on multi-host slices; 2x4 slices are one 8-chip host.
+        if self.shape == (2, 4):
+            return (2, 4, 1)
+        bounds = [min(2, s) for s in self.shape[:2]]
+        return (bounds[0], bounds[1], 1)
+
+
+def parse_slice(name: str) -> TpuSlice:
+    """'v5e-16', 'v5litepod-16', 'v4-8', 'v5p-8', 'v6e-256' or a topology 'v5e:4x4', 'v5p:2x2x1'."""
+    known = ', '.join(sorted(CHIPS))
+    m = re.fullmatch(r'([a-z0-9]+?)(?:-(\d+)|:(\d+(?:x\d+)+))', name.strip().lower())
+    generation = m and _ALIASES.get(m.group(1), m.group(1))
+    if not m or generation not in CHIPS:
+        raise ValueError(f'--topology={name!r}: not a TPU slice of {known} (e.g. v5e-16, v4-8, '
+                         'v5p-8, v6e-256, or a topology such as v5e:4x4, v5p:2x2x1)')
+    chip = CHIPS[generation]
+    if m.group(3):
+        shape = tuple(int(s) for s in m.group(3).split('x'))
+        if len(shape) != chip.dims or min(shape) < 1:
+            raise ValueError(f'--topology={name!r}: {generation} slices have {chip.dims} '
+                             'positive sizes, e.g. ' + 'x'.join(['2'] * chip.dims))
+        return TpuSlice(generation, shape)
+    count = int(m.group(2))
+    chips, rest = divmod(count, chip.cores_per_chip)
+    shape = _SHAPES[chip.dims].get(chips) if not rest else None
+    if shape is None:
+        sizes = ', '.join(f'{generation}-{c * chip.cores_per_chip}' for c in _SHAPES[chip.dims])
+        raise ValueError(f'--topology={name!r}: unknown {generation} slice size; one of {sizes} '
+                         f'or a topology such as {chip.topology_prefix}:'
+                         + 'x'.join(['4'] * chip.dims))
+    return TpuSlice(generation, shape)
+
+
+def topology_devices(tpu: TpuSlice) -> list:
+    """The slice's jax devices (for compiling only), described by libtpu on this machine."""
+    platforms.compile_only_tpu(tpu.accelerator_type)
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc(
+        platform='tpu', topology_name=tpu.topology, chip_config_name=tpu.chip.chip_config,
+        chips_per_host_bounds=tpu.chips_per_host_bounds, num_slices=1)
+    return list(topology.devices)
+
+
+# ----------------------------------------------------------------------------------------------
+# The plan: slice, mesh and batch checks, all before any compile
+
+
+def data_parallel(mesh_shape: dict) -> int:
+    """Devices a batch is split over (the batch axis shards over data and fsdp)."""
+    return mesh_shape['data'] * mesh_shape['fsdp']
+
+
+def batch_unit(config, mesh_shape: dict) -> int:
+    """The batch sizes that divide: multiples of this (data-parallel devices x micro-batches)."""
+    return data_parallel(mesh_shape) * max(config.grad_accum_steps, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    tpu: TpuSlice
+    mesh: jax.sharding.Mesh
+    batch_step: int  # batch sizes tried by the search are multiples of this
+
+    @property
+    def hosts(self) -> int:
+        return len({d.process_index for d in self.mesh.devices.flat})
+
+    @property
+    def device_kind(self) -> str:
+        return self.mesh.devices.flat[0].device_kind
+
+
+def plan(config, slice_name: str, batch_step: int = 0) -> Plan:
+    """The slice, its devices and the config's mesh over them; ValueError (one line) on bad input.
+
+    The slice name and the mesh shape are checked before libtpu is loaded, the batch sizes against
+    the mesh (loop's own checks) before anything compiles. batch_step: the search's granularity,
+    a multiple of batch_unit (0: batch_unit itself).
+    """
+    tpu = parse_slice(slice_name)
+    try:
+        shape = sharding.resolve_mesh_shape(config.mesh_shape, tpu.chips)
+    except ValueError as e:
+        raise ValueError(f'{e} (--topology={slice_name} has {tpu.chips} devices)') from None
+    unit = batch_unit(config, dict(zip(sharding.MESH_AXES, shape, strict=True)))
+    if batch_step % unit:
+        raise ValueError(f'--batch_step={batch_step} is not a multiple of {unit} (data-parallel '
+                         f'devices x grad_accum_steps of mesh {shape})')
+    from t2t import loop  # its batch and length checks, the same as a training run's
+
+    mesh = sharding.make_mesh(config.mesh_shape, devices=topology_devices(tpu))
+    loop._check_config(config, mesh)
+    return Plan(tpu, mesh, batch_step or unit)
+
+
+# ----------------------------------------------------------------------------------------------
+# Compiling
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """compiled.memory_analysis(), bytes per device."""
+
+    arguments: int
+    outputs: int
+    aliased: int
+    temporaries: int
+    code: int
+
+    @property
+    def total(self) -> int:
+        """What is resident while the executable runs: aliased outputs reuse argument buffers."""
+        return self.arguments + self.outputs - self.aliased + self.temporaries + self.code
+
+    @classmethod
+    def of(cls, compiled) -> Memory:
+        m = compiled.memory_analysis()
+        return cls(arguments=m.argument_size_in_bytes, outputs=m.output_size_in_bytes,
+                   aliased=m.alias_size_in_bytes, temporaries=m.temp_size_in_bytes,
+                   code=m.generated_code_size_in_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """What one compile gave: memory and FLOPs, or the TPU compiler's out-of-memory error."""
+
+    memory: Memory | None  # None when the compiler ran out of HBM
+    flops_per_device: float  # XLA's cost_analysis of the partitioned (per-device) program
+    seconds: float  # lower + compile
+    out_of_memory: str = ''  # the compiler's RESOURCE_EXHAUSTED message
+
+    def fits(self, hbm_bytes: int, margin: float = HBM_MARGIN) -> bool:
+        if self.memory is None:
+            return False
+        return self.memory.total <= (1.0 - margin) * hbm_bytes
+
+
+def _compile(jitted, mesh, *abstract_args) -> Compiled:
+    start = time.perf_counter()
+    try:
+        # The model's activation constraints name logical axes: lower with mesh and rules active.
+        with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.LOGICAL_AXIS_RULES):
+            compiled = jitted.lower(*abstract_args).compile()
+    except jax.errors.JaxRuntimeError as e:
+        # Buffers that cannot fit make the compiler itself give up (it knows the usable HBM).
+        message = str(e).strip().splitlines()[0]
+        if 'RESOURCE_EXHAUSTED' not in message:
+            raise
+        return Compiled(None, math.nan, time.perf_counter() - start, out_of_memory=message)
+    seconds = time.perf_counter() - start
+    costs = compiled.cost_analysis()
+    costs = costs[0] if isinstance(costs, (list, tuple)) else costs
+    return Compiled(Memory.of(compiled), float(costs.get('flops', math.nan)), seconds)
+
+
+def abstract_batch(config, mesh, rows: int | None = None) -> dict:
+    """A training batch as ShapeDtypeStructs: rows x max_len int32 per key, split over data."""
+    shape = (config.batch_size if rows is None else rows, config.max_len)
+    return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding.batch_sharding(mesh))
+            for k in train_lib.BATCH_KEYS}
+
+
+def compile_train_step(config, mesh) -> Compiled:
+    """The training run's step for config.batch_size rows, state sharded and donated as there."""
+    tx = optim.make_optimizer(config)
+    schedule = optim.learning_rate_schedule(config.d_model, config.warmup_steps,
+                                            config.learning_rate_scale)
+    state = train_lib.abstract_state(config, mesh, tx)
+    shardings = jax.tree_util.tree_map(lambda x: x.sharding, state)
+    step = train_lib.jit_train_step(train_lib.StepConfig.from_config(config), tx, shardings, mesh,
+                                    schedule)
+    # jit_train_step wraps the jitted function to enter the mesh; lower the jitted one.
+    return _compile(step.__wrapped__, mesh, state, abstract_batch(config, mesh))
+
+
+def compile_predict(config, mesh) -> Compiled:
+    """Beam search (config's beam, alpha, lengths) on eval_batch_size x max_eval_len sources.
+
+    The longest evaluation bucket; parameters sharded like the training state's, the sentences
+    split over the data-parallel devices.
+    """
+    state = train_lib.abstract_state(config, mesh, optim.make_optimizer(config))
+    predict = inference.make_predict_fn(
+        TransformerConfig.from_config(config), beam_size=config.beam_size,
+        alpha=config.length_penalty_alpha, max_decode_len=config.max_decode_len,
+        max_decode_extra=config.max_decode_extra)
+    inputs = jax.ShapeDtypeStruct((config.eval_batch_size, config.max_eval_len), jnp.int32,
+                                  sharding=sharding.batch_sharding(mesh))
+    return _compile(predict, mesh, state.params, inputs)
+
+
+# ----------------------------------------------------------------------------------------------
+# The largest batch
+
+
+@dataclasses.dataclass(frozen=True)
+class MaxBatch:
+    largest: int | None  # the largest batch seen to fit (None: not even the smallest tried)
+    smallest_failing: int | None  # the smallest seen not to fit (None: all tries fit)
+    tries: tuple[tuple[int, bool], ...]  # (batch, fits) in the order compiled
+    unit: int
+
+    @property
+    def exact(self) -> bool:
+        """The answer is exact: the next multiple of `unit` above `largest` failed."""
+        if self.smallest_failing is None:
+            return False
+        return (self.largest or 0) + self.unit >= self.smallest_failing
+
+
+def _round(batch: float, unit: int) -> int:
+    return max(unit, int(batch) // unit * unit)
+
+
+def search_max_batch(measure: Callable[[int], Memory | None], start: int, unit: int,
+                     max_tries: int, limit_bytes: float) -> MaxBatch:
+    """Largest multiple of `unit` whose measure(batch).total <= limit_bytes, in max_tries measures.
+
+    measure(batch) -> Memory (bytes per device), or None when the compiler ran out of memory; the
+    total must grow with the batch. Compiles are the cost, so each try is placed with the numbers
+    of the last one: where they put the limit (temporaries grow with the batch, the rest does
+    not), kept at least one unit inside what is known (above the largest fit, below the smallest
+    failure). Without numbers (the compiler ran out of memory) the batch halves, or the interval
+    is bisected. The first try is `start` rounded down to a multiple of unit.
+    """
+    if unit < 1 or max_tries < 1:
+        raise ValueError(f'unit={unit} and max_tries={max_tries} must be >= 1')
+    tries: list[tuple[int, bool]] = []
+    lo, hi = None, None  # largest fitting, smallest failing
+    batch = _round(start, unit)
+    while len(tries) < max_tries:
+        memory = measure(batch)
+        fits = memory is not None and memory.total <= limit_bytes
+        tries.append((batch, fits))
+        lo, hi = (batch, hi) if fits else (lo, batch)
+        if hi is not None and hi - (lo or 0) <= unit:
+            break  # exact, or not even the smallest batch fits
+        if memory is not None and memory.temporaries > 0:
+            fixed = memory.total - memory.temporaries
+            batch = _round(batch * (limit_bytes - fixed) / memory.temporaries, unit)
+            if lo is not None:
+                batch = max(batch, lo + unit)
+            if hi is not None:
+                batch = min(batch, hi - unit)
+        elif hi is None:
+            batch = 2 * lo
+        elif lo is None:
+            batch = _round(hi // 2, unit)
+        else:
+            batch = (lo + hi) // 2 // unit * unit
+    return MaxBatch(lo, hi, tuple(tries), unit)

@@ -1,0 +1,251 @@
+"""TPU ahead-of-time compiles on this CPU (t2t/aot.py, `train.py --dry_run --topology`).
+
+The compiles run libtpu (the `tpu` extra) in subprocesses, one at a time under a file lock: two
+libtpu users at once fail, and each compile takes most of a CPU core.
+"""
+
+import contextlib
+import fcntl
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from t2t import aot, flops, sharding, summary
+from tests.conftest import ROOT
+
+LIBTPU_LOCK = '/tmp/t2t-libtpu.lock'
+# What libtpu prints on a host without TPU chips when jax tries the TPU backend.
+LIBTPU_NOISE = ('TPU_WORKER_HOSTNAMES', 'INVALID_ARGUMENT', 'TPU accelerator type', 'libtpu')
+
+
+@contextlib.contextmanager
+def libtpu_lock():
+    with open(LIBTPU_LOCK, 'a') as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _env(**changes):
+    env = {k: v for k, v in os.environ.items() if k not in ('JAX_PLATFORMS', 'XLA_FLAGS')}
+    env.update(changes)
+    return env
+
+
+def _train_py(*flags, timeout=300):
+    cmd = [sys.executable, 'train.py', '--config=configs/tiny.py', '--dry_run', *flags]
+    with libtpu_lock():
+        return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True,
+                              timeout=timeout)
+
+
+# ----------------------------------------------------------------------------------------------
+# Slice names and the search, without libtpu
+
+
+def test_slice_names_map_to_topologies_and_hbm():
+    cases = {  # name: (topology, chips, HBM GiB, accelerator type)
+        'v4-8': ('v4:2x2x1', 4, 32, 'v4-8'),
+        'v4-16': ('v4:2x2x2', 8, 32, 'v4-16'),
+        'v5e-16': ('v5e:4x4', 16, 16, 'v5litepod-16'),
+        'v5litepod-256': ('v5e:16x16', 256, 16, 'v5litepod-256'),
+        'v5p-8': ('v5:2x2x1', 4, 95, 'v5p-8'),
+        'v5p-256': ('v5:4x4x8', 128, 95, 'v5p-256'),
+        'v6e-256': ('v6e:16x16', 256, 32, 'v6e-256'),
+        'v5e:2x2': ('v5e:2x2', 4, 16, 'v5litepod-4'),
+        'v5p:4x4x12': ('v5:4x4x12', 192, 95, 'v5p-384'),
+        'V6E:8x16': ('v6e:8x16', 128, 32, 'v6e-128'),
+    }
+    for name, (topology, chips, hbm_gib, accelerator) in cases.items():
+        tpu = aot.parse_slice(name)
+        assert (tpu.topology, tpu.chips, tpu.hbm_bytes, tpu.accelerator_type) == (
+            topology, chips, hbm_gib << 30, accelerator), name
+    assert aot.parse_slice('v4-8').chip.chip_config == 'megacore'
+    assert aot.parse_slice('v5e-16').chips_per_host_bounds == (2, 2, 1)
+    assert aot.parse_slice('v5e-8').chips_per_host_bounds == (2, 4, 1)  # one 8-chip host
+    for bad in ('v9-8', 'v5e-3', 'v4-6', 'v5e:2x2x2', 'v4:2x2', 'tpu', 'v5e-16x', ''):
+        with pytest.raises(ValueError, match=re.escape(f'--topology={bad!r}')):
+            aot.parse_slice(bad)
+
+
+def _memory_model(fixed, per_row, oom_above=None, power=1.0):
+    """A stand-in compile: bytes per device for a batch (None: the compiler ran out of HBM)."""
+    def measure(batch):
+        if oom_above is not None and batch > oom_above:
+            return None
+        temporaries = int(per_row * batch**power)
+        return aot.Memory(arguments=fixed, outputs=fixed, aliased=fixed, temporaries=temporaries,
+                          code=0)
+    return measure
+
+
+def test_search_max_batch_aims_with_the_numbers_then_bisects():
+    limit = 1000.0
+    # Linear memory: the second try lands on the answer, the third confirms the next one fails.
+    linear = aot.search_max_batch(_memory_model(100, 1.0), start=96, unit=8, max_tries=10,
+                                  limit_bytes=limit)
+    assert (linear.largest, linear.smallest_failing, linear.exact) == (896, 904, True)
+    assert [b for b, _ in linear.tries] == [96, 896, 904]
+    # Memory growing faster than the batch: the aim overshoots, then the search closes in.
+    steep = aot.search_max_batch(_memory_model(100, 0.05, power=1.5), start=96, unit=8,
+                                 max_tries=12, limit_bytes=limit)
+    want = max(b for b in range(8, 4000, 8) if 100 + int(0.05 * b**1.5) <= limit)
+    assert (steep.largest, steep.smallest_failing) == (want, want + 8) and steep.exact
+    assert steep.tries[1][1] is False and len(steep.tries) <= 12
+    # Starting above the limit: aims down from the failing try's numbers.
+    down = aot.search_max_batch(_memory_model(100, 1.0), start=4000, unit=8, max_tries=10,
+                                limit_bytes=limit)
+    assert (down.largest, down.smallest_failing) == (896, 904) and down.tries[1] == (896, True)
+    # The compiler out of memory (no numbers): halves until a batch fits, then aims and bisects.
+    oom = aot.search_max_batch(_memory_model(100, 1.0, oom_above=2000), start=64000, unit=8,
+                               max_tries=12, limit_bytes=limit)
+    assert [b for b, _ in oom.tries[:4]] == [64000, 32000, 16000, 8000]
+    assert (oom.largest, oom.smallest_failing) == (896, 904)
+    bounded = aot.search_max_batch(_memory_model(100, 0.05, power=1.5), start=8, unit=8,
+                                   max_tries=2, limit_bytes=limit)
+    assert len(bounded.tries) == 2 and not bounded.exact
+    nothing = aot.search_max_batch(_memory_model(2000, 1.0), start=64, unit=8, max_tries=20,
+                                   limit_bytes=limit)
+    assert nothing.largest is None and nothing.smallest_failing == 8
+    for result in (linear, steep, down, oom, bounded):
+        assert all(b % 8 == 0 and b >= 8 for b, _ in result.tries)
+        assert len({b for b, _ in result.tries}) == len(result.tries)  # no compile repeated
+
+
+def test_find_max_batch_report_prints_every_try(monkeypatch):
+    """The --find_max_batch branch of the report, on a CPU mesh with a stand-in compile."""
+    from configs import tiny
+
+    config = tiny.get_config()
+    per_row = 300 << 20
+
+    def fake_compile(c, mesh):
+        memory = aot.Memory(arguments=1 << 20, outputs=1 << 20, aliased=1 << 20,
+                            temporaries=c.batch_size * per_row // mesh.size, code=0)
+        return aot.Compiled(memory, flops_per_device=1e6 * c.batch_size, seconds=0.5)
+
+    monkeypatch.setattr(aot, 'compile_train_step', fake_compile)
+    plan = aot.Plan(aot.parse_slice('v5e-8'), sharding.make_mesh((-1, 1, 1)), batch_step=8)
+    lines = []
+    status = summary.tpu_dry_run(config, plan, find_max_batch=True, max_tries=12,
+                                 out=lines.append)
+    text = '\n'.join(lines)
+    # 0.95 x 16 GiB per device, 1 MiB of state, 300 MiB per row, 8 devices: 408 rows fit.
+    want = max(b for b in range(8, 2000, 8) if (1 << 20) + b * per_row // 8 <= 0.95 * (16 << 30))
+    assert status == 0
+    assert f'largest batch_size that fits: {want} (' in text and '; exact;' in text
+    tries = [line for line in lines if line.startswith('  try ')]
+    assert tries[0].startswith('  try 1: batch_size=16: ')
+    assert tries[0].endswith('XLA FLOPs per row x1.00 of the first: fits (compile 0 s)')
+    assert any('does not fit' in t for t in tries) and len(tries) <= 12
+
+
+# ----------------------------------------------------------------------------------------------
+# Through train.py: errors before compiling, the report, and no libtpu noise
+
+
+def test_bad_slice_mesh_or_batch_is_one_line_before_compiling():
+    for flag, words in (
+            ('--topology=v5e-3', ["--topology='v5e-3'", 'unknown v5e slice size']),
+            ('--config.mesh_shape=3,1,1', ['mesh_shape=(3, 1, 1)', '4 devices']),
+            ('--config.batch_size=18', ['batch_size=18', 'not divisible by the 4'])):
+        topology = [] if flag.startswith('--topology') else ['--topology=v5e:2x2']
+        out = _train_py(*topology, flag, timeout=120)
+        assert out.returncode == 2, out.stderr
+        error = out.stderr.strip().splitlines()
+        assert len(error) == 1 and error[0].startswith('train.py: ')
+        assert all(w in error[0] for w in words), error[0]
+        assert 'train step' not in out.stdout
+
+
+def _report(stdout: str) -> dict:
+    """{'train': {...}, 'predict': {...}}: each section's sizes (bytes) and verdicts."""
+    unit = {'MiB': 1 << 20, 'GiB': 1 << 30}
+    size = r'([\d.]+) (MiB|GiB)'
+    sections, current = {}, None
+    for line in stdout.splitlines():
+        if line.startswith(('train step ', 'predict ')):
+            current = sections.setdefault(line.split()[0], {'head': line})
+        elif line.startswith('  per device: '):
+            for name, value, u in re.findall(r'([a-z]+) ' + size, line):
+                current[name] = float(value) * unit[u]
+        elif line.startswith('  total '):
+            key = 'with_state' if line.startswith('  total with the training state') else 'total'
+            value, u = re.search(size, line).groups()
+            current[key] = float(value) * unit[u]
+            current[f'{key}_fits'] = ': fits, ' in line
+        elif line.startswith('  FLOPs per step: '):
+            current['flops_line'] = line
+    return sections
+
+
+def test_tiny_fits_a_v5e_2x2_and_a_huge_batch_does_not():
+    out = _train_py('--topology=v5e:2x2')
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert 'slice: v5e-4 (topology v5e:2x2, accelerator type v5litepod-4): 4 chips on 1 host, ' \
+           'TPU v5 lite, 16.00 GiB HBM per chip' in out.stdout
+    assert 'mesh: data=4 fsdp=1 tensor=1 (4 devices)' in out.stdout
+    assert 'default compile settings' in out.stdout
+    report = _report(out.stdout)
+    for name in ('train', 'predict'):
+        r = report[name]
+        assert r['arguments'] > 0 and r['temporaries'] > 0 and r['total_fits'], (name, r)
+        resident = r['arguments'] + r['outputs'] - r['aliased'] + r['temporaries'] + r['code']
+        assert r['total'] == pytest.approx(resident, abs=3e5)  # printed rounded to 0.1 MiB
+        assert r['total'] < 0.95 * (16 << 30)
+    train, predict = report['train'], report['predict']
+    # In-training BLEU: the training state stays resident next to the decoder's buffers.
+    during = train['arguments'] + predict['temporaries'] + predict['outputs'] + predict['code']
+    assert predict['with_state'] == pytest.approx(during, abs=3e5) and predict['with_state_fits']
+    assert predict['arguments'] < train['arguments']  # parameters only, no Adam moments
+    assert train['aliased'] > 0.9 * train['arguments']  # the donated state (the batch is tiny)
+    line = train['flops_line']
+    xla_per_device = float(re.search(r'XLA ([\d.e+]+) per device', line).group(1))
+    assert xla_per_device > 0
+    ours = flops.config_flops_per_step(_tiny())
+    assert f't2t/flops.py {ours:.4g}' in line
+    # XLA counts every op of the step (optimizer, softmax, ...): more than the matmul count.
+    assert 4 * xla_per_device > ours
+
+    # 65536 rows per device: the TPU compiler itself finds no room for the temporaries.
+    huge = _train_py('--topology=v5e:2x2', '--config.batch_size=262144')
+    assert huge.returncode == 1, huge.stdout + huge.stderr
+    verdict = re.search(r'does NOT fit: .*RESOURCE_EXHAUSTED.* temporaries \(([\d.]+)G\) exceeds '
+                        r'available HBM \(([\d.]+)G\)', huge.stdout)
+    assert verdict, huge.stdout
+    required, available = map(float, verdict.groups())
+    assert required > available and 15 < available <= 16  # v5e: 16 GiB less the runtime's share
+    assert 'predict: not compiled (the train step does not fit)' in huge.stdout
+
+
+def _tiny():
+    from configs import tiny
+
+    return tiny.get_config()
+
+
+def test_no_libtpu_noise_without_a_tpu():
+    """libtpu is installed (the `tpu` extra) but this host has no TPU chip: no start-up noise."""
+    assert importlib.util.find_spec('libtpu') is not None, 'make test installs jax[tpu]'
+    from jax._src import hardware_utils
+
+    out = subprocess.run([sys.executable, 'train.py', '--config=configs/tiny.py', '--dry_run'],
+                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert 'params: ' in out.stdout
+    assert not [w for w in LIBTPU_NOISE if w in out.stdout + out.stderr], out.stderr
+    if hardware_utils.num_available_tpu_chips_and_device_id()[0] == 0:
+        # The same environment without t2t: jax tries libtpu and it complains.
+        with libtpu_lock():
+            plain = subprocess.run(
+                [sys.executable, '-c', 'import jax; print(jax.devices()[0].platform)'],
+                env=_env(ALLOW_MULTIPLE_LIBTPU_LOAD='1'), capture_output=True, text=True,
+                timeout=120)
+        assert plain.stdout.strip() == 'cpu'
+        assert [w for w in LIBTPU_NOISE if w in plain.stderr], plain.stderr

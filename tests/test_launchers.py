@@ -1,0 +1,113 @@
+"""The launchers' --dry_run output: what would run on a TPU pod slice and on a SLURM cluster."""
+
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, 'scripts'))
+import launch_slurm  # noqa: E402
+import launch_tpu  # noqa: E402
+
+# Overrides a shell would mangle if they were not quoted: spaces, quotes, $, globs, commas.
+TRICKY = ['--config.mesh_shape=1,-1,1', "--config.tsv_files.train=/data/it's here/*.tsv",
+          '--config.tfds_name=wmt14_translate/de-en', '--config.dataset=$HOME;rm -rf x']
+
+
+def _dry_run(script, argv):
+    out = subprocess.run([sys.executable, os.path.join(ROOT, 'scripts', script), *argv],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_tpu_launcher_runs_the_same_command_on_every_worker():
+    stdout = _dry_run('launch_tpu.py', [
+        '--tpu=pod-1', '--zone=us-central2-b', '--project=proj', '--setup',
+        '--repo=https://github.com/org/t2t.git', '--ref=v1.0', '--python=python3.11',
+        '--config=configs/wmt14_ende_big.py', '--workdir=gs://bucket/runs/big', '--dry_run',
+        '--', *TRICKY])
+    lines = stdout.strip().splitlines()
+    assert len(lines) == 2  # setup, then the launch
+    setup, launch = (shlex.split(line) for line in lines)  # as the local shell would split
+    for cmd in (setup, launch):
+        assert cmd[:6] == ['gcloud', 'compute', 'tpus', 'tpu-vm', 'ssh', 'pod-1']
+        assert {'--zone=us-central2-b', '--project=proj', '--worker=all'} <= set(cmd)
+    remote_setup = next(a for a in setup if a.startswith('--command='))[len('--command='):]
+    assert 'git clone --quiet https://github.com/org/t2t.git t2t' in remote_setup
+    assert 'fetch --quiet origin v1.0' in remote_setup and 'python3.11 -m venv' in remote_setup
+    assert "pip install --quiet -e '.[tpu]'" in remote_setup
+
+    remote = next(a for a in launch if a.startswith('--command='))[len('--command='):]
+    words = shlex.split(remote)  # as the worker's shell splits it
+    start = words.index('train.py')
+    assert words[start - 1] == '.venv/bin/python'
+    assert words[start + 1:start + 4] == ['--config=configs/wmt14_ende_big.py',
+                                          '--workdir=gs://bucket/runs/big', '--distributed']
+    assert words[start + 4:start + 4 + len(TRICKY)] == TRICKY  # verbatim, one word each
+    assert words[-3:] == ['tee', '-a', '~/t2t-logs/train-$(hostname).log']
+    assert remote.startswith('set -o pipefail; cd t2t && mkdir -p ~/t2t-logs && ')
+
+
+def test_tpu_launcher_detach_evaluate_and_errors():
+    args, rest = launch_tpu.parse_args(['--tpu=t', '--zone=z', '--workdir=gs://b/r', '--detach',
+                                        '--evaluate', '--', '--split=test'])
+    (cmd,) = launch_tpu.commands(args, rest)
+    remote = cmd[-1][len('--command='):]
+    assert 'nohup .venv/bin/python evaluate.py' in remote
+    assert '--distributed --split=test > ~/t2t-logs/evaluate-$(hostname).log 2>&1' in remote
+    assert remote.endswith('< /dev/null &') and '--project' not in ' '.join(cmd)
+    with pytest.raises(SystemExit):  # --setup without a repository to clone
+        launch_tpu.parse_args(['--tpu=t', '--zone=z', '--workdir=gs://b/r', '--setup'])
+    with pytest.raises(SystemExit):  # no workdir
+        launch_tpu.parse_args(['--tpu=t', '--zone=z'])
+
+
+def test_slurm_launcher_one_process_per_gpu(tmp_path):
+    stdout = _dry_run('launch_slurm.py', [
+        '--nodes=4', '--gpus_per_node=8', '--partition=a100', '--time=2-00:00:00',
+        '--account=nlp', '--setup=module load cuda/12.4', f'--chdir={tmp_path}',
+        '--workdir=/shared/runs/big', '--job_name=big', '--dry_run', '--', *TRICKY])
+    header, *body = stdout.splitlines()
+    path = f'{tmp_path}/logs/big.sbatch'
+    assert header == f'# {path}'
+    assert body[-1] == f'sbatch {path}'
+    script = '\n'.join(body[:-1])
+    assert script.startswith('#!/bin/bash\n')
+    for directive in ('--nodes=4', '--ntasks-per-node=8', '--gpus-per-node=8',
+                      '--partition=a100', '--time=2-00:00:00', '--account=nlp',
+                      f'--output={tmp_path}/logs/%x-%j.out', '--signal=TERM@300'):
+        assert f'#SBATCH {directive}\n' in script, directive
+    assert '32 processes, one per gpu' in script
+    assert f'cd {tmp_path}\nmodule load cuda/12.4\n' in script
+    assert 'JAX_LOCAL_DEVICE_IDS' not in script  # jax gives process SLURM_LOCALID its GPU
+    step = script[script.index('srun '):].replace('\\\n', '')  # bash joins continued lines
+    srun = shlex.split(step)
+    assert srun[:4] == ['srun', '--kill-on-bad-exit=1', f'--output={tmp_path}/logs/%x-%j-%t.out',
+                        '--gpu-bind=none']
+    assert srun[4:9] == ['.venv/bin/python', 'train.py', '--config=configs/wmt14_ende_big.py',
+                         '--workdir=/shared/runs/big', '--distributed']
+    assert srun[9:] == TRICKY
+
+
+def test_slurm_launcher_one_process_per_node_submits_the_script(tmp_path, monkeypatch):
+    submitted = []
+    monkeypatch.setattr(launch_slurm.subprocess, 'run', lambda cmd, check: submitted.append(cmd)
+                        or subprocess.CompletedProcess(cmd, 0))
+    status = launch_slurm.main(['--nodes=2', '--gpus_per_node=4', '--per=node', '--signal_s=0',
+                                f'--chdir={tmp_path}', '--workdir=runs/x', '--evaluate'])
+    path = tmp_path / 'logs' / 't2t.sbatch'
+    assert status == 0 and submitted == [['sbatch', str(path)]]
+    script = path.read_text()
+    assert '#SBATCH --ntasks-per-node=1\n#SBATCH --gpus-per-node=4\n' in script
+    assert 'export JAX_LOCAL_DEVICE_IDS=0,1,2,3' in script and '--signal' not in script
+    assert '--gpu-bind' not in script and '2 processes, one per node' in script
+    # A relative workdir is resolved where the job is submitted, the same for every node.
+    assert f'evaluate.py --config=configs/wmt14_ende_big.py --workdir={os.getcwd()}/runs/x' \
+        in script
+    with pytest.raises(SystemExit):
+        launch_slurm.parse_args(['--nodes=0', '--gpus_per_node=8', '--workdir=/w'])
