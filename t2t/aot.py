@@ -30,7 +30,6 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from flax import linen as nn
 
 from t2t import inference, optim, platforms, sharding, train_lib
 from t2t.model import TransformerConfig
@@ -238,12 +237,11 @@ class Compiled:
         return self.memory.total <= (1.0 - margin) * hbm_bytes
 
 
-def _compile(jitted, mesh, *abstract_args) -> Compiled:
+def _compile(jitted, *abstract_args) -> Compiled:
+    """jitted.lower(...).compile(); a jit_train_step lowers with its mesh and axis rules active."""
     start = time.perf_counter()
     try:
-        # The model's activation constraints name logical axes: lower with mesh and rules active.
-        with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.LOGICAL_AXIS_RULES):
-            compiled = jitted.lower(*abstract_args).compile()
+        compiled = jitted.lower(*abstract_args).compile()
     except jax.errors.JaxRuntimeError as e:
         # Buffers that cannot fit make the compiler itself give up (it knows the usable HBM).
         message = str(e).strip().splitlines()[0]
@@ -266,30 +264,27 @@ def abstract_batch(config, mesh, rows: int | None = None) -> dict:
 def compile_train_step(config, mesh) -> Compiled:
     """The training run's step for config.batch_size rows, state sharded and donated as there."""
     tx = optim.make_optimizer(config)
-    schedule = optim.learning_rate_schedule(config.d_model, config.warmup_steps,
-                                            config.learning_rate_scale)
     state = train_lib.abstract_state(config, mesh, tx)
     shardings = jax.tree_util.tree_map(lambda x: x.sharding, state)
-    step = train_lib.jit_train_step(train_lib.StepConfig.from_config(config), tx, shardings, mesh,
-                                    schedule)
-    # jit_train_step wraps the jitted function to enter the mesh; lower the jitted one.
-    return _compile(step.__wrapped__, mesh, state, abstract_batch(config, mesh))
+    step = train_lib.jit_train_step(train_lib.StepConfig.from_config(config), tx, shardings, mesh)
+    return _compile(step, state, abstract_batch(config, mesh))
 
 
 def compile_predict(config, mesh) -> Compiled:
     """Beam search (config's beam, alpha, lengths) on eval_batch_size x max_eval_len sources.
 
-    The longest evaluation bucket; parameters sharded like the training state's, the sentences
-    split over the data-parallel devices.
+    The longest evaluation bucket, decoded as the in-training BLEU does: every device of the mesh
+    decodes its own rows (eval_batch_size padded to a multiple of the devices); the parameters
+    come sharded like the training state's and are gathered inside (a temporary).
     """
     state = train_lib.abstract_state(config, mesh, optim.make_optimizer(config))
-    predict = inference.make_predict_fn(
-        TransformerConfig.from_config(config), beam_size=config.beam_size,
-        alpha=config.length_penalty_alpha, max_decode_len=config.max_decode_len,
-        max_decode_extra=config.max_decode_extra)
-    inputs = jax.ShapeDtypeStruct((config.eval_batch_size, config.max_eval_len), jnp.int32,
-                                  sharding=sharding.batch_sharding(mesh))
-    return _compile(predict, mesh, state.params, inputs)
+    predict = inference.config_predict_fn(config, TransformerConfig.from_config(config),
+                                          num_valid_ids=config.vocab_size, mesh=mesh)
+    rows = config.eval_batch_size + (-config.eval_batch_size % mesh.size)
+    inputs = jax.ShapeDtypeStruct((rows, config.max_eval_len), jnp.int32,
+                                  sharding=sharding.decode_sharding(mesh))
+    # shard_map'd: no logical constraints inside, so lowered outside the axis rules.
+    return _compile(predict, state.params, inputs)
 
 
 # ----------------------------------------------------------------------------------------------

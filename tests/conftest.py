@@ -1,7 +1,10 @@
 """Tests run on the CPU with 8 host devices, so sharding is exercised without an accelerator."""
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 os.environ['XLA_FLAGS'] = (
     os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8'
@@ -12,3 +15,14 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+# One persistent compilation cache for the whole run, shared by the xdist workers and the train.py /
+# evaluate.py subprocesses they start (they inherit the environment): the same tiny train step is
+# compiled once, not once per process. Created by the first process to load this file; removed
+# when that process exits, so every run starts cold like CI.
+if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
+    _cache = tempfile.mkdtemp(prefix='t2t-test-jax-cache-')
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ['JAX_COMPILATION_CACHE_DIR'] = _cache
+    os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
+    os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '-1'
