@@ -22,11 +22,12 @@ $(TPU_STAMP): $(STAMP)
 	touch $(TPU_STAMP)
 
 # The main job: prepare the embedded corpus, train within the config's time budget (a workdir
-# that already spent it is only re-evaluated), evaluate on the test split, plot the curve.
+# that already spent it is only re-evaluated), evaluate the average of the last 5 checkpoints
+# (the paper's averaging for base models) on the test split, plot the curve.
 demo: $(STAMP)
 	$(BIN)/python -m t2t.data --config=configs/default.py
 	$(BIN)/python train.py --config=configs/default.py --workdir=$(WORKDIR)
-	$(BIN)/python evaluate.py --config=configs/default.py --workdir=$(WORKDIR)
+	$(BIN)/python evaluate.py --config=configs/default.py --workdir=$(WORKDIR) --average_last=5
 	$(BIN)/python bench/learning_curve.py --workdir=$(WORKDIR)
 
 test: $(STAMP) $(TPU_STAMP)

@@ -1,7 +1,7 @@
 """The embedded default: a CPU-sized Transformer on the Debian trans-de-en English->German corpus.
 
-`make demo` trains this within `train_time_budget_s` on a 2-core machine, then evaluates on the
-held-out test split.
+`make demo` trains this within `train_time_budget_s` on a 2-core machine (about 2000 steps),
+then evaluates the average of its last 5 checkpoints (150 steps apart) on the held-out test split.
 """
 
 from configs import common
@@ -24,7 +24,7 @@ def get_config():
     c.learning_rate_scale = 0.8
     c.warmup_steps = 300
     c.num_train_steps = 100_000
-    c.train_time_budget_s = 720.0
+    c.train_time_budget_s = 1000.0
     c.log_every_steps = 25
     c.eval_every_steps = 150
     c.checkpoint_every_steps = 150

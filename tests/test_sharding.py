@@ -110,7 +110,6 @@ def test_every_large_matrix_and_its_adam_moments_take_an_eighth_per_device(mesh_
 
 
 def test_train_step_temporaries_per_device_fall_as_fsdp_grows():
-    from flax import linen as nn
 
     from t2t import optim, train_lib
 
@@ -127,9 +126,8 @@ def test_train_step_temporaries_per_device_fall_as_fsdp_grows():
         batch = {k: jax.ShapeDtypeStruct((config.batch_size, config.max_len), np.int32,
                                          sharding=sharding.batch_sharding(mesh))
                  for k in ('inputs', 'targets')}
-        step = train_lib.jit_train_step(step_config, tx, shardings, mesh).__wrapped__
-        with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.LOGICAL_AXIS_RULES):
-            compiled = step.lower(abstract, batch).compile()
+        step = train_lib.jit_train_step(step_config, tx, shardings, mesh)
+        compiled = step.lower(abstract, batch).compile()  # lowers under the mesh and axis rules
         temp[fsdp] = compiled.memory_analysis().temp_size_in_bytes
     print(f'train-step temporaries per device by fsdp size: {temp}')
     # What FSDP cannot shard stays: the weights it gathers for each use, the activations.
