@@ -8,3 +8,15 @@ BOS. Importing this module imports nothing else.
 PAD_ID = 0
 EOS_ID = 1
 UNK_ID = 2
+
+
+def content(ids) -> list[int]:
+    """The ids a tokenizer turns into text: those before the first EOS, PAD left out."""
+    kept = []
+    for i in ids:
+        i = int(i)
+        if i == EOS_ID:
+            break
+        if i != PAD_ID:
+            kept.append(i)
+    return kept

@@ -28,7 +28,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from t2t.data.tokenizer import EOS_ID, PAD_ID, UNK_ID
+from t2t import ids as ids_lib
+from t2t.ids import EOS_ID, PAD_ID, UNK_ID
 
 VERSION = 1  # bump when the generated pairs change
 FIRST_SYMBOLS = ('0', '1')  # the two reserved answers, only ever at position 0
@@ -67,14 +68,7 @@ class RecallTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         """Symbols of `ids` up to the first EOS, space-separated; PAD is ignored."""
-        kept = []
-        for i in ids:
-            i = int(i)
-            if i == EOS_ID:
-                break
-            if i != PAD_ID:
-                kept.append(self.piece(i))
-        return ' '.join(kept)
+        return ' '.join(self.piece(i) for i in ids_lib.content(ids))
 
     def piece(self, i: int) -> str:
         i = int(i)

@@ -8,6 +8,7 @@ import os
 import tempfile
 from collections.abc import Iterable, Sequence
 
+from t2t import ids as ids_lib
 from t2t.ids import EOS_ID, PAD_ID, UNK_ID
 
 
@@ -36,14 +37,7 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids` up to the first EOS; PAD is ignored."""
-        kept = []
-        for i in ids:
-            i = int(i)
-            if i == EOS_ID:
-                break
-            if i != PAD_ID:
-                kept.append(i)
-        return self._sp.decode(kept)
+        return self._sp.decode(ids_lib.content(ids))
 
     def piece(self, i: int) -> str:
         """The piece of one id as sentencepiece writes it (e.g. '▁Haus'), for labels."""
