@@ -125,8 +125,8 @@ def _fake(path, body):
 
 
 def _fake_env(bin_dir):
-    return {**os.environ, 'PATH': f'{bin_dir}{os.pathsep}{os.environ["PATH"]}',
-            'FAKE_DIR': str(bin_dir)}
+    env = {k: v for k, v in os.environ.items() if k != 'PYTHONUNBUFFERED'}  # stdio as in C
+    return {**env, 'PATH': f'{bin_dir}{os.pathsep}{env["PATH"]}', 'FAKE_DIR': str(bin_dir)}
 
 
 def test_slurm_launcher_wait_returns_the_job_status_and_cancels_on_sigterm(tmp_path):
@@ -141,8 +141,11 @@ def test_slurm_launcher_wait_returns_the_job_status_and_cancels_on_sigterm(tmp_p
     _fake(bin_dir / 'sbatch', '''d = os.environ['FAKE_DIR']
 job = '7' if os.path.exists(os.path.join(d, 'job7')) else '8'
 print(job)
+deadline = time.monotonic() + 60  # bounded, should the test fail
 while job == '8' and not os.path.exists(os.path.join(d, 'cancelled')):
     time.sleep(0.02)
+    if time.monotonic() > deadline:
+        sys.exit('never cancelled')
 sys.exit(3 if job == '7' else 1)
 ''')
     _fake(bin_dir / 'scancel', '''d = os.environ['FAKE_DIR']
@@ -186,8 +189,11 @@ if 'pkill' in sys.argv[-1]:
     open(os.path.join(d, 'stopped'), 'w').close()
     sys.exit(0)
 open(os.path.join(d, 'started'), 'w').close()
+deadline = time.monotonic() + 60  # bounded, should the test fail
 while not os.path.exists(os.path.join(d, 'stopped')):
     time.sleep(0.02)
+    if time.monotonic() > deadline:
+        sys.exit('never stopped')
 print('finished at step 40 (preemption)')
 ''')
     workdir = '/mnt/gcs/sweep/num_heads=1'
