@@ -320,8 +320,12 @@ def _process_alive(pid: int, command: list[str]) -> bool:
     except OSError:
         return False
     workdir = next((a for a in command if a.startswith('--workdir=')), None)
-    script = next((os.path.basename(a) for a in command if a.endswith('.py')), 'train.py')
-    return workdir in args and any(os.path.basename(a) == script for a in args)
+    return workdir in args and any(os.path.basename(a) == _script_of(command) for a in args)
+
+
+def _script_of(command: list[str]) -> str:
+    """train.py, or the cluster launcher's script: the first .py of a point's command."""
+    return next((os.path.basename(a) for a in command if a.endswith('.py')), 'train.py')
 
 
 # ----------------------------------------------------------------------------------------------
@@ -527,12 +531,14 @@ def _wait_for_old_child(point_dir: str, state: dict, echo) -> None:
     if state.get('status') != 'running' or not pid:
         return
     deadline, said = time.monotonic() + 300, False
-    while _process_alive(pid, state.get('command') or []):
+    command = state.get('command') or []
+    script = _script_of(command)
+    while _process_alive(pid, command):
         if time.monotonic() > deadline:
-            raise SweepError(f'{point_dir}: train.py (pid {pid}) of an earlier sweep is still '
+            raise SweepError(f'{point_dir}: {script} (pid {pid}) of an earlier sweep is still '
                              'running; stop it first')
         if not said:
-            echo(f'  waiting for pid {pid} (train.py of an earlier sweep) to finish its save')
+            echo(f'  waiting for pid {pid} ({script} of an earlier sweep) to finish')
             said = True
         time.sleep(0.5)
 

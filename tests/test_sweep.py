@@ -8,6 +8,7 @@ import shlex
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -287,3 +288,21 @@ def test_cluster_point_is_evaluated_through_its_launcher(tmp_path, monkeypatch):
                      split='validation', launcher='slurm', launcher_flags=['--nodes=1'],
                      sweep=[{'num_heads': 1}], echo=lines.append) == 0
     assert len((workdir / 'calls.jsonl').read_text().splitlines()) == 2
+
+
+def test_a_running_cluster_launcher_of_an_earlier_sweep_is_recognised():
+    # A re-run waits for it (it is stopping its job) rather than starting a second job.
+    launcher = ['.venv/bin/python', 'scripts/launch_slurm.py', '--wait', '--workdir=/s/p', '--']
+    child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)',
+                              *launcher[1:]])
+    try:
+        deadline = time.monotonic() + 10
+        while not (Path(f'/proc/{child.pid}/cmdline').read_bytes()  # empty while it starts
+                   or time.monotonic() > deadline):
+            time.sleep(0.01)
+        assert sweep._process_alive(child.pid, launcher)
+        assert not sweep._process_alive(child.pid, ['python', 'train.py', '--workdir=/s/p'])
+        assert not sweep._process_alive(child.pid, [*launcher[:3], '--workdir=/s/q', '--'])
+    finally:
+        child.kill()
+        child.wait()
