@@ -27,6 +27,7 @@ import argparse
 import os
 import pty
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -172,15 +173,19 @@ def submit_and_wait(command: list[str]) -> tuple[list[str], int]:
                 break
             if not chunk:
                 break
+            first_line = b'\n' not in output and b'\n' in output + chunk
             output += chunk
-            if not job and b'\n' in output:
+            if first_line:
                 first = output.split(b'\n')[0].decode(errors='replace').strip()
                 jobid, _, cluster = first.partition(';')
-                if jobid.isdigit():
-                    job[:] = [*([f'--clusters={cluster}'] if cluster else []), jobid]
-                    print(f'submitted batch job {jobid}; waiting for it to end', flush=True)
-                    if signals:  # the signal came while sbatch was submitting
-                        subprocess.run(['scancel', *job], check=False)
+                if not jobid.isdigit():
+                    print(f'launch_slurm: no job id in sbatch\'s output {first!r}: a signal '
+                          'cannot cancel the job', file=sys.stderr, flush=True)
+                    continue
+                job[:] = [*([f'--clusters={cluster}'] if cluster else []), jobid]
+                print(f'submitted batch job {jobid}; waiting for it to end', flush=True)
+                if signals:  # the signal came while sbatch was submitting
+                    subprocess.run(['scancel', *job], check=False)
         status = sbatch.wait()
     finally:
         os.close(leader)
@@ -192,14 +197,18 @@ def submit_and_wait(command: list[str]) -> tuple[list[str], int]:
 def show_log(path: str, jobid: str, status: int) -> None:
     """Process 0's log on stdout (the caller sees t2t's output); if the job failed, its last
     line on stderr."""
+    tail = b''
     try:
-        with open(path, encoding='utf-8', errors='replace') as f:
-            text = f.read()
-    except OSError:
-        text = ''
-    sys.stdout.write(text)
+        with open(path, 'rb') as f:
+            sys.stdout.flush()
+            shutil.copyfileobj(f, sys.stdout.buffer)
+            f.seek(max(0, f.tell() - 65536))
+            tail = f.read()
+    except OSError:  # the job never started: no log
+        pass
     sys.stdout.flush()
     if status:
+        text = tail.decode('utf-8', errors='replace')
         lines = [line.strip() for line in text.splitlines() if line.strip()]
         last = f'; process 0\'s last line: {lines[-1]}' if lines else ''
         print(f'job {jobid} ended with exit status {status}{last}', file=sys.stderr)
