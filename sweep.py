@@ -5,11 +5,20 @@
     python sweep.py --config=... --workdir=... --config.train_time_budget_s=60   # every point
     python sweep.py --config=... --workdir=... --only=default --only=num_heads=1   # some now
     python sweep.py --summarize=runs/table3                        # summary from disk alone
+    python sweep.py --config=... --workdir=/shared/runs/t3 --launcher=slurm \
+        --launcher_flags='--nodes=1 --gpus_per_node=8 --partition=gpu'   # each point a job
+    python sweep.py --config=... --workdir=/mnt/gcs/runs/t3 --launcher=tpu \
+        --launcher_flags='--tpu=my-v5e --zone=us-west4-a'           # each point on a TPU slice
 
 Re-running skips finished points and resumes unfinished ones; --retry_failed reruns failed ones.
+With a cluster launcher each point's train.py and evaluate.py run on the cluster, one job after
+another, and --workdir must be the same path here and there: a shared file system for SLURM; for
+a TPU slice a bucket mounted with gcsfuse at the same path on this machine and on every worker
+(the sweep's state files are written with local file APIs, so a gs:// workdir is refused).
 The logic lives in t2t/sweep.py.
 """
 
+import shlex
 import sys
 
 from absl import app, flags, logging
@@ -22,7 +31,12 @@ _AVERAGE_LAST = flags.DEFINE_integer('average_last', 0,
                                      'Evaluate the mean of the last N checkpoints of each point.')
 _RETRY_FAILED = flags.DEFINE_bool('retry_failed', False, 'Run failed points again.')
 _DRY_RUN = flags.DEFINE_bool('dry_run', False, 'Print each point and its command; run nothing.')
-_LAUNCHER = flags.DEFINE_string('launcher', 'local', 'How a point runs: local (train.py here).')
+_LAUNCHER = flags.DEFINE_enum('launcher', 'local', ['local', 'tpu', 'slurm'],
+                              'How a point runs: local (train.py here), tpu '
+                              '(scripts/launch_tpu.py) or slurm (scripts/launch_slurm.py).')
+_LAUNCHER_FLAGS = flags.DEFINE_string('launcher_flags', '', 'Flags of the cluster launcher, one '
+                                      "string: '--tpu=NAME --zone=ZONE' or '--nodes=2 "
+                                      "--gpus_per_node=8 --partition=gpu'.")
 _ONLY = flags.DEFINE_multi_string('only', [], 'Run only this point (a name as --dry_run lists '
                                    'it); repeat the flag for several.')
 _SUMMARIZE = flags.DEFINE_string('summarize', '', 'Rebuild DIR/summary.* and curves.png, exit.')
@@ -47,7 +61,8 @@ def main(argv):
         return sweep.run(config_path, _CONFIG.value, _WORKDIR.value or 'SWEEP_DIR',
                          base_overrides=overrides, split=_SPLIT.value,
                          average_last=_AVERAGE_LAST.value, retry_failed=_RETRY_FAILED.value,
-                         dry_run=_DRY_RUN.value, launcher=_LAUNCHER.value, only=_ONLY.value)
+                         dry_run=_DRY_RUN.value, launcher=_LAUNCHER.value,
+                         launcher_flags=shlex.split(_LAUNCHER_FLAGS.value), only=_ONLY.value)
     except sweep.SweepError as e:
         sys.exit(f'sweep.py: {e}')
 

@@ -14,13 +14,21 @@ on a file system every node sees. Logs: <logs>/<job>-<jobid>.out (the batch scri
 seconds before the time limit, so t2t saves a checkpoint; submitting again resumes from it.
 The script is written to <logs>/<job>.sbatch and submitted with sbatch; --dry_run prints both.
 Arguments after `--` go to the script verbatim.
+
+--wait (what sweep.py uses) blocks until the job ends (`sbatch --wait`), then prints process 0's
+log and exits with the job's status. SIGTERM or SIGINT then cancels the job (scancel: SLURM sends
+its processes SIGTERM, so t2t saves a checkpoint, and SIGKILL KillWait seconds later); a
+killed sbatch --wait alone would leave the job running.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import pty
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
 
@@ -98,6 +106,8 @@ def parse_args(argv: list[str]):
     p.add_argument('--chdir', default=os.getcwd(), help='the t2t checkout (default: here)')
     p.add_argument('--logs', default='', help='log directory (default: <chdir>/logs)')
     p.add_argument('--evaluate', action='store_true', help='run evaluate.py instead of train.py')
+    p.add_argument('--wait', action='store_true',
+                   help='block until the job ends, exit with its status; SIGTERM/SIGINT cancel it')
     p.add_argument('--dry_run', action='store_true', help='print the script and sbatch command')
     args = p.parse_args(argv)
     if args.nodes < 1 or args.gpus_per_node < 1:
@@ -115,14 +125,93 @@ def main(argv: list[str]) -> int:
     args, passthrough = parse_args(argv)
     script = sbatch_script(args, passthrough)
     path = os.path.join(args.logs, f'{args.job_name}.sbatch')
-    command = ['sbatch', path]
+    # --parsable: the first line sbatch prints is the job id (JOBID or JOBID;CLUSTER).
+    command = ['sbatch', '--wait', '--parsable', path] if args.wait else ['sbatch', path]
     if args.dry_run:
         print(f'# {path}\n{script}\n{shlex.join(command)}')
         return 0
     os.makedirs(args.logs, exist_ok=True)
     with open(path, 'w', encoding='utf-8') as f:
         f.write(script)
-    return subprocess.run(command, check=False).returncode
+    if not args.wait:
+        return subprocess.run(command, check=False).returncode
+    job, status = submit_and_wait(command)
+    if job:
+        show_log(os.path.join(args.logs, f'{args.job_name}-{job[-1]}-0.out'), job[-1], status)
+    return status
+
+
+def submit_and_wait(command: list[str]) -> tuple[list[str], int]:
+    """Runs `sbatch --wait --parsable ...`; returns (scancel's job arguments, exit status).
+
+    SIGTERM / SIGINT cancel the job once its id is known (at once if it already is). sbatch
+    prints the id when the job is queued, but C's stdout into a pipe is flushed only at exit:
+    on a pseudo-terminal it is line-buffered, so the id arrives while sbatch waits.
+    """
+    job, signals = [], []
+
+    def cancel(signum, frame):
+        signals.append(signum)
+        if job:
+            subprocess.run(['scancel', *job], check=False)
+
+    old = {s: signal.signal(s, cancel) for s in (signal.SIGTERM, signal.SIGINT)}
+    leader, follower = pty.openpty()
+    try:
+        # Its own session: a Ctrl-C in the terminal reaches this process (which cancels the
+        # job), not sbatch.
+        sbatch = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=follower,
+                                  start_new_session=True)
+    finally:
+        os.close(follower)
+    output = b''
+    try:
+        while True:
+            try:
+                chunk = os.read(leader, 4096)
+            except OSError:  # EIO: sbatch has closed the terminal
+                break
+            if not chunk:
+                break
+            first_line = b'\n' not in output and b'\n' in output + chunk
+            output += chunk
+            if first_line:
+                first = output.split(b'\n')[0].decode(errors='replace').strip()
+                jobid, _, cluster = first.partition(';')
+                if not jobid.isdigit():
+                    print(f'launch_slurm: no job id in sbatch\'s output {first!r}: a signal '
+                          'cannot cancel the job', file=sys.stderr, flush=True)
+                    continue
+                job[:] = [*([f'--clusters={cluster}'] if cluster else []), jobid]
+                print(f'submitted batch job {jobid}; waiting for it to end', flush=True)
+                if signals:  # the signal came while sbatch was submitting
+                    subprocess.run(['scancel', *job], check=False)
+        status = sbatch.wait()
+    finally:
+        os.close(leader)
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    return job, status
+
+
+def show_log(path: str, jobid: str, status: int) -> None:
+    """Process 0's log on stdout (the caller sees t2t's output); if the job failed, its last
+    line on stderr."""
+    tail = b''
+    try:
+        with open(path, 'rb') as f:
+            sys.stdout.flush()
+            shutil.copyfileobj(f, sys.stdout.buffer)
+            f.seek(max(0, f.tell() - 65536))
+            tail = f.read()
+    except OSError:  # the job never started: no log
+        pass
+    sys.stdout.flush()
+    if status:
+        text = tail.decode('utf-8', errors='replace')
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        last = f'; process 0\'s last line: {lines[-1]}' if lines else ''
+        print(f'job {jobid} ended with exit status {status}{last}', file=sys.stderr)
 
 
 if __name__ == '__main__':

@@ -12,12 +12,18 @@ itself (Cloud TPU metadata), and the same workdir, which must be shared by all h
 bucket). Each worker's output goes to ~/t2t-logs/<script>-<hostname>.log on that worker (also
 streamed back here unless --detach). Arguments after `--` go to the script verbatim.
 --dry_run prints the gcloud command lines instead of running them.
+
+Without --detach the command blocks until every worker's script ends and exits with its status
+(what sweep.py uses). SIGTERM or SIGINT then sends SIGTERM to the script on every worker (one more
+gcloud ssh running pkill): t2t saves a checkpoint and exits, and the command returns.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
+import signal
 import subprocess
 import sys
 
@@ -50,13 +56,25 @@ def setup_command(args) -> str:
 def run_command(args, passthrough: list[str]) -> str:
     """The shell command each worker runs: the script with the same flags on every host."""
     script = 'evaluate.py' if args.evaluate else 'train.py'
-    argv = ['.venv/bin/python', script, f'--config={args.config}', f'--workdir={args.workdir}',
-            '--distributed', *passthrough]
+    argv = [*_script_start(args), *passthrough]
     log = f'{LOG_DIR}/{script[:-3]}-$(hostname).log'  # $(hostname) expands on the worker
     cd = f'cd {shlex.quote(args.dir)} && mkdir -p {LOG_DIR}'
     if args.detach:  # keeps running after the ssh session ends
         return f'{cd} && nohup {shlex.join(argv)} > {log} 2>&1 < /dev/null &'
     return f'set -o pipefail; {cd} && {shlex.join(argv)} 2>&1 | tee -a {log}'
+
+
+def _script_start(args) -> list[str]:
+    script = 'evaluate.py' if args.evaluate else 'train.py'
+    return ['.venv/bin/python', script, f'--config={args.config}', f'--workdir={args.workdir}',
+            '--distributed']
+
+
+def stop_command(args) -> str:
+    """SIGTERM to the script that run_command started on a worker (it saves and exits)."""
+    start = ' '.join(_script_start(args))  # as /proc/PID/cmdline reads, which pkill -f matches
+    pattern = '^' + re.sub(r'([][.()*+?{}|^$\\])', r'\\\1', start) + '( |$)'
+    return f'pkill -TERM -f -- {shlex.quote(pattern)} || true'  # pkill: 1 when none matched
 
 
 def parse_args(argv: list[str]):
@@ -108,14 +126,34 @@ def commands(args, passthrough: list[str]) -> list[list[str]]:
 
 def main(argv: list[str]) -> int:
     args, passthrough = parse_args(argv)
-    for cmd in commands(args, passthrough):
+    cmds = commands(args, passthrough)
+    launch = None if args.setup_only else cmds[-1]
+    for cmd in cmds:
         if args.dry_run:
             print(shlex.join(cmd))
             continue
-        status = subprocess.run(cmd, check=False).returncode
+        status = run_blocking(cmd, args) if cmd is launch and not args.detach else \
+            subprocess.run(cmd, check=False).returncode
         if status:
             return status
     return 0
+
+
+def run_blocking(cmd: list[str], args) -> int:
+    """Runs the launch; SIGTERM / SIGINT stop the script on every worker, then it returns."""
+    def stop(signum, frame):
+        print(f'launch_tpu: {signal.Signals(signum).name}: sending SIGTERM to the workers',
+              file=sys.stderr, flush=True)
+        subprocess.run(gcloud_ssh(args, stop_command(args)), check=False)
+
+    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        # Its own session: a Ctrl-C reaches this process only, and the stream from the workers
+        # stays open while their script saves.
+        return subprocess.Popen(cmd, start_new_session=True).wait()
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
 
 
 if __name__ == '__main__':

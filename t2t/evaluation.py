@@ -230,6 +230,11 @@ def _split_tag(split: str) -> str:
     return ''.join(c if c.isalnum() or c in '-_.' else '_' for c in split)
 
 
+def scores_path(workdir, split: str) -> str:
+    """WORKDIR/eval-<split>.json: the scores of each evaluated checkpoint, by label."""
+    return os.path.join(workdir, f'eval-{_split_tag(split)}.json')
+
+
 def _table(results: dict[str, dict]) -> str:
     lines = [f'{"checkpoint":>24}  {"sacreBLEU":>9}  {"chrF":>6}  {"tok.BLEU":>8}  {"capped":>6}']
     for label, r in results.items():
@@ -287,7 +292,7 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
 
     split = split or config.test_split
     eval_split = _load_split(config, tokenizer, split)
-    json_path = os.path.join(workdir, f'eval-{_split_tag(split)}.json')
+    json_path = scores_path(workdir, split)
     results = {}
     for label, steps in selection:
         try:

@@ -27,6 +27,19 @@ training seconds, every point, one legend) are rewritten, after each point and a
 SIGINT or SIGTERM stops the sweep cleanly: the running train.py gets SIGTERM (it saves a
 checkpoint and exits), its point is left pending, the summary is written. If the sweep process
 dies abruptly, its train.py gets SIGTERM too (on Linux, a parent-death signal).
+
+Cluster launchers (--launcher=tpu or slurm, with --launcher_flags for scripts/launch_tpu.py or
+scripts/launch_slurm.py) run each point as `python scripts/launch_X.py FLAGS --config=CONFIG
+--workdir=POINT_DIR -- --config.key=value ...`, blocking until the job ends (launch_tpu without
+--detach; launch_slurm --wait) and exiting with its status; the point's evaluate.py runs through
+the same launcher (--evaluate, then --split / --average_last after `--`) and the sweep reads its
+scores from eval-<split>.json in the point's directory: nothing big runs on this machine. A
+signal to the sweep reaches the launcher, which stops the job (launch_tpu: SIGTERM to the script
+on every worker; launch_slurm: scancel). The sweep's directory must be one path seen alike here
+and on the cluster: the sweep writes its state with local file APIs and reads checkpoints,
+metrics and scores there. On SLURM that is the shared file system; for a TPU slice, mount the
+bucket with gcsfuse at the same path on this machine and on every worker (a gs:// --workdir is
+refused), and the config file must be a file of the workers' checkout.
 """
 
 from __future__ import annotations
@@ -181,27 +194,89 @@ def load_sweep(config_path: str) -> list[dict]:
 # Commands
 
 
-def _local(train_args: list[str]) -> list[str]:
-    return [os.path.relpath(sys.executable), os.path.relpath(TRAIN_PY), *train_args]
+@dataclasses.dataclass(frozen=True)
+class Launcher:
+    """How a point's train.py runs: here (`script` None) or through a cluster launcher script.
+
+    A cluster launcher also runs the point's evaluate.py (`--evaluate`), so that a big model is
+    never decoded on this machine. It must block until its job ends and exit with the job's
+    status: the sweep runs one point after another.
+    """
+
+    script: str | None = None  # scripts/launch_*.py; None: train.py here, evaluation in-process
+    fixed_flags: tuple[str, ...] = ()  # flags the sweep always passes (to block until the end)
+    refused_flags: tuple[str, ...] = ()  # flags that would return before the job ends
+
+    def command(self, config_path: str, workdir: str, script_args: list[str],
+                launcher_flags: Sequence[str] = (), evaluate: bool = False) -> list[str]:
+        base = [f'--config={config_path}', f'--workdir={workdir}']
+        if self.script is None:
+            return [os.path.relpath(sys.executable), os.path.relpath(TRAIN_PY), *base,
+                    *script_args]
+        return [os.path.relpath(sys.executable), os.path.relpath(self.script),
+                *launcher_flags, *self.fixed_flags, *(['--evaluate'] if evaluate else []),
+                *base, '--', *script_args]  # the script's own flags after `--`, verbatim
 
 
-# A launcher turns train.py's arguments into the command that runs them. Cluster launchers (a TPU
-# pod slice, SLURM) register here: they run the same train.py arguments on their machines.
-LAUNCHERS: dict[str, Callable[[list[str]], list[str]]] = {'local': _local}
+def _script(name: str) -> str:
+    return os.path.join(ROOT, 'scripts', name)
 
 
-def train_args(config_path: str, workdir: str, overrides: dict) -> list[str]:
-    return [f'--config={config_path}', f'--workdir={workdir}',
-            *(f'--config.{k}={format_value(v)}' for k, v in overrides.items())]
+# --launcher's names. A cluster launcher script takes its own flags, then --config, --workdir (and
+# --evaluate), then the script's flags after `--`, and runs them on the cluster's hosts.
+LAUNCHERS: dict[str, Launcher] = {
+    'local': Launcher(),
+    'tpu': Launcher(_script('launch_tpu.py'), refused_flags=('--detach', '--setup_only')),
+    'slurm': Launcher(_script('launch_slurm.py'), fixed_flags=('--wait',)),
+}
+_SET_BY_SWEEP = ('--config', '--workdir', '--evaluate', '--dry_run', '--')
+
+
+def check_launcher(launcher: str, launcher_flags: Sequence[str]) -> Launcher:
+    """The launcher of --launcher, with --launcher_flags checked; one-line errors."""
+    if launcher not in LAUNCHERS:
+        raise SweepError(f'--launcher={launcher!r}: one of {sorted(LAUNCHERS)}')
+    spec = LAUNCHERS[launcher]
+    if launcher_flags and spec.script is None:
+        raise SweepError(f'--launcher_flags is for a cluster launcher, not --launcher={launcher}')
+    for flag in launcher_flags:
+        name = flag.split('=', 1)[0]
+        if name in spec.refused_flags:
+            raise SweepError(f'--launcher_flags: {name} returns before the job ends; a sweep '
+                             'waits for each point')
+        if name in _SET_BY_SWEEP + spec.fixed_flags:
+            raise SweepError(f'--launcher_flags: {name} is set by the sweep itself')
+    return spec
+
+
+def script_args(overrides: dict) -> list[str]:
+    return [f'--config.{k}={format_value(v)}' for k, v in overrides.items()]
+
+
+def point_dir_for(sweep_dir: str, point: Point, launcher: str) -> str:
+    # A cluster's workers resolve a relative path elsewhere (the checkout on a TPU worker).
+    local = LAUNCHERS[launcher].script is None
+    return os.path.join(sweep_dir if local else os.path.abspath(sweep_dir), point.name)
 
 
 def point_command(config_path: str, sweep_dir: str, point: Point, base_overrides: dict,
-                  launcher: str = 'local') -> list[str]:
-    if launcher not in LAUNCHERS:
-        raise SweepError(f'--launcher={launcher!r}: one of {sorted(LAUNCHERS)}')
+                  launcher: str = 'local', launcher_flags: Sequence[str] = ()) -> list[str]:
+    spec = check_launcher(launcher, launcher_flags)
     overrides = {**base_overrides, **point.overrides}  # the point's own value wins
-    return LAUNCHERS[launcher](train_args(config_path, os.path.join(sweep_dir, point.name),
-                                          overrides))
+    return spec.command(config_path, point_dir_for(sweep_dir, point, launcher),
+                        script_args(overrides), launcher_flags)
+
+
+def eval_command(config_path: str, sweep_dir: str, point: Point, base_overrides: dict,
+                 launcher: str, launcher_flags: Sequence[str], split: str,
+                 average_last: int) -> list[str]:
+    """evaluate.py of the point through a cluster launcher (overrides, --split, --average_last)."""
+    spec = check_launcher(launcher, launcher_flags)
+    overrides = {**base_overrides, **point.overrides}
+    args = [*script_args(overrides), *([f'--split={split}'] if split else []),
+            *([f'--average_last={average_last}'] if average_last else [])]
+    return spec.command(config_path, point_dir_for(sweep_dir, point, launcher), args,
+                        launcher_flags, evaluate=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -237,14 +312,20 @@ def write_state(point_dir: str, state: dict) -> None:
 
 
 def _process_alive(pid: int, command: list[str]) -> bool:
-    """Whether `pid` still runs `command` (an earlier sweep's train.py finishing its save)."""
+    """Whether `pid` still runs `command`: an earlier sweep's train.py finishing its save, or its
+    cluster launcher waiting for the job to end."""
     try:
         with open(f'/proc/{pid}/cmdline', 'rb') as f:
             args = f.read().decode(errors='replace').split('\0')
     except OSError:
         return False
     workdir = next((a for a in command if a.startswith('--workdir=')), None)
-    return workdir in args and any(a.endswith('train.py') for a in args)
+    return workdir in args and any(os.path.basename(a) == _script_of(command) for a in args)
+
+
+def _script_of(command: list[str]) -> str:
+    """train.py, or the cluster launcher's script: the first .py of a point's command."""
+    return next((os.path.basename(a) for a in command if a.endswith('.py')), 'train.py')
 
 
 # ----------------------------------------------------------------------------------------------
@@ -269,11 +350,16 @@ def _spawn_command(command: list[str]) -> list[str]:
 
 
 class _Stop:
-    """SIGINT / SIGTERM: remember, forward SIGTERM to the running train.py, stop after it."""
+    """SIGINT / SIGTERM: remember, forward SIGTERM to the running train.py, stop after it.
 
-    def __init__(self):
+    cluster: the child is a cluster launcher; a second signal is SIGTERM again, not SIGKILL, so
+    that the launcher can still cancel its job (a killed launcher would leave it running).
+    """
+
+    def __init__(self, cluster: bool = False):
         self.signum = None
         self.child = None
+        self.cluster = cluster
         self._old = {}
 
     def __enter__(self):
@@ -289,10 +375,14 @@ class _Stop:
         again = self.signum is not None
         self.signum = signum
         if self.child is not None and self.child.poll() is None:
-            # First signal: SIGTERM (train.py saves a checkpoint); a second one: SIGKILL.
-            self.child.send_signal(signal.SIGKILL if again else signal.SIGTERM)
-        print(f'\nsweep: {signal.Signals(signum).name}: stopping after the running point'
-              + (' (killed)' if again else ' (asked train.py to save and exit)'), flush=True)
+            # First signal: SIGTERM (train.py saves a checkpoint); a second one: SIGKILL
+            # (to a cluster launcher SIGTERM again: it stops the job, then returns).
+            self.child.send_signal(signal.SIGKILL if again and not self.cluster
+                                   else signal.SIGTERM)
+        what = ('asked the launcher to stop its job' if self.cluster else
+                'killed' if again else 'asked train.py to save and exit')
+        print(f'\nsweep: {signal.Signals(signum).name}: stopping after the running point '
+              f'({what})', flush=True)
 
 
 def _error_line(stderr_tail: str, returncode: int) -> str:
@@ -306,6 +396,22 @@ def _tail(path: str, offset: int) -> str:
     with open(path, 'rb') as f:
         f.seek(offset)
         return f.read().decode('utf-8', errors='replace')
+
+
+def _run_child(command: list[str], out, err, stop: _Stop,
+               started: Callable[[subprocess.Popen], None] = lambda child: None) -> int:
+    """Runs `command` to its end with its output to the files `out`, `err`; its exit status."""
+    # Its own session: a Ctrl-C in the terminal reaches the sweep, which forwards SIGTERM.
+    child = subprocess.Popen(_spawn_command(command), stdout=out, stderr=err,
+                             stdin=subprocess.DEVNULL, start_new_session=True)
+    started(child)
+    stop.child = child
+    if stop.signum is not None:  # the signal came while it was starting
+        child.send_signal(signal.SIGTERM)
+    try:
+        return child.wait()
+    finally:
+        stop.child = None
 
 
 def train_point(command: list[str], point_dir: str, state: dict, stop: _Stop) -> dict:
@@ -322,18 +428,12 @@ def train_point(command: list[str], point_dir: str, state: dict, stop: _Stop) ->
         err.write(header)
         out.flush()
         err.flush()
-        # Its own session: a Ctrl-C in the terminal reaches the sweep, which forwards SIGTERM.
-        child = subprocess.Popen(_spawn_command(command), stdout=out, stderr=err,
-                                 stdin=subprocess.DEVNULL, start_new_session=True)
-        state['pid'] = child.pid
-        write_state(point_dir, state)
-        stop.child = child
-        if stop.signum is not None:  # the signal came while it was starting
-            child.send_signal(signal.SIGTERM)
-        try:
-            returncode = child.wait()
-        finally:
-            stop.child = None
+
+        def started(child):
+            state['pid'] = child.pid
+            write_state(point_dir, state)
+
+        returncode = _run_child(command, out, err, stop, started)
     stdout, stderr = _tail(out_path, offsets[0]), _tail(err_path, offsets[1])
     finished = _FINISHED.findall(stdout)
     step, stopped_by = (int(finished[-1][0]), finished[-1][1]) if finished else (None, '')
@@ -347,6 +447,11 @@ def train_point(command: list[str], point_dir: str, state: dict, stop: _Stop) ->
         state.update(status='failed', error=_error_line(stderr, returncode))
     write_state(point_dir, state)
     return state
+
+
+# What a point's state keeps of evaluate.py's record (eval-<split>.json holds all of it).
+EVAL_KEEP = ('sacrebleu', 'chrf', 'tok_bleu_compound_split', 'sentences', 'skipped_too_long',
+             'hit_length_limit', 'capped_at_max_decode_len', 'beam_size', 'sacrebleu_signature')
 
 
 def evaluate_point(config, point_dir: str, split: str, average_last: int) -> dict:
@@ -366,10 +471,42 @@ def evaluate_point(config, point_dir: str, split: str, average_last: int) -> dic
     record = results[label]
     with open(os.path.join(point_dir, 'evaluate.log'), 'a', encoding='utf-8') as f:
         f.write('\n'.join(lines) + '\n')
-    keep = ('sacrebleu', 'chrf', 'tok_bleu_compound_split', 'sentences', 'skipped_too_long',
-            'hit_length_limit', 'capped_at_max_decode_len', 'beam_size', 'sacrebleu_signature')
     return {'label': label, 'split': split or config.test_split,
-            **{k: record[k] for k in keep if k in record}}
+            **{k: record[k] for k in EVAL_KEEP if k in record}}
+
+
+def evaluate_with_launcher(command: list[str], config, point_dir: str, split: str,
+                           average_last: int, stop: _Stop) -> dict:
+    """The point's evaluate.py run by its cluster launcher (`command`); the scores are read back
+    from the eval-<split>.json that evaluate.py writes in the point's directory. The same dict
+    as evaluate_point; the launcher's output goes to evaluate.log."""
+    from t2t import evaluation
+
+    split = split or config.test_split
+    try:
+        label = evaluation.select(point_dir, average_last=average_last)[0][0]
+    except evaluation.EvalError as e:
+        return {'error': f'evaluation: {str(e).splitlines()[0][:400]}', 'split': split}
+    log_path = os.path.join(point_dir, 'evaluate.log')
+    offset = os.path.getsize(log_path) if os.path.exists(log_path) else 0
+    with open(log_path, 'ab') as log:
+        log.write(f'=== sweep evaluation {datetime.datetime.now().isoformat()}: '
+                  f'{shlex.join(command)}\n'.encode())
+        log.flush()
+        returncode = _run_child(command, log, subprocess.STDOUT, stop)
+    if stop.signum is not None:
+        return {'error': 'evaluation interrupted: runs again at the next run', 'split': split}
+    if returncode != 0:
+        line = _error_line(_tail(log_path, offset), returncode)
+        return {'error': f'evaluation: {line}', 'split': split}
+    path = evaluation.scores_path(point_dir, split)
+    try:
+        record = (read_json(path) or {}).get(label)
+    except SweepError as e:
+        return {'error': f'evaluation: {e}', 'split': split}
+    if not record or 'sacrebleu' not in record:
+        return {'error': f'evaluation: {path} holds no scores of {label}', 'split': split}
+    return {'label': label, 'split': split, **{k: record[k] for k in EVAL_KEEP if k in record}}
 
 
 def count_params(config) -> int:
@@ -394,29 +531,41 @@ def _wait_for_old_child(point_dir: str, state: dict, echo) -> None:
     if state.get('status') != 'running' or not pid:
         return
     deadline, said = time.monotonic() + 300, False
-    while _process_alive(pid, state.get('command') or []):
+    command = state.get('command') or []
+    script = _script_of(command)
+    while _process_alive(pid, command):
         if time.monotonic() > deadline:
-            raise SweepError(f'{point_dir}: train.py (pid {pid}) of an earlier sweep is still '
+            raise SweepError(f'{point_dir}: {script} (pid {pid}) of an earlier sweep is still '
                              'running; stop it first')
         if not said:
-            echo(f'  waiting for pid {pid} (train.py of an earlier sweep) to finish its save')
+            echo(f'  waiting for pid {pid} ({script} of an earlier sweep) to finish')
             said = True
         time.sleep(0.5)
 
 
 def run(config_path: str, config, workdir: str, *, base_overrides: dict | None = None,
         split: str = '', average_last: int = 0, retry_failed: bool = False,
-        dry_run: bool = False, launcher: str = 'local', only: Sequence[str] = (),
-        sweep: list[dict] | None = None, echo: Callable[[str], None] = print) -> int:
+        dry_run: bool = False, launcher: str = 'local', launcher_flags: Sequence[str] = (),
+        only: Sequence[str] = (), sweep: list[dict] | None = None,
+        echo: Callable[[str], None] = print) -> int:
     """Runs (or, dry_run, prints) the sweep; returns an exit code (0: every point done).
 
+    launcher: a name in LAUNCHERS; launcher_flags go to a cluster launcher's script.
     only: names of the points to run now (the summary still lists every point).
     """
-    base_overrides = dict(base_overrides or {})
+    base_overrides, launcher_flags = dict(base_overrides or {}), list(launcher_flags)
+    if '://' in workdir:
+        raise SweepError(f'--workdir={workdir}: the sweep keeps its state with local file '
+                         'APIs; mount the bucket (gcsfuse) at the same path here and on the '
+                         'workers and give that path')
+    cluster = check_launcher(launcher, launcher_flags).script is not None
     points = make_points(config, load_sweep(config_path) if sweep is None else sweep,
                          base_overrides)
-    commands = {p.name: point_command(config_path, workdir, p, base_overrides, launcher)
-                for p in points}
+    commands = {p.name: point_command(config_path, workdir, p, base_overrides, launcher,
+                                      launcher_flags) for p in points}
+    eval_commands = {p.name: eval_command(config_path, workdir, p, base_overrides, launcher,
+                                          launcher_flags, split, average_last) if cluster
+                     else None for p in points}
     unknown = set(only) - set(commands)
     if unknown:
         raise SweepError(f'no point named {", ".join(sorted(unknown))}; the points: '
@@ -428,6 +577,8 @@ def run(config_path: str, config, workdir: str, *, base_overrides: dict | None =
             same = f'  (also stands for: {", ".join(p.same_as)})' if p.same_as else ''
             echo(f'[{i}/{total}] {p.name}: {count_params(p.config)} parameters{same}')
             echo('  ' + shlex.join(commands[p.name]))
+            if eval_commands[p.name]:
+                echo('  ' + shlex.join(eval_commands[p.name]))
         return 0
 
     os.makedirs(workdir, exist_ok=True)
@@ -436,14 +587,15 @@ def run(config_path: str, config, workdir: str, *, base_overrides: dict | None =
         write_atomic(os.path.join(workdir, SWEEP_NAME), json.dumps({
             'config': config_path, 'base_overrides': base_overrides, 'split': split,
             'average_last': average_last, 'launcher': launcher,
+            'launcher_flags': launcher_flags,
             'points': [p.name for p in points], 'argv': sys.argv,
             'updated_at': time.time()}, indent=1, default=str) + '\n')
-        with _Stop() as stop:
+        with _Stop(cluster) as stop:
             for i, p in selected:
                 if stop.signum is not None:
                     break
-                _run_point(p, i, total, commands[p.name], workdir, split, average_last,
-                           retry_failed, stop, echo)
+                _run_point(p, i, total, commands[p.name], eval_commands[p.name], workdir, split,
+                           average_last, retry_failed, stop, echo)
                 write_summary(workdir)
             stopped = stop.signum
         rows = write_summary(workdir)
@@ -457,7 +609,7 @@ def run(config_path: str, config, workdir: str, *, base_overrides: dict | None =
                     if r['point'] in ran) else 1
 
 
-def _run_point(p: Point, i: int, total: int, command, workdir, split, average_last,
+def _run_point(p: Point, i: int, total: int, command, eval_cmd, workdir, split, average_last,
                retry_failed, stop, echo) -> None:
     point_dir = os.path.join(workdir, p.name)
     os.makedirs(point_dir, exist_ok=True)
@@ -493,7 +645,11 @@ def _run_point(p: Point, i: int, total: int, command, workdir, split, average_la
                                                                    p.config.test_split):
         return
     echo(f'{tag}: evaluating {label} on {split or p.config.test_split}')
-    state['eval'] = evaluate_point(p.config, point_dir, split, average_last)
+    if eval_cmd:  # on the cluster, through the launcher
+        state['eval'] = evaluate_with_launcher(eval_cmd, p.config, point_dir, split,
+                                               average_last, stop)
+    else:
+        state['eval'] = evaluate_point(p.config, point_dir, split, average_last)
     write_state(point_dir, state)
     result = state['eval']
     echo(f'{tag}: ' + (result['error'] if 'error' in result else
@@ -638,7 +794,8 @@ def plot_curves(rows: list[dict], path: str, title: str = ''):
     for ax in (by_step, by_time):
         ax.set_yscale('log')
         ax.grid(alpha=0.3, which='both')
-    fig.legend(loc='center right', fontsize=8, frameon=False)
+    if any(r['curve'] for r in rows):  # no legend without a curve
+        fig.legend(loc='center right', fontsize=8, frameon=False)
     fig.suptitle(title)
     fig.tight_layout(rect=(0, 0, 0.78, 1))
     buffer = io.BytesIO()

@@ -1,9 +1,14 @@
-"""The launchers' --dry_run output: what would run on a TPU pod slice and on a SLURM cluster."""
+"""The launchers' --dry_run output: what would run on a TPU pod slice and on a SLURM cluster;
+blocking launches that stop their job on SIGTERM (with fake sbatch, scancel and gcloud)."""
 
+import ast
 import os
+import re
 import shlex
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -111,3 +116,112 @@ def test_slurm_launcher_one_process_per_node_submits_the_script(tmp_path, monkey
         in script
     with pytest.raises(SystemExit):
         launch_slurm.parse_args(['--nodes=0', '--gpus_per_node=8', '--workdir=/w'])
+
+
+def _fake(path, body):
+    """An executable Python script standing in for a cluster command (sbatch, scancel, gcloud)."""
+    path.write_text(f'#!{sys.executable}\nimport os, sys, time\n{body}')
+    path.chmod(0o755)
+
+
+def _fake_env(bin_dir):
+    env = {k: v for k, v in os.environ.items() if k != 'PYTHONUNBUFFERED'}  # stdio as in C
+    return {**env, 'PATH': f'{bin_dir}{os.pathsep}{env["PATH"]}', 'FAKE_DIR': str(bin_dir)}
+
+
+def test_slurm_launcher_wait_returns_the_job_status_and_cancels_on_sigterm(tmp_path):
+    stdout = _dry_run('launch_slurm.py', ['--nodes=1', '--gpus_per_node=1', f'--chdir={tmp_path}',
+                                          '--workdir=/w', '--wait', '--dry_run'])
+    assert stdout.splitlines()[-1] == f'sbatch --wait --parsable {tmp_path}/logs/t2t.sbatch'
+
+    bin_dir = tmp_path / 'bin'
+    bin_dir.mkdir()
+    # Like sbatch: the job id printed through stdio (flushed at exit when stdout is a pipe), then
+    # it waits for the job. Job 7 has ended with status 3; job 8 runs until it is cancelled.
+    _fake(bin_dir / 'sbatch', '''d = os.environ['FAKE_DIR']
+job = '7' if os.path.exists(os.path.join(d, 'job7')) else '8'
+print(job)
+deadline = time.monotonic() + 60  # bounded, should the test fail
+while job == '8' and not os.path.exists(os.path.join(d, 'cancelled')):
+    time.sleep(0.02)
+    if time.monotonic() > deadline:
+        sys.exit('never cancelled')
+sys.exit(3 if job == '7' else 1)
+''')
+    _fake(bin_dir / 'scancel', '''d = os.environ['FAKE_DIR']
+with open(os.path.join(d, 'cancelled'), 'w') as f:
+    f.write(' '.join(sys.argv[1:]))
+''')
+    argv = [sys.executable, os.path.join(ROOT, 'scripts', 'launch_slurm.py'), '--nodes=1',
+            '--gpus_per_node=1', f'--chdir={tmp_path}', '--workdir=/w', '--wait']
+
+    (bin_dir / 'job7').touch()
+    (tmp_path / 'logs').mkdir()
+    (tmp_path / 'logs' / 't2t-7-0.out').write_text('step 1 | loss 9.1\ntrain.py: out of memory\n')
+    done = subprocess.run(argv, env=_fake_env(bin_dir), capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 3  # the job's status
+    assert done.stdout == ('submitted batch job 7; waiting for it to end\n'
+                           'step 1 | loss 9.1\ntrain.py: out of memory\n')  # task 0's log
+    assert done.stderr.strip().splitlines()[-1] == (
+        "job 7 ended with exit status 3; process 0's last line: train.py: out of memory")
+
+    (bin_dir / 'job7').unlink()
+    waiting = subprocess.Popen(argv, env=_fake_env(bin_dir), stdout=subprocess.PIPE, text=True)
+    try:
+        assert waiting.stdout.readline() == 'submitted batch job 8; waiting for it to end\n'
+        waiting.send_signal(signal.SIGTERM)
+        assert waiting.wait(timeout=30) == 1  # sbatch --wait returned once the job was cancelled
+    finally:
+        waiting.kill()
+    assert (bin_dir / 'cancelled').read_text() == '8'
+
+
+def test_tpu_launcher_sigterm_stops_the_script_on_every_worker(tmp_path):
+    bin_dir = tmp_path / 'bin'
+    bin_dir.mkdir()
+    # Like gcloud ssh --worker=all: the launch streams until the workers' train.py ends, which it
+    # does once the stop command (pkill) has reached them.
+    _fake(bin_dir / 'gcloud', '''d = os.environ['FAKE_DIR']
+with open(os.path.join(d, 'calls'), 'a') as f:
+    f.write(repr(sys.argv[1:]) + '\\n')
+if 'pkill' in sys.argv[-1]:
+    open(os.path.join(d, 'stopped'), 'w').close()
+    sys.exit(0)
+open(os.path.join(d, 'started'), 'w').close()
+deadline = time.monotonic() + 60  # bounded, should the test fail
+while not os.path.exists(os.path.join(d, 'stopped')):
+    time.sleep(0.02)
+    if time.monotonic() > deadline:
+        sys.exit('never stopped')
+print('finished at step 40 (preemption)')
+''')
+    workdir = '/mnt/gcs/sweep/num_heads=1'
+    launch = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, 'scripts', 'launch_tpu.py'), '--tpu=pod',
+         '--zone=z', f'--workdir={workdir}', '--', '--config.num_heads=1'],
+        env=_fake_env(bin_dir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (bin_dir / 'started').exists():
+            assert launch.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        launch.send_signal(signal.SIGTERM)
+        out, err = launch.communicate(timeout=30)
+    finally:
+        launch.kill()
+    assert launch.returncode == 0 and out == 'finished at step 40 (preemption)\n'
+    assert 'SIGTERM: sending SIGTERM to the workers' in err
+    calls = [ast.literal_eval(line) for line in (bin_dir / 'calls').read_text().splitlines()]
+    assert len(calls) == 2 and calls[1][:7] == ['compute', 'tpus', 'tpu-vm', 'ssh', 'pod',
+                                                '--zone=z', '--worker=all']
+    stop = shlex.split(calls[1][-1][len('--command='):])
+    assert stop[:4] == ['pkill', '-TERM', '-f', '--'] and stop[5:] == ['||', 'true']
+    pattern = stop[4]  # the workers' train.py of this workdir, and nothing else
+    assert re.search(pattern, f'.venv/bin/python train.py --config=configs/wmt14_ende_big.py '
+                     f'--workdir={workdir} --distributed --config.num_heads=1')
+    for other in (f'bash -c .venv/bin/python train.py --config=configs/wmt14_ende_big.py '
+                  f'--workdir={workdir} --distributed',
+                  '.venv/bin/python train.py --config=configs/wmt14_ende_big.py '
+                  f'--workdir={workdir}0 --distributed'):
+        assert not re.search(pattern, other)

@@ -4,9 +4,11 @@ resumed, the summary from disk, and the Table 3 points."""
 import csv
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -194,3 +196,113 @@ def test_sweep_trains_records_failures_resumes_after_a_kill_and_summarizes(tmp_p
     markdown = (workdir / 'summary.md').read_text()
     assert '3 points: 2 done, 1 failed' in markdown and f'| `{LONG}` | done |' in markdown
     assert 'max_decode_len=300 exceeds max_position=256' in markdown
+
+
+def test_cluster_launcher_commands_and_refused_flags(tmp_path):
+    config = table3_mini.get_config()
+    workdir = str(tmp_path / 'sw')
+    for launcher, flags, fixed in (
+            ('tpu', ['--tpu=pod-1', '--zone=us-west4-a', '--project=p'], []),
+            ('slurm', ['--nodes=2', '--gpus_per_node=8', '--setup=module load cuda'],
+             ['--wait'])):
+        lines = []
+        code = sweep.run('configs/table3_mini.py', config, workdir, dry_run=True,
+                         base_overrides={'train_time_budget_s': 60.0}, split='validation',
+                         average_last=2, launcher=launcher, launcher_flags=flags,
+                         sweep=[{'num_heads': 1}], echo=lines.append)
+        assert code == 0 and not os.path.exists(workdir)
+        train, evaluate = (shlex.split(line) for line in lines[1:])
+        script = os.path.relpath(os.path.join(ROOT, 'scripts', f'launch_{launcher}.py'))
+        head = [os.path.relpath(sys.executable), script, *flags, *fixed]
+        base = ['--config=configs/table3_mini.py', f'--workdir={workdir}/num_heads=1', '--']
+        overrides = ['--config.train_time_budget_s=60.0', '--config.num_heads=1']
+        assert train == [*head, *base, *overrides]
+        assert evaluate == [*head, '--evaluate', *base, *overrides, '--split=validation',
+                            '--average_last=2']
+
+    def error(**kwargs):
+        with pytest.raises(sweep.SweepError) as e:
+            sweep.run('configs/table3_mini.py', config, workdir, dry_run=True,
+                      sweep=[{}], echo=lambda _: None, **kwargs)
+        return str(e.value)
+
+    assert error(launcher='tpu', launcher_flags=['--tpu=t', '--zone=z', '--detach']) == (
+        '--launcher_flags: --detach returns before the job ends; a sweep waits for each point')
+    assert 'set by the sweep' in error(launcher='slurm', launcher_flags=['--workdir=/x'])
+    assert 'not --launcher=local' in error(launcher_flags=['--nodes=1'])
+    with pytest.raises(sweep.SweepError, match='gs://b/sw: the sweep keeps its state'):
+        sweep.run('configs/table3_mini.py', config, 'gs://b/sw', launcher='tpu', sweep=[{}])
+
+
+# Stands for scripts/launch_slurm.py --wait: records its arguments; "trains" (a checkpoint's
+# metadata, train.py's last line) or "evaluates" (the scores file evaluate.py writes).
+_FAKE_LAUNCHER = '''import json, os, sys
+i = sys.argv.index('--')
+mine, passed = sys.argv[1:i], sys.argv[i + 1:]
+workdir = next(a for a in mine if a.startswith('--workdir='))[len('--workdir='):]
+with open(os.path.join(os.path.dirname(workdir), 'calls.jsonl'), 'a') as f:
+    f.write(json.dumps(sys.argv[1:]) + '\\n')
+if '--evaluate' in mine:
+    split = next(a for a in passed if a.startswith('--split='))[len('--split='):]
+    with open(os.path.join(workdir, f'eval-{split}.json'), 'w') as f:
+        json.dump({'step-5': {'sacrebleu': 1.0}, 'step-6': {'sacrebleu': 12.5, 'chrf': 40.25,
+                   'sentences': 64, 'steps': [6], 'hypotheses_file': 'h.txt'}}, f)
+else:
+    os.makedirs(os.path.join(workdir, 'checkpoints', '6', 'meta'))
+    with open(os.path.join(workdir, 'checkpoints', '6', 'meta', 'metadata'), 'w') as f:
+        json.dump({'step': 6, 'train_seconds': 3.5}, f)
+    print('finished at step 6 (num_train_steps); 0.1 s')
+'''
+
+
+def test_cluster_point_is_evaluated_through_its_launcher(tmp_path, monkeypatch):
+    fake = tmp_path / 'fake_launch.py'
+    fake.write_text(_FAKE_LAUNCHER)
+    monkeypatch.setitem(sweep.LAUNCHERS, 'slurm', sweep.Launcher(str(fake), ('--wait',)))
+    monkeypatch.setattr(sweep, 'evaluate_point', lambda *a: pytest.fail('evaluated locally'))
+    workdir = tmp_path / 'sw'
+    lines = []
+    code = sweep.run('configs/table3_mini.py', table3_mini.get_config(), str(workdir),
+                     split='validation', launcher='slurm', launcher_flags=['--nodes=1'],
+                     sweep=[{'num_heads': 1}], echo=lines.append)
+    assert code == 0, lines
+    calls = [json.loads(line) for line in (workdir / 'calls.jsonl').read_text().splitlines()]
+    point = f'--workdir={workdir}/num_heads=1'
+    assert calls == [
+        ['--nodes=1', '--wait', '--config=configs/table3_mini.py', point, '--',
+         '--config.num_heads=1'],
+        ['--nodes=1', '--wait', '--evaluate', '--config=configs/table3_mini.py', point, '--',
+         '--config.num_heads=1', '--split=validation']]
+    assert '[1/1] num_heads=1: sacreBLEU 12.50 chrF 40.25' in lines
+    state = json.loads((workdir / 'num_heads=1' / 'sweep_point.json').read_text())
+    assert state['status'] == 'done' and state['step'] == 6
+    assert state['eval'] == {'label': 'step-6', 'split': 'validation', 'sacrebleu': 12.5,
+                             'chrf': 40.25, 'sentences': 64}
+    with open(workdir / 'summary.csv', newline='') as f:
+        (row,) = csv.DictReader(f)
+    assert (row['status'], row['steps'], row['train_seconds']) == ('done', '6', '3.5')
+    assert (row['eval_label'], row['sacrebleu'], row['chrf']) == ('step-6', '12.5', '40.25')
+
+    # A run again skips the point and its evaluation; the launcher is not called again.
+    assert sweep.run('configs/table3_mini.py', table3_mini.get_config(), str(workdir),
+                     split='validation', launcher='slurm', launcher_flags=['--nodes=1'],
+                     sweep=[{'num_heads': 1}], echo=lines.append) == 0
+    assert len((workdir / 'calls.jsonl').read_text().splitlines()) == 2
+
+
+def test_a_running_cluster_launcher_of_an_earlier_sweep_is_recognised():
+    # A re-run waits for it (it is stopping its job) rather than starting a second job.
+    launcher = ['.venv/bin/python', 'scripts/launch_slurm.py', '--wait', '--workdir=/s/p', '--']
+    child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)',
+                              *launcher[1:]])
+    try:
+        deadline = time.monotonic() + 10
+        while not (Path(f'/proc/{child.pid}/cmdline').read_bytes()  # empty while it starts
+                   or time.monotonic() > deadline):
+            time.sleep(0.01)
+        assert sweep._process_alive(child.pid, launcher)
+        assert not sweep._process_alive(child.pid, ['python', 'train.py', '--workdir=/s/p'])
+        assert not sweep._process_alive(child.pid, [*launcher[:3], '--workdir=/s/q', '--'])
+    finally:
+        child.kill()
+        child.wait()
