@@ -23,7 +23,6 @@ killed sbatch --wait alone would leave the job running.
 
 from __future__ import annotations
 
-import argparse
 import os
 import pty
 import shlex
@@ -31,6 +30,8 @@ import shutil
 import signal
 import subprocess
 import sys
+
+import launch_args  # scripts/: the directory of this script is on sys.path
 
 
 def sbatch_script(args, passthrough: list[str]) -> str:
@@ -77,14 +78,8 @@ def sbatch_script(args, passthrough: list[str]) -> str:
 
 
 def parse_args(argv: list[str]):
-    if '--' in argv:
-        i = argv.index('--')
-        argv, passthrough = argv[:i], argv[i + 1:]
-    else:
-        passthrough = []
-    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog='Arguments after -- are passed to train.py verbatim.')
+    argv, passthrough = launch_args.split_at_dashes(argv)
+    p = launch_args.parser(__doc__)
     p.add_argument('--nodes', type=int, required=True)
     p.add_argument('--gpus_per_node', type=int, required=True)
     p.add_argument('--per', choices=('gpu', 'node'), default='gpu',

@@ -20,12 +20,13 @@ gcloud ssh running pkill): t2t saves a checkpoint and exits, and the command ret
 
 from __future__ import annotations
 
-import argparse
 import re
 import shlex
 import signal
 import subprocess
 import sys
+
+import launch_args  # scripts/: the directory of this script is on sys.path
 
 LOG_DIR = '~/t2t-logs'  # on each worker; '~' expands there
 
@@ -78,14 +79,8 @@ def stop_command(args) -> str:
 
 
 def parse_args(argv: list[str]):
-    if '--' in argv:
-        i = argv.index('--')
-        argv, passthrough = argv[:i], argv[i + 1:]
-    else:
-        passthrough = []
-    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog='Arguments after -- are passed to train.py verbatim.')
+    argv, passthrough = launch_args.split_at_dashes(argv)
+    p = launch_args.parser(__doc__)
     p.add_argument('--tpu', required=True, help='TPU VM name (gcloud compute tpus tpu-vm create)')
     p.add_argument('--zone', required=True)
     p.add_argument('--project', default='', help='default: gcloud\'s configured project')

@@ -26,3 +26,14 @@ if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
     os.environ['JAX_COMPILATION_CACHE_DIR'] = _cache
     os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
     os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '-1'
+
+
+def tiny_config(**overrides):
+    """configs/tiny.py shrunk for in-process tests (12 tokens, 8 rows, 50 ids), then overrides."""
+    from configs import tiny
+
+    c = tiny.get_config()
+    c.max_len, c.batch_size, c.vocab_size = 12, 8, 50
+    for k, v in overrides.items():
+        setattr(c, k, v)
+    return c

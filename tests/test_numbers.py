@@ -17,21 +17,13 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from configs import tiny
 from t2t import decode, flops, inference, loop, metrics, optim, sharding, startup, train_lib
 from t2t.data.pipeline import EvalSplit, sample_batches
 from t2t.ids import EOS_ID, PAD_ID
 from t2t.model import Transformer, TransformerConfig
+from tests.conftest import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _tiny(**overrides):
-    c = tiny.get_config()
-    c.max_len, c.batch_size, c.vocab_size = 12, 8, 50
-    for k, v in overrides.items():
-        setattr(c, k, v)
-    return c
 
 
 def _batch(rows=8, length=12, vocab=50, seed=0, pad_to=None):
@@ -76,8 +68,8 @@ def test_eval_sample_is_fixed_and_spans_the_length_buckets():
 def test_logged_learning_rate_is_the_one_applied_and_skips_do_not_advance_it():
     # Separate source/target embeddings: a NaN row of the source table poisons only the batches
     # that contain that token, so step 1 is skipped and step 2 is applied.
-    config = _tiny(dropout_rate=0.0, share_embeddings=False, tie_output=False, warmup_steps=10,
-                   skip_nonfinite=True)
+    config = tiny_config(dropout_rate=0.0, share_embeddings=False, tie_output=False,
+                         warmup_steps=10, skip_nonfinite=True)
     mesh = sharding.make_mesh((-1, 1, 1))
     tx = optim.make_optimizer(config)
     state, shardings = train_lib.create_sharded_state(config, mesh, tx)
@@ -120,14 +112,14 @@ def test_logged_learning_rate_is_the_one_applied_and_skips_do_not_advance_it():
 
 
 def test_flops_per_token_add_up_to_the_padded_step():
-    config = _tiny(max_len=64, batch_size=32, d_model=128, d_ff=512, vocab_size=4000)
+    config = tiny_config(max_len=64, batch_size=32, d_model=128, d_ff=512, vocab_size=4000)
     per_source, per_target = flops.config_flops_per_token(config)
     slots = config.batch_size * config.max_len
     assert slots * (per_source + per_target) == pytest.approx(flops.config_flops_per_step(config))
 
 
 def test_mfu_counts_real_tokens_and_labels_the_padded_figure():
-    config = _tiny()
+    config = tiny_config()
     per_token = (3.0e6, 5.0e6)
     per_step = 4 * 12 * sum(per_token)  # 4 rows x 12 slots per side, as if all were real
     m = {'loss_sum': 1.0, 'nll_sum': 1.0, 'correct_sum': 1.0, 'nonfinite': 0.0,
@@ -161,7 +153,7 @@ def test_a_sequence_longer_than_the_position_table_is_an_error_while_tracing():
                                                                          ids, ids))
     with pytest.raises(startup.ConfigError, match=r'max_len=300 exceeds max_position=256 '
                                                   r'\(--config.max_len'):
-        startup.check_lengths(_tiny(max_len=300))
+        startup.check_lengths(tiny_config(max_len=300))
 
 
 def test_evaluate_refuses_a_long_max_eval_len_in_one_line_before_compiling(tmp_path):
@@ -210,7 +202,7 @@ def test_beam_and_greedy_never_generate_pad():
 @pytest.fixture(scope='module')
 def small_model():
     """(config with dropout 0.3, host params, a fresh train state)."""
-    config = _tiny(dropout_rate=0.3)
+    config = tiny_config(dropout_rate=0.3)
     mesh = sharding.make_mesh((-1, 1, 1))
     tx = optim.make_optimizer(config)
     state, shardings = train_lib.create_sharded_state(config, mesh, tx)
@@ -246,11 +238,12 @@ def test_dropout_is_on_in_training_and_off_in_evaluation_and_decoding(small_mode
         losses.append(float(jitted(fresh, batch_on_mesh)[1]['loss_sum']))
     assert losses[0] != losses[1]
     # Evaluation: the same sums as the model without dropout, whatever the rate.
-    assert _eval_sums(params, batch, config) == _eval_sums(params, batch, _tiny(dropout_rate=0.0))
+    no_dropout = tiny_config(dropout_rate=0.0)
+    assert _eval_sums(params, batch, config) == _eval_sums(params, batch, no_dropout)
     # Decoding: the same output as the model without dropout.
     inputs = batch['inputs'][:4]
     outputs = [jax.device_get(inference.make_predict_fn(
-        TransformerConfig.from_config(_tiny(dropout_rate=rate)), beam_size=1, alpha=0.6,
+        TransformerConfig.from_config(tiny_config(dropout_rate=rate)), beam_size=1, alpha=0.6,
         max_decode_len=6, max_decode_extra=2, greedy=True)(nn.unbox(params), inputs).ids_BL)
         for rate in (0.9, 0.0)]
     np.testing.assert_array_equal(outputs[0], outputs[1])

@@ -13,6 +13,7 @@ import pytest
 
 from t2t import checkpoint, loop, metrics, optim, sharding, train_lib
 from tests import toy_corpus
+from tests.conftest import tiny_config
 
 
 def test_label_smoothed_loss_equals_hand_computation():
@@ -50,18 +51,8 @@ def _setup(config, mesh_shape=(-1, 1, 1)):
     return mesh, tx, state, shardings
 
 
-def _tiny(**overrides):
-    from configs import tiny
-
-    c = tiny.get_config()
-    c.max_len, c.batch_size, c.vocab_size = 12, 8, 50
-    for k, v in overrides.items():
-        setattr(c, k, v)
-    return c
-
-
 def test_a_few_steps_lower_the_loss():
-    config = _tiny(dropout_rate=0.0, warmup_steps=5, learning_rate_scale=3.0)
+    config = tiny_config(dropout_rate=0.0, warmup_steps=5, learning_rate_scale=3.0)
     mesh, tx, state, shardings = _setup(config)
     step = train_lib.jit_train_step(train_lib.StepConfig.from_config(config), tx, shardings, mesh)
     batch = _put(_synthetic_batch(8, 12, 50), mesh)
@@ -76,7 +67,8 @@ def test_a_few_steps_lower_the_loss():
 def test_accumulating_4_micro_batches_equals_one_4x_batch():
     # Plain SGD makes the parameter change the gradient itself: Adam's first step is about
     # lr * sign(g), which amplifies float noise in gradients that are nearly zero.
-    config = _tiny(dropout_rate=0.0, batch_size=16)  # 4 micro-batches x 4 data devices x 1 row
+    # 4 micro-batches x 4 data devices x 1 row
+    config = tiny_config(dropout_rate=0.0, batch_size=16)
     mesh = sharding.make_mesh((2, 2, 2))
     tx = optax.sgd(1.0)
     state, shardings = train_lib.create_sharded_state(config, mesh, tx)
@@ -118,14 +110,14 @@ def test_micro_batches_stay_spread_over_every_data_device_without_moving_data():
 def test_config_errors_name_the_key():
     mesh = sharding.make_mesh((-1, 1, 1))  # 8 data-parallel devices
     with pytest.raises(ValueError, match='batch_size=12 is not divisible by the 8'):
-        loop._check_config(_tiny(batch_size=12), mesh)
+        loop._check_config(tiny_config(batch_size=12), mesh)
     with pytest.raises(ValueError, match='max_decode_len=300 exceeds max_position=256'):
-        loop._check_config(_tiny(max_decode_len=300), mesh)
-    loop._check_config(_tiny(), mesh)
+        loop._check_config(tiny_config(max_decode_len=300), mesh)
+    loop._check_config(tiny_config(), mesh)
 
 
 def test_nonfinite_loss_stops_with_the_step_or_is_skipped():
-    config = _tiny(dropout_rate=0.0)
+    config = tiny_config(dropout_rate=0.0)
     mesh, tx, state, shardings = _setup(config)
     params = jax.tree_util.tree_map(np.array, jax.device_get(state.params))  # writable copies
     params['embedder']['embedding'][3] = np.nan  # a token the batch uses
