@@ -9,6 +9,8 @@ kernel (attention_impl: 'xla', 'dot_product', 'cudnn' = cuDNN flash attention on
 the Pallas splash attention kernel on TPU). Speed/memory options that never change the results:
 rematerialization of each layer (remat) and one nn.scan over the identical layers of each stack
 (scan_layers: parameters stacked with a leading 'layers' axis, see t2t/layers_convert.py).
+Dropout draws 16 random bits per element (t2t/dropout.py: keep probability within 2^-17 of
+1 - rate, kept values scaled by its exact inverse).
 
 Shape letters: B batch, S source length, T target length, L any length, D d_model, H heads,
 K head dim (d_k = d_v = D / H), F d_ff, V vocabulary.
@@ -17,9 +19,9 @@ Masks (padding, causality, packed segments) are built once at the top of encode(
 the form the attention kernel wants (`AttentionMask`), and passed down. decode() is the
 teacher-forced decoder (gold targets, shifted right here); features() stops before the output
 projection (the loss applies it chunk by chunk, t2t/loss.py). In decode mode (config.decode)
-decode_step() runs one token per call and the decoder keeps its
-self-attention keys/values (buffers of config.decode_len) in the 'cache' collection and the
-cross-attention keys/values, projected once from the encoder output, in 'cross_cache'. The first
+decode_step() runs one token per call and the decoder keeps its self-attention keys/values
+(head-major buffers [B, H, decode_len, K]) in the 'cache' collection and the cross-attention
+keys/values, projected once from the encoder output, in 'cross_cache' ([B, H, S, K]). The first
 apply without them (mutable=['cache', 'cross_cache']) creates both and decodes nothing.
 """
 
@@ -35,6 +37,7 @@ import numpy as np
 from flax import linen as nn
 from flax import struct
 
+from t2t.dropout import Dropout, dropout
 from t2t.ids import EOS_ID, PAD_ID  # noqa: F401 (re-exported: t2t.model.EOS_ID)
 
 Array = jax.Array
@@ -89,6 +92,9 @@ class TransformerConfig:
             raise ValueError(f'remat={self.remat!r}; one of {tuple(_REMAT_POLICIES)}')
         if self.position_embedding == 'rope' and (self.d_model // self.num_heads) % 2:
             raise ValueError('rope needs an even head dimension d_model / num_heads')
+        for name in ('dropout_rate', 'attention_dropout_rate', 'relu_dropout_rate'):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f'{name}={getattr(self, name)} is not in [0, 1)')
         if self.attention_impl != 'xla' and self.attention_dropout_rate > 0:
             raise ValueError(
                 f'attention_impl={self.attention_impl!r} has no dropout on attention weights: '
@@ -251,8 +257,7 @@ def dot_product_attention(q_BQHK: Array, k_BKHK: Array, v_BKHK: Array, mask, *,
         return splash_attention(q_BQHK, k_BKHK, v_BKHK, mask, scale=scale)
     weights_BHQK = attention_weights(q_BQHK, k_BKHK, mask.dense_B1QK, scale)
     if dropout_rate > 0.0 and dropout_rng is not None:
-        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights_BHQK.shape)
-        weights_BHQK = jnp.where(keep, weights_BHQK / (1.0 - dropout_rate), 0.0)
+        weights_BHQK = dropout(weights_BHQK, dropout_rate, dropout_rng)
     return jnp.einsum('bhqs,bshk->bqhk', weights_BHQK.astype(v_BKHK.dtype), v_BKHK)
 
 
@@ -365,18 +370,17 @@ class MultiHeadAttention(nn.Module):
         if rope:
             q_BQHK = apply_rope(q_BQHK, q_positions_BQ)
 
-        if cfg.decode and self.kind == 'cross':
-            k_BSHK, v_BSHK = self._cross_cache(kv_BSD)
-        else:
-            k_BSHK = self._project('key', kv_BSD)
-            v_BSHK = self._project('value', kv_BSD)
-            if rope:
-                k_BSHK = apply_rope(k_BSHK, kv_positions_BS)
-            if cfg.decode:
-                k_BSHK, v_BSHK, mask_B1QS = self._self_cache(k_BSHK, v_BSHK, cache_index)
-        q_BQHK = nn.with_logical_constraint(q_BQHK, ('batch', 'length', 'heads', 'kv'))
-
         scale = cfg.head_dim ** -0.5 if cfg.scale_attention else 1.0
+        if cfg.decode:
+            out_BQHK = self._decode_attention(q_BQHK, kv_BSD, mask_B1QS, kv_positions_BS,
+                                              cache_index, scale)
+            return HeadProjection(cfg, 'out', name='out')(out_BQHK)
+
+        k_BSHK = self._project('key', kv_BSD)
+        v_BSHK = self._project('value', kv_BSD)
+        if rope:
+            k_BSHK = apply_rope(k_BSHK, kv_positions_BS)
+        q_BQHK = nn.with_logical_constraint(q_BQHK, ('batch', 'length', 'heads', 'kv'))
         if cfg.sow_attention:  # the weights this layer uses (before attention dropout)
             dense_B1QS = mask_B1QS.dense_B1QK if isinstance(mask_B1QS, AttentionMask) \
                 else mask_B1QS
@@ -385,40 +389,71 @@ class MultiHeadAttention(nn.Module):
         dropout_rng = None
         if not cfg.deterministic and cfg.attention_dropout_rate > 0:
             dropout_rng = self.make_rng('dropout')
-        # One query token per decode step gains nothing from a fused kernel.
-        impl = 'xla' if cfg.decode and cfg.attention_impl in ('cudnn', 'splash') else \
-            cfg.attention_impl
         out_BQHK = dot_product_attention(
             q_BQHK, k_BSHK, v_BSHK, mask_B1QS, scale=scale,
-            dropout_rate=cfg.attention_dropout_rate, dropout_rng=dropout_rng, impl=impl,
+            dropout_rate=cfg.attention_dropout_rate, dropout_rng=dropout_rng,
+            impl=cfg.attention_impl,
         )
         out_BQD = HeadProjection(cfg, 'out', name='out')(out_BQHK)
         return nn.with_logical_constraint(out_BQD, ('batch', 'length', 'embed'))
 
+    def _decode_attention(self, q_B1HK, kv_BSD, mask, kv_positions_BS, cache_index, scale):
+        """Decode mode: one query per row over the cached keys/values.
+
+        The caches are kept head-major, [B, H, L, K], the layout a batched matmul over (B, H)
+        reads as it is: stored as [B, L, H, K] they were transposed in full at every step.
+        One query gains nothing from a fused kernel, so every attention_impl takes this path.
+        """
+        cfg = self.config
+        if self.kind == 'cross':
+            k_BHSK, v_BHSK = self._cross_cache(kv_BSD)
+        else:
+            k_B1HK = self._project('key', kv_BSD)
+            if cfg.position_embedding == 'rope':
+                k_B1HK = apply_rope(k_B1HK, kv_positions_BS)
+            k_BHSK, v_BHSK, mask = self._self_cache(
+                k_B1HK, self._project('value', kv_BSD), cache_index)
+        mask_B11S = mask.dense_B1QK if isinstance(mask, AttentionMask) else mask
+        logits_BH1S = jnp.einsum('bqhk,bhsk->bhqs', q_B1HK, k_BHSK) * jnp.asarray(
+            scale, q_B1HK.dtype)
+        weights_BH1S = jax.nn.softmax(
+            jnp.where(mask_B11S, logits_BH1S.astype(jnp.float32), -1e10), axis=-1)
+        if cfg.sow_attention:
+            self.sow('intermediates', 'attention_weights', weights_BH1S)
+        return jnp.einsum('bhqs,bhsk->bqhk', weights_BH1S.astype(v_BHSK.dtype), v_BHSK)
+
     def _self_cache(self, k_B1HK, v_B1HK, cache_index):
-        """Writes this step's key/value at cache_index; attends to positions <= cache_index."""
+        """Writes this step's key/value at cache_index; attends to positions <= cache_index.
+
+        Returns the head-major buffers [B, H, decode_len, K] and the mask [B, 1, 1, decode_len].
+        """
         cfg = self.config
         b, _, h, k = k_B1HK.shape
         initialized = self.has_variable('cache', 'cached_key')
-        shape = (b, cfg.decode_len, h, k)
+        shape = (b, h, cfg.decode_len, k)
         ck = self.variable('cache', 'cached_key', jnp.zeros, shape, k_B1HK.dtype)
         cv = self.variable('cache', 'cached_value', jnp.zeros, shape, v_B1HK.dtype)
         if not initialized:  # the call that creates the cache does not decode a token
-            return k_B1HK, v_B1HK, jnp.ones((b, 1, 1, 1), bool)
-        ck.value = jax.lax.dynamic_update_slice(ck.value, k_B1HK, (0, cache_index, 0, 0))
-        cv.value = jax.lax.dynamic_update_slice(cv.value, v_B1HK, (0, cache_index, 0, 0))
+            return (k_B1HK.swapaxes(1, 2), v_B1HK.swapaxes(1, 2),
+                    jnp.ones((b, 1, 1, 1), bool))
+        at = (0, 0, cache_index, 0)
+        ck.value = jax.lax.dynamic_update_slice(ck.value, k_B1HK.swapaxes(1, 2), at)
+        cv.value = jax.lax.dynamic_update_slice(cv.value, v_B1HK.swapaxes(1, 2), at)
         mask_B11L = (jnp.arange(cfg.decode_len) <= cache_index)[None, None, None, :]
         return ck.value, cv.value, jnp.broadcast_to(mask_B11L, (b, 1, 1, cfg.decode_len))
 
     def _cross_cache(self, encoded_BSD):
-        """Keys/values of the encoder output, projected once when the cache is created.
+        """Head-major keys/values [B, H, S, K] of the encoder output, projected once when the
+        cache is created.
 
         They live in their own collection, 'cross_cache': they never change while decoding, so a
         beam search need not reorder them with the growing self-attention 'cache'.
         """
-        project = self._project
-        ck = self.variable('cross_cache', 'cross_key', lambda: project('key', encoded_BSD))
-        cv = self.variable('cross_cache', 'cross_value', lambda: project('value', encoded_BSD))
+        def project(name):
+            return lambda: self._project(name, encoded_BSD).swapaxes(1, 2)
+
+        ck = self.variable('cross_cache', 'cross_key', project('key'))
+        cv = self.variable('cross_cache', 'cross_value', project('value'))
         return ck.value, cv.value
 
 
@@ -438,7 +473,7 @@ class FeedForward(nn.Module):
             ('embed', 'mlp')), bias_init=_zeros(('mlp',)))(x_BLD)
         h_BLF = nn.relu(h_BLF)
         h_BLF = nn.with_logical_constraint(h_BLF, ('batch', 'length', 'mlp'))
-        h_BLF = nn.Dropout(cfg.relu_dropout_rate)(h_BLF, deterministic=cfg.deterministic)
+        h_BLF = Dropout(cfg.relu_dropout_rate)(h_BLF, deterministic=cfg.deterministic)
         return nn.Dense(cfg.d_model, dtype=cfg.dtype, name='wo', kernel_init=_dense_init(
             ('mlp', 'embed')), bias_init=_zeros(('embed',)))(h_BLF)
 
@@ -461,7 +496,7 @@ class Residual(nn.Module):
         cfg = self.config
         norm = _layer_norm(cfg, 'norm')
         y_BLD = sublayer(norm(x_BLD) if cfg.pre_ln else x_BLD)
-        y_BLD = nn.Dropout(cfg.dropout_rate)(y_BLD, deterministic=cfg.deterministic)
+        y_BLD = Dropout(cfg.dropout_rate)(y_BLD, deterministic=cfg.deterministic)
         out_BLD = x_BLD + y_BLD
         return out_BLD if cfg.pre_ln else norm(out_BLD)
 
@@ -547,7 +582,7 @@ class Embedder(nn.Module):
                 nn.with_logical_partitioning(nn.initializers.normal(stddev=0.02), (None, 'embed')),
                 (cfg.max_position, cfg.d_model), jnp.float32,
             )
-        self.dropout = nn.Dropout(cfg.dropout_rate)
+        self.dropout = Dropout(cfg.dropout_rate)
 
     def __call__(self, ids_BL, positions_BL):
         cfg = self.config
