@@ -5,6 +5,12 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TPU_STAMP := $(VENV)/.tpu-installed
 WORKDIR ?= workdirs/default
+# glibc's malloc backs its large blocks with transparent huge pages (THP mode 'madvise'): XLA's
+# CPU backend allocates a step's temporaries afresh every step, which with 4 KiB pages cost
+# ~300k page faults a step, a fifth of the CPU step time (bench/RESULTS.md). Ignored by
+# glibc < 2.35 and where THP is off; an environment that sets GLIBC_TUNABLES keeps its own.
+GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
+export GLIBC_TUNABLES
 
 .PHONY: demo test lint clean
 
