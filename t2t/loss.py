@@ -100,7 +100,7 @@ def _chunked_sums_fwd(smoothing, y_NBCD, w_VD, targets_NBC, weights_NBC):
     w_c_VD = w_VD.astype(y_NBCD.dtype)
 
     def body(carry, chunk):
-        sums, dw_DV = carry
+        sums, dw_VD = carry
         y_BCD, targets_BC, weights_BC = chunk
         logits_BCV = _chunk_logits(y_BCD, w_VD)
         chunk_sums, p_BCV = _chunk_terms(smoothing, logits_BCV, targets_BC, weights_BC)
@@ -116,15 +116,13 @@ def _chunked_sums_fwd(smoothing, y_NBCD, w_VD, targets_NBC, weights_NBC):
                                                  ('batch', 'length', 'vocab'))
         dy_BCD = jnp.einsum('bcv,vd->bcd', dlogits_BCV, w_c_VD,
                             preferred_element_type=jnp.float32).astype(y_BCD.dtype)
-        # dW^T = y^T dlogits: [D, V] keeps dlogits in its own layout (dlogits^T y made a CPU
-        # transpose it first); one transpose of the small sum at the end.
-        dw_DV = dw_DV + jnp.einsum('bcd,bcv->dv', y_BCD, dlogits_BCV,
+        dw_VD = dw_VD + jnp.einsum('bcv,bcd->vd', dlogits_BCV, y_BCD,
                                    preferred_element_type=jnp.float32)
-        return (sums + chunk_sums, dw_DV), dy_BCD
+        return (sums + chunk_sums, dw_VD), dy_BCD
 
-    init = (jnp.zeros(3, jnp.float32), jnp.zeros(w_VD.shape[::-1], jnp.float32))
-    (sums, dw_DV), dy_NBCD = jax.lax.scan(body, init, (y_NBCD, targets_NBC, weights_NBC))
-    return (sums[0], sums[1], sums[2]), (dy_NBCD, dw_DV.T)
+    init = (jnp.zeros(3, jnp.float32), jnp.zeros(w_VD.shape, jnp.float32))
+    (sums, dw_VD), dy_NBCD = jax.lax.scan(body, init, (y_NBCD, targets_NBC, weights_NBC))
+    return (sums[0], sums[1], sums[2]), (dy_NBCD, dw_VD)
 
 
 def _chunked_sums_bwd(smoothing, residuals, cotangents):

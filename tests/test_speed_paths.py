@@ -89,12 +89,14 @@ def test_chunked_loss_equals_the_plain_loss_and_its_gradients():
     # bfloat16 compute: the fused loss is as close to the float32 truth as today's loss is.
     bf16 = cfg.replace(dtype=jnp.bfloat16)
     (plain16, _), plain16_grads = _grads(_plain_sums, params, batch, bf16)
-    (got16, _), got16_grads = _grads(fused, params, batch,
-                                     train_lib.StepConfig(model=bf16, loss_chunk_len=4))
-    assert abs(float(got16) - float(want)) <= 2 * abs(float(plain16) - float(want)) + 1e-3 * want
-    plain_err, fused_err = _rel_error(plain16_grads, want_grads), _rel_error(got16_grads,
-                                                                             want_grads)
-    assert fused_err < 2 * plain_err + 1e-3, (fused_err, plain_err)
+    plain_err = _rel_error(plain16_grads, want_grads)
+    for chunk_len in (0, 4):  # one chunk compiles to other kernels than a loop of chunks
+        (got16, _), got16_grads = _grads(fused, params, batch,
+                                         train_lib.StepConfig(model=bf16, loss_chunk_len=chunk_len))
+        assert abs(float(got16) - float(want)) <= (2 * abs(float(plain16) - float(want))
+                                                   + 1e-3 * want)
+        fused_err = _rel_error(got16_grads, want_grads)
+        assert fused_err < 2 * plain_err + 1e-3, (chunk_len, fused_err, plain_err)
 
 
 def test_fused_loss_backward_matmuls_run_in_the_compute_dtype():
