@@ -1,0 +1,43 @@
+"""The t2t benchmarks a GPU session runs once (bench/run_gpu.sh) work, at toy sizes on the CPU.
+
+A GPU session has 15 minutes of device time for one run: a benchmark that breaks on a code change
+(as bfloat16 training once did on the CPU's dot kernels) must fail here, not there.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _results(*args):
+    # One CPU device, as on the GPU box's one chip (the suite's processes have 8 host devices).
+    xla_flags = ' '.join(f for f in os.environ.get('XLA_FLAGS', '').split()
+                         if 'host_platform_device_count' not in f)
+    out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300,
+                         env={**os.environ, 'JAX_PLATFORMS': 'cpu', 'XLA_FLAGS': xla_flags})
+    results = [json.loads(line[len('RESULT '):]) for line in out.stdout.splitlines()
+               if line.startswith('RESULT ')]
+    assert out.returncode == 0 and results, out.stdout[-3000:] + out.stderr[-3000:]
+    return results
+
+
+def test_train_speed_runs_the_gpu_levers_in_bfloat16():
+    # run_gpu.sh's BASE levers: scanned layers, rbg dropout keys, the fused loss in one chunk.
+    results = _results('bench/train_speed.py', '--tiny', '--model', 'base',
+                       '--attention', 'xla,dot_product', '--steps', '1', '--warmup_steps', '1',
+                       '--scan_layers', '--rng_impl', 'rbg')
+    assert [r['attention'] for r in results] == ['xla', 'dot_product']
+    for r in results:
+        assert r['status'] == 'ok' and r['dtype'] == 'bfloat16', r
+        assert r['step_ms'] > 0 and math.isfinite(r['loss']) and r['loss'] > 0
+
+
+def test_decode_speed_runs_a_forced_beam_search():
+    (r,) = _results('bench/decode_speed.py', '--tiny', '--attention', 'xla', '--reps', '1')
+    assert r['status'] == 'ok', r
+    assert r['batch_ms'] > 0 and r['sent_s'] > 0 and r['decoded_len'] == 8
