@@ -1,4 +1,4 @@
-"""What the launchers share: the command line split at `--`, and their argument parser."""
+"""What the launchers share: the command line split at `--`, their argument parser, the script."""
 
 from __future__ import annotations
 
@@ -17,3 +17,8 @@ def parser(doc: str) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(description=doc.split('\n\n')[0],
                                    formatter_class=argparse.RawDescriptionHelpFormatter,
                                    epilog='Arguments after -- are passed to train.py verbatim.')
+
+
+def script(args) -> str:
+    """The t2t script a launcher runs on the hosts: evaluate.py with --evaluate, else train.py."""
+    return 'evaluate.py' if args.evaluate else 'train.py'

@@ -56,7 +56,7 @@ def sbatch_script(args, passthrough: list[str]) -> str:
         directives.append(f'--signal=TERM@{args.signal_s}')  # to the job steps: t2t checkpoints
     if args.requeue:
         directives.append('--requeue')
-    script = 'evaluate.py' if args.evaluate else 'train.py'
+    script = launch_args.script(args)
     argv = [args.python, script, f'--config={args.config}', f'--workdir={args.workdir}',
             '--distributed', *passthrough]
     srun = ['srun', '--kill-on-bad-exit=1', f'--output={logs}/%x-%j-%t.out']

@@ -56,9 +56,9 @@ def setup_command(args) -> str:
 
 def run_command(args, passthrough: list[str]) -> str:
     """The shell command each worker runs: the script with the same flags on every host."""
-    script = 'evaluate.py' if args.evaluate else 'train.py'
     argv = [*_script_start(args), *passthrough]
-    log = f'{LOG_DIR}/{script[:-3]}-$(hostname).log'  # $(hostname) expands on the worker
+    # $(hostname) expands on the worker
+    log = f'{LOG_DIR}/{launch_args.script(args)[:-3]}-$(hostname).log'
     cd = f'cd {shlex.quote(args.dir)} && mkdir -p {LOG_DIR}'
     if args.detach:  # keeps running after the ssh session ends
         return f'{cd} && nohup {shlex.join(argv)} > {log} 2>&1 < /dev/null &'
@@ -66,9 +66,8 @@ def run_command(args, passthrough: list[str]) -> str:
 
 
 def _script_start(args) -> list[str]:
-    script = 'evaluate.py' if args.evaluate else 'train.py'
-    return ['.venv/bin/python', script, f'--config={args.config}', f'--workdir={args.workdir}',
-            '--distributed']
+    return ['.venv/bin/python', launch_args.script(args), f'--config={args.config}',
+            f'--workdir={args.workdir}', '--distributed']
 
 
 def stop_command(args) -> str:

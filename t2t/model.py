@@ -227,9 +227,15 @@ def cudnn_arguments(mask: AttentionMask) -> dict:
                 key_value_seq_lengths=mask.k_lengths_B)
 
 
-def attention_weights(q_BQHK: Array, k_BKHK: Array, mask_B1QK: Array, scale: float) -> Array:
-    """softmax(q k^T * scale + mask) in float32: [B, H, Q, K] (mask: boolean [B, 1, Q, K])."""
-    logits_BHQK = jnp.einsum('bqhk,bshk->bhqs', q_BQHK, k_BKHK) * jnp.asarray(scale, q_BQHK.dtype)
+def attention_weights(q_BQHK: Array, k_BKHK: Array, mask_B1QK: Array, scale: float,
+                      keys: str = 'bshk') -> Array:
+    """softmax(q k^T * scale + mask) in float32: [B, H, Q, K] (mask: boolean [B, 1, Q, K]).
+
+    keys: the layout of k, 'bshk' ([B, K, H, head dim], as projected) or 'bhsk' (head-major,
+    as the decode caches keep them).
+    """
+    logits_BHQK = jnp.einsum(f'bqhk,{keys}->bhqs', q_BQHK, k_BKHK) * jnp.asarray(
+        scale, q_BQHK.dtype)
     logits_BHQK = jnp.where(mask_B1QK, logits_BHQK.astype(jnp.float32), -1e10)
     return jax.nn.softmax(logits_BHQK, axis=-1)
 
@@ -414,10 +420,7 @@ class MultiHeadAttention(nn.Module):
             k_BHSK, v_BHSK, mask = self._self_cache(
                 k_B1HK, self._project('value', kv_BSD), cache_index)
         mask_B11S = mask.dense_B1QK if isinstance(mask, AttentionMask) else mask
-        logits_BH1S = jnp.einsum('bqhk,bhsk->bhqs', q_B1HK, k_BHSK) * jnp.asarray(
-            scale, q_B1HK.dtype)
-        weights_BH1S = jax.nn.softmax(
-            jnp.where(mask_B11S, logits_BH1S.astype(jnp.float32), -1e10), axis=-1)
+        weights_BH1S = attention_weights(q_B1HK, k_BHSK, mask_B11S, scale, keys='bhsk')
         if cfg.sow_attention:
             self.sow('intermediates', 'attention_weights', weights_BH1S)
         return jnp.einsum('bhqs,bhsk->bqhk', weights_BH1S.astype(v_BHSK.dtype), v_BHSK)

@@ -260,23 +260,25 @@ def point_dir_for(sweep_dir: str, point: Point, launcher: str) -> str:
 
 
 def point_command(config_path: str, sweep_dir: str, point: Point, base_overrides: dict,
-                  launcher: str = 'local', launcher_flags: Sequence[str] = ()) -> list[str]:
+                  launcher: str = 'local', launcher_flags: Sequence[str] = (),
+                  eval_args: Sequence[str] | None = None) -> list[str]:
+    """The point's train.py command; with eval_args (evaluate.py's own flags) its evaluate.py,
+    which only a cluster launcher runs as a command."""
     spec = check_launcher(launcher, launcher_flags)
     overrides = {**base_overrides, **point.overrides}  # the point's own value wins
     return spec.command(config_path, point_dir_for(sweep_dir, point, launcher),
-                        script_args(overrides), launcher_flags)
+                        [*script_args(overrides), *(eval_args or ())], launcher_flags,
+                        evaluate=eval_args is not None)
 
 
 def eval_command(config_path: str, sweep_dir: str, point: Point, base_overrides: dict,
                  launcher: str, launcher_flags: Sequence[str], split: str,
                  average_last: int) -> list[str]:
     """evaluate.py of the point through a cluster launcher (overrides, --split, --average_last)."""
-    spec = check_launcher(launcher, launcher_flags)
-    overrides = {**base_overrides, **point.overrides}
-    args = [*script_args(overrides), *([f'--split={split}'] if split else []),
-            *([f'--average_last={average_last}'] if average_last else [])]
-    return spec.command(config_path, point_dir_for(sweep_dir, point, launcher), args,
-                        launcher_flags, evaluate=True)
+    return point_command(config_path, sweep_dir, point, base_overrides, launcher, launcher_flags,
+                         eval_args=[*([f'--split={split}'] if split else []),
+                                    *([f'--average_last={average_last}'] if average_last
+                                      else [])])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -471,8 +473,12 @@ def evaluate_point(config, point_dir: str, split: str, average_last: int) -> dic
     record = results[label]
     with open(os.path.join(point_dir, 'evaluate.log'), 'a', encoding='utf-8') as f:
         f.write('\n'.join(lines) + '\n')
-    return {'label': label, 'split': split or config.test_split,
-            **{k: record[k] for k in EVAL_KEEP if k in record}}
+    return _eval_result(label, split or config.test_split, record)
+
+
+def _eval_result(label: str, split: str, record: dict) -> dict:
+    """What a point's state keeps of evaluate.py's record of `label`."""
+    return {'label': label, 'split': split, **{k: record[k] for k in EVAL_KEEP if k in record}}
 
 
 def evaluate_with_launcher(command: list[str], config, point_dir: str, split: str,
@@ -506,7 +512,7 @@ def evaluate_with_launcher(command: list[str], config, point_dir: str, split: st
         return {'error': f'evaluation: {e}', 'split': split}
     if not record or 'sacrebleu' not in record:
         return {'error': f'evaluation: {path} holds no scores of {label}', 'split': split}
-    return {'label': label, 'split': split, **{k: record[k] for k in EVAL_KEEP if k in record}}
+    return _eval_result(label, split, record)
 
 
 def count_params(config) -> int:

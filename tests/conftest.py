@@ -28,6 +28,13 @@ if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
     os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '-1'
 
 
+def one_device_env() -> dict:
+    """The environment for a script the tests start on one CPU device (no 8-device XLA_FLAGS)."""
+    env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+    env['JAX_PLATFORMS'] = 'cpu'
+    return env
+
+
 def tiny_config(**overrides):
     """configs/tiny.py shrunk for in-process tests (12 tokens, 8 rows, 50 ids), then overrides."""
     from configs import tiny

@@ -6,20 +6,16 @@ A GPU session has 15 minutes of device time for one run: a benchmark that breaks
 
 import json
 import math
-import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.conftest import ROOT, one_device_env
 
 
 def _results(*args):
     # One CPU device, as on the GPU box's one chip (the suite's processes have 8 host devices).
-    xla_flags = ' '.join(f for f in os.environ.get('XLA_FLAGS', '').split()
-                         if 'host_platform_device_count' not in f)
     out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300,
-                         env={**os.environ, 'JAX_PLATFORMS': 'cpu', 'XLA_FLAGS': xla_flags})
+                         timeout=300, env=one_device_env())
     results = [json.loads(line[len('RESULT '):]) for line in out.stdout.splitlines()
                if line.startswith('RESULT ')]
     assert out.returncode == 0 and results, out.stdout[-3000:] + out.stderr[-3000:]

@@ -19,8 +19,7 @@ from configs import table3_mini
 from t2t import sweep
 from t2t.model import Transformer, TransformerConfig
 from tests import toy_corpus
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.conftest import ROOT, one_device_env
 
 
 def test_product_zip_and_names():
@@ -120,12 +119,6 @@ def _sweep_command(config_path, workdir, *flags):
     return [sys.executable, 'sweep.py', f'--config={config_path}', f'--workdir={workdir}', *flags]
 
 
-def _env():
-    env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}  # one CPU device
-    env['JAX_PLATFORMS'] = 'cpu'
-    return env
-
-
 def _saved_steps(point_dir):
     directory = os.path.join(point_dir, 'checkpoints')
     if not os.path.isdir(directory):
@@ -144,8 +137,9 @@ def test_sweep_trains_records_failures_resumes_after_a_kill_and_summarizes(tmp_p
 
     # First run: the first point trains and is evaluated, the second fails; the sweep process is
     # killed (SIGKILL) once the third point has saved its first checkpoint.
-    first = subprocess.Popen(_sweep_command(config_path, workdir), cwd=ROOT, env=_env(),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = subprocess.Popen(_sweep_command(config_path, workdir), cwd=ROOT,
+                             env=one_device_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 300
     while not _saved_steps(long_dir):
         assert first.poll() is None, first.stdout.read()
@@ -164,8 +158,8 @@ def test_sweep_trains_records_failures_resumes_after_a_kill_and_summarizes(tmp_p
 
     # Second run: the done point is skipped, the failed one is left alone (no --retry_failed),
     # the killed one resumes from its checkpoint (its train.py got SIGTERM when the sweep died).
-    second = subprocess.run(_sweep_command(config_path, workdir), cwd=ROOT, env=_env(),
-                            capture_output=True, text=True, timeout=300)
+    second = subprocess.run(_sweep_command(config_path, workdir), cwd=ROOT,
+                            env=one_device_env(), capture_output=True, text=True, timeout=300)
     assert second.returncode == 1, second.stdout + second.stderr  # one point failed
     assert '[1/3] num_heads=2: done (step 6), skipped' in second.stdout
     assert '[2/3] max_decode_len=300: failed earlier' in second.stdout
