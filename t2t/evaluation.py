@@ -23,9 +23,7 @@ process 0 prints and writes files. Checkpoints of any mesh or process count eval
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
 from collections.abc import Callable
 
 import jax
@@ -33,6 +31,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from t2t import bleu, checkpoint, inference, layers_convert, sharding, startup
+from t2t import workdir as wd
 from t2t.model import TransformerConfig
 from t2t.summary import abstract_params
 
@@ -49,7 +48,7 @@ class EvalError(Exception):
 
 def list_steps(workdir) -> list[int]:
     """Finished checkpoint steps of WORKDIR, read-only (never touches a training run's saves)."""
-    if not os.path.isdir(workdir):
+    if not wd.is_dir(wd.path(workdir)):
         raise EvalError(f'workdir {workdir} does not exist')
     directory = checkpoint.checkpoint_dir(workdir)
     if not directory.exists():
@@ -143,27 +142,17 @@ def _load_split(config, tokenizer, split: str):
         raise EvalError(f'cannot read split {split!r}: {e}') from e
 
 
-def _write_text(path: str, text: str) -> None:
-    """Writes atomically: a reader never sees half a file."""
-    directory = os.path.dirname(os.path.abspath(path))
-    with tempfile.NamedTemporaryFile('w', encoding='utf-8', dir=directory, delete=False,
-                                     suffix='.tmp') as f:
-        f.write(text)
-    os.replace(f.name, path)
+def _write_lines(path, lines: list[str]) -> None:
+    """One line per entry (a newline inside an entry would shift every later line), atomically."""
+    wd.write_atomic(path, ''.join(line.replace('\n', ' ') + '\n' for line in lines))
 
 
-def _write_lines(path: str, lines: list[str]) -> None:
-    """One line per entry: a newline inside an entry would shift every later line."""
-    _write_text(path, ''.join(line.replace('\n', ' ') + '\n' for line in lines))
-
-
-def _merge_json(path: str, label: str, record: dict) -> None:
-    results = {}
-    if os.path.exists(path):
-        with open(path, encoding='utf-8') as f:
-            results = json.load(f)
+def merge_json(path, label: str, record: dict) -> None:
+    """Adds `record` under `label` to the JSON object in `path` (rewritten atomically)."""
+    text = wd.read_text(path)
+    results = json.loads(text) if text else {}
     results[label] = record
-    _write_text(path, json.dumps(results, indent=2, sort_keys=True) + '\n')
+    wd.write_atomic(path, json.dumps(results, indent=2, sort_keys=True) + '\n')
 
 
 def evaluate_params(config, params, tokenizer, eval_split, *, split: str, label: str,
@@ -185,7 +174,7 @@ def evaluate_params(config, params, tokenizer, eval_split, *, split: str, label:
                            f'{len(eval_split.skipped)} were skipped')
     hypotheses = [h or '' for h in result.hypotheses]
 
-    hyp_path = os.path.join(workdir, f'hypotheses-{_split_tag(split)}-{label}.txt')
+    hyp_path = wd.path(workdir, f'hypotheses-{_split_tag(split)}-{label}.txt')
     if jax.process_index() == 0:
         _write_lines(hyp_path, hypotheses)
     scores = bleu.score_all(hypotheses, eval_split.references, lang=config.target_lang)
@@ -203,7 +192,7 @@ def evaluate_params(config, params, tokenizer, eval_split, *, split: str, label:
         'max_decode_len': config.max_decode_len,
         'decode_seconds': round(result.seconds, 3),
         'sentences_per_s': round(result.sentences_per_s, 3),
-        'hypotheses_file': hyp_path,
+        'hypotheses_file': str(hyp_path),
     }
 
     echo(f'== {label} on {eval_split.name} ({n} sentences, beam {config.beam_size}, '
@@ -230,9 +219,9 @@ def _split_tag(split: str) -> str:
     return ''.join(c if c.isalnum() or c in '-_.' else '_' for c in split)
 
 
-def scores_path(workdir, split: str) -> str:
+def scores_path(workdir, split: str):
     """WORKDIR/eval-<split>.json: the scores of each evaluated checkpoint, by label."""
-    return os.path.join(workdir, f'eval-{_split_tag(split)}.json')
+    return wd.path(workdir, f'eval-{_split_tag(split)}.json')
 
 
 def _table(results: dict[str, dict]) -> str:
@@ -307,7 +296,7 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
                                  steps=steps, workdir=workdir, progress=progress, echo=echo,
                                  mesh=mesh)
         if jax.process_index() == 0:
-            _merge_json(json_path, label, record)
+            merge_json(json_path, label, record)
         results[label] = record
     if len(results) > 1:
         echo(_table(results))

@@ -18,13 +18,13 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import time
 
 import jax
 import numpy as np
 
 from t2t import checkpoint, flops, metrics, optim, sharding, startup, train_lib
+from t2t import workdir as wd
 from t2t.preemption import Interrupted, PreemptionFlag
 
 FINISHED_NAME = 'TRAINING_FINISHED'  # JSON {step, stopped_by}: the run has nothing left to do
@@ -286,11 +286,14 @@ def train_and_evaluate(config, workdir: str, devices=None) -> TrainResult:
             stopping = stopped_by != 'num_train_steps' or is_last
             preempted = stopped_by == 'preemption'
             scheduled_eval = step % config.eval_every_steps == 0 or is_last
-            # Preempted: save at once; a scheduled evaluation is left to the resumed run.
+            # Preempted: save at once; a scheduled evaluation is left to the resumed run, and so
+            # is an interrupted one (also the final evaluation of a time-budget stop).
+            evaluation_pending = scheduled_eval and preempted
             if (scheduled_eval or stopping) and not preempted:
                 summary = evaluate()
                 if summary is None:  # SIGTERM during the evaluation: save this step now
                     stopped_by, stopping, preempted = 'preemption', True, True
+                    evaluation_pending = True
                 else:
                     eval_summary = summary
             if step % config.checkpoint_every_steps == 0 or stopping:
@@ -298,7 +301,7 @@ def train_and_evaluate(config, workdir: str, devices=None) -> TrainResult:
                 checkpoint.save(manager, step, state, train_iter, extra_metadata={
                     'train_seconds': train_seconds(),
                     'unlogged_metrics': interval.unlogged(),
-                    'evaluation_pending': scheduled_eval and preempted})
+                    'evaluation_pending': evaluation_pending})
             if stopping:
                 break
             if logged:  # after evaluation and saving, so step times measure training alone
@@ -317,27 +320,22 @@ def train_and_evaluate(config, workdir: str, devices=None) -> TrainResult:
 def _clear_finished(workdir) -> None:
     """A run that starts (or resumes) is not finished until it says so again."""
     if jax.process_index() == 0:
-        try:
-            os.remove(os.path.join(workdir, FINISHED_NAME))
-        except FileNotFoundError:
-            pass
+        wd.remove(wd.path(workdir, FINISHED_NAME))
 
 
 def _mark_finished(workdir, step: int, stopped_by: str) -> None:
     """WORKDIR/TRAINING_FINISHED: every checkpoint of this run is on disk (for --watch)."""
     if jax.process_index() == 0:
-        path = os.path.join(workdir, FINISHED_NAME)
-        with open(path + '.tmp', 'w', encoding='utf-8') as f:
-            json.dump({'step': step, 'stopped_by': stopped_by}, f)
-        os.replace(path + '.tmp', path)
+        wd.write_atomic(wd.path(workdir, FINISHED_NAME),
+                        json.dumps({'step': step, 'stopped_by': stopped_by}))
 
 
 def read_finished(workdir) -> dict | None:
     """The TRAINING_FINISHED record of WORKDIR, or None while training may still save steps."""
+    text = wd.read_text(wd.path(workdir, FINISHED_NAME))
     try:
-        with open(os.path.join(workdir, FINISHED_NAME), encoding='utf-8') as f:
-            return json.load(f)
-    except (FileNotFoundError, json.JSONDecodeError):
+        return None if text is None else json.loads(text)
+    except json.JSONDecodeError:
         return None
 
 

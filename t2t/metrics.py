@@ -13,12 +13,17 @@ replaces it atomically), and so are those at step S whose keys all start with on
 file tells a running TensorBoard to purge steps > S (tensorboardX's purge_step: a SessionLog.START
 event), so no step ever holds two values.
 Only the writer with enabled=True writes (pass enabled=jax.process_index() == 0).
+
+DIR may be a bucket URL (gs://...): every file goes through t2t/workdir.py. A bucket cannot append,
+so metrics.jsonl is rewritten whole at each call, and the event file is written by tensorboardX in
+a local staging directory and uploaded (rewritten) after each call: a crash loses at most the call
+in flight there too.
 """
 
-import glob
 import json
 import math
 import os
+import shutil
 import struct
 import sys
 import tempfile
@@ -27,6 +32,8 @@ from collections.abc import Iterator, Mapping
 
 import jax
 import numpy as np
+
+from t2t import workdir as wd
 
 JSONL_NAME = 'metrics.jsonl'
 EVENTS_GLOB = 'events.out.tfevents.*'
@@ -44,25 +51,29 @@ class MetricWriter:
     def __init__(self, logdir, enabled: bool = True, tensorboard: bool = True, stream=None,
                  start_step: int | None = None, redo_at_start: tuple[str, ...] = ()):
         """start_step: the step this run starts from (0 fresh, S resumed): later records go."""
-        self.logdir = os.fspath(logdir)
+        self.logdir = wd.path(logdir)
         self.enabled = enabled
         self._stream = stream
         self._jsonl = None
         self._tb = None
+        self._staging = None  # a local directory for the event file of a bucket logdir
         if not enabled:
             return
-        os.makedirs(self.logdir, exist_ok=True)
+        wd.makedirs(self.logdir)
         if start_step is not None:
             truncate(self.logdir, start_step, redo_at_start)
-        self._jsonl = open(os.path.join(self.logdir, JSONL_NAME), 'a', encoding='utf-8')
+        self._jsonl = wd.Appender(self.logdir / JSONL_NAME)
         if tensorboard:
             from tensorboardX import SummaryWriter  # imported lazily: it pulls in protobuf
 
+            if wd.is_url(self.logdir):
+                self._staging = tempfile.mkdtemp(prefix='t2t-events-')
             # tensorboardX names files by the second and opens them with 'wb': the suffix keeps
             # a writer started within the same second from wiping the previous one's file.
             # purge_step hides the steps a running TensorBoard read before this (re)start.
             self._tb = SummaryWriter(
-                self.logdir, filename_suffix=f'.{time.time_ns()}.{os.getpid()}',
+                self._staging or os.fspath(self.logdir),
+                filename_suffix=f'.{time.time_ns()}.{os.getpid()}',
                 purge_step=None if start_step is None else start_step + 1)
 
     def write_scalars(self, step: int, scalars: Mapping[str, object]) -> None:
@@ -77,11 +88,19 @@ class MetricWriter:
             for k, v in values.items():
                 self._tb.add_scalar(k, v, step)
             self._tb.flush()
+            self._upload_events()
         # Last: a record in metrics.jsonl means the call is complete (evaluate.py --watch relies
         # on it to know what it has done).
         record = {'step': step, **{k: v if math.isfinite(v) else None for k, v in values.items()}}
-        self._jsonl.write(json.dumps(record) + '\n')
-        self._jsonl.flush()
+        self._jsonl.append(json.dumps(record) + '\n')
+
+    def _upload_events(self) -> None:
+        """A bucket logdir: the staged event file, rewritten whole into the bucket."""
+        if self._staging is None:
+            return
+        for name in os.listdir(self._staging):
+            with open(os.path.join(self._staging, name), 'rb') as f:
+                wd.write_atomic(self.logdir / name, f.read())
 
     def close(self) -> None:
         if self._jsonl is not None:
@@ -90,6 +109,10 @@ class MetricWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+            self._upload_events()
+        if self._staging is not None:
+            shutil.rmtree(self._staging, ignore_errors=True)
+            self._staging = None
 
     def __enter__(self) -> 'MetricWriter':
         return self
@@ -104,32 +127,23 @@ def read_jsonl(path) -> list[dict]:
     Lines of the same step are merged (training and evaluation scalars are written separately);
     where a key repeats, the later write wins. A torn last line (crash mid-write) is ignored.
     """
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        path = os.path.join(path, JSONL_NAME)
+    path = wd.path(path)
+    if wd.is_dir(path):
+        path = path / JSONL_NAME
+    text = wd.read_text(path)
+    if text is None:
+        raise FileNotFoundError(f'{path} does not exist')
     by_step = {}
-    with open(path, encoding='utf-8') as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            by_step.setdefault(record['step'], {}).update(record)
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        by_step.setdefault(record['step'], {}).update(record)
     return [by_step[s] for s in sorted(by_step)]
 
 
 # --- truncation on resume ----------------------------------------------------------------------
-
-
-def _replace_atomically(path: str, chunks) -> None:
-    """Writes `chunks` (bytes) to a new file beside `path`, then renames it over `path`."""
-    directory = os.path.dirname(os.path.abspath(path))
-    with tempfile.NamedTemporaryFile('wb', dir=directory, delete=False, suffix='.tmp') as f:
-        for chunk in chunks:
-            f.write(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(f.name, path)
 
 
 def _kept(step: int, keys, last_step: int, redo: tuple[str, ...]) -> bool:
@@ -138,37 +152,35 @@ def _kept(step: int, keys, last_step: int, redo: tuple[str, ...]) -> bool:
     return step <= last_step
 
 
-def _jsonl_lines_up_to(path: str, last_step: int, redo: tuple[str, ...]) -> Iterator[bytes]:
-    with open(path, 'rb') as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a torn line (crash mid-write)
-            step = record.pop('step', 0)
-            if _kept(step, record, last_step, redo):
-                yield line if line.endswith(b'\n') else line + b'\n'
+def _jsonl_lines_up_to(data: bytes, last_step: int, redo: tuple[str, ...]) -> Iterator[bytes]:
+    for line in data.splitlines(keepends=True):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a torn line (crash mid-write)
+        step = record.pop('step', 0)
+        if _kept(step, record, last_step, redo):
+            yield line if line.endswith(b'\n') else line + b'\n'
 
 
-def _records(path: str) -> Iterator[bytes]:
-    """The framed records of a TFRecord file (length, crc, data, crc), each as its raw bytes.
+def _records(data: bytes) -> Iterator[bytes]:
+    """The framed records of a TFRecord file's bytes (length, crc, data, crc), each raw.
 
     Stops at a torn record (crash mid-write) or a damaged length field.
     """
     from tensorboardX.record_writer import masked_crc32c
 
-    with open(path, 'rb') as f:
-        while True:
-            header = f.read(12)
-            if len(header) < 12:
-                return
-            length, length_crc = struct.unpack('<QI', header)
-            if masked_crc32c(header[:8]) != length_crc:
-                return
-            body = f.read(length + 4)
-            if len(body) < length + 4:
-                return
-            yield header + body
+    offset = 0
+    while offset + 12 <= len(data):
+        header = data[offset:offset + 12]
+        length, length_crc = struct.unpack('<QI', header)
+        if masked_crc32c(header[:8]) != length_crc:
+            return
+        end = offset + 12 + length + 4
+        if end > len(data):
+            return
+        yield data[offset:end]
+        offset = end
 
 
 def _event(record: bytes):
@@ -177,8 +189,8 @@ def _event(record: bytes):
     return Event.FromString(record[12:-4])
 
 
-def _event_records_up_to(path: str, last_step: int, redo: tuple[str, ...]) -> Iterator[bytes]:
-    for record in _records(path):
+def _event_records_up_to(data: bytes, last_step: int, redo: tuple[str, ...]) -> Iterator[bytes]:
+    for record in _records(data):
         event = _event(record)
         # Keep the file header (file_version) and anything at or before the step.
         tags = [value.tag for value in event.summary.value]
@@ -190,19 +202,21 @@ def _event_records_up_to(path: str, last_step: int, redo: tuple[str, ...]) -> It
 def truncate(logdir, last_step: int, redo_at_last: tuple[str, ...] = ()) -> None:
     """Removes the records of steps > last_step from DIR/metrics.jsonl and DIR's event files,
     and those at last_step whose keys all start with one of `redo_at_last`."""
-    logdir = os.fspath(logdir)
-    path = os.path.join(logdir, JSONL_NAME)
-    if os.path.exists(path):
-        _replace_atomically(path, list(_jsonl_lines_up_to(path, last_step, redo_at_last)))
-    for events in sorted(glob.glob(os.path.join(logdir, EVENTS_GLOB))):
-        _replace_atomically(events, list(_event_records_up_to(events, last_step, redo_at_last)))
+    logdir = wd.path(logdir)
+    path = logdir / JSONL_NAME
+    data = wd.read_bytes(path)
+    if data is not None:
+        wd.write_atomic(path, b''.join(_jsonl_lines_up_to(data, last_step, redo_at_last)))
+    for events in wd.glob(logdir, EVENTS_GLOB):
+        data = wd.read_bytes(events)
+        wd.write_atomic(events, b''.join(_event_records_up_to(data, last_step, redo_at_last)))
 
 
 def read_events(logdir) -> list[tuple[str, int, float]]:
     """(tag, step, value) of every scalar in DIR's event files, in file order (as written)."""
     out = []
-    for path in sorted(glob.glob(os.path.join(os.fspath(logdir), EVENTS_GLOB))):
-        for record in _records(path):
+    for path in wd.glob(wd.path(logdir), EVENTS_GLOB):
+        for record in _records(wd.read_bytes(path)):
             event = _event(record)
             for value in event.summary.value:
                 out.append((value.tag, int(event.step), float(value.simple_value)))

@@ -4,9 +4,6 @@ Each failure is a ConfigError (a ValueError) with a one-line message that names 
 the path, so train.py and evaluate.py can print it instead of a traceback.
 """
 
-import os
-import tempfile
-
 # Every length a config asks the model to handle; positions 0 .. length - 1 index the table.
 LENGTH_KEYS = ('max_len', 'max_eval_len', 'max_decode_len')
 
@@ -29,15 +26,12 @@ def check_lengths(config, keys=LENGTH_KEYS) -> None:
 
 
 def check_writable(workdir) -> None:
-    """WORKDIR exists or can be created, and a file can be written in it."""
-    if '://' in os.fspath(workdir):
-        return  # gs:// and the like: the first checkpoint save reports a problem
-    path = os.path.abspath(os.fspath(workdir))
+    """WORKDIR exists or can be created, and a file can be written, read and deleted in it (a
+    probe object in a bucket: a missing bucket or missing rights fail here, not at the first
+    checkpoint)."""
+    from t2t import workdir as wd
+
     try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path) as f:
-            f.write(b'0')
-            f.flush()
-            os.fsync(f.fileno())
+        wd.check_writable(workdir)
     except OSError as e:
-        raise ConfigError(f'workdir {path} is not writable: {e.strerror or e}') from e
+        raise ConfigError(f'workdir {wd.path(workdir)} is not writable: {e.strerror or e}') from e

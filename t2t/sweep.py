@@ -61,9 +61,10 @@ import shlex
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
+
+from t2t import workdir as wd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_PY = os.path.join(ROOT, 'train.py')
@@ -285,21 +286,12 @@ def eval_command(config_path: str, sweep_dir: str, point: Point, base_overrides:
 # State on disk
 
 
-def write_atomic(path: str, data: bytes | str) -> None:
-    """A reader never sees half a file: write a temporary file beside it, then rename."""
-    directory = os.path.dirname(os.path.abspath(path))
-    mode = 'wb' if isinstance(data, bytes) else 'w'
-    with tempfile.NamedTemporaryFile(mode, dir=directory, delete=False, suffix='.tmp') as f:
-        f.write(data)
-    os.replace(f.name, path)
-
-
-def read_json(path: str) -> dict | None:
-    try:
-        with open(path, encoding='utf-8') as f:
-            return json.load(f)
-    except FileNotFoundError:
+def read_json(path) -> dict | None:
+    text = wd.read_text(path)
+    if text is None:
         return None
+    try:
+        return json.loads(text)
     except json.JSONDecodeError as e:
         raise SweepError(f'{path} is not valid JSON ({e}); delete it to start the point over') \
             from e
@@ -310,7 +302,7 @@ def read_state(point_dir: str) -> dict:
 
 
 def write_state(point_dir: str, state: dict) -> None:
-    write_atomic(os.path.join(point_dir, STATE_NAME), json.dumps(state, indent=1) + '\n')
+    wd.write_atomic(os.path.join(point_dir, STATE_NAME), json.dumps(state, indent=1) + '\n')
 
 
 def _process_alive(pid: int, command: list[str]) -> bool:
@@ -561,8 +553,9 @@ def run(config_path: str, config, workdir: str, *, base_overrides: dict | None =
     """
     base_overrides, launcher_flags = dict(base_overrides or {}), list(launcher_flags)
     if '://' in workdir:
-        raise SweepError(f'--workdir={workdir}: the sweep keeps its state with local file '
-                         'APIs; mount the bucket (gcsfuse) at the same path here and on the '
+        raise SweepError(f'--workdir={workdir}: a sweep directory must be a local or shared '
+                         'file system path (it holds a lock and the points\' live logs, which a '
+                         'bucket cannot); mount the bucket (gcsfuse) at one path here and on the '
                          'workers and give that path')
     cluster = check_launcher(launcher, launcher_flags).script is not None
     points = make_points(config, load_sweep(config_path) if sweep is None else sweep,
@@ -590,7 +583,7 @@ def run(config_path: str, config, workdir: str, *, base_overrides: dict | None =
     os.makedirs(workdir, exist_ok=True)
     lock = _lock(workdir)
     try:
-        write_atomic(os.path.join(workdir, SWEEP_NAME), json.dumps({
+        wd.write_atomic(os.path.join(workdir, SWEEP_NAME), json.dumps({
             'config': config_path, 'base_overrides': base_overrides, 'split': split,
             'average_last': average_last, 'launcher': launcher,
             'launcher_flags': launcher_flags,
@@ -807,7 +800,7 @@ def plot_curves(rows: list[dict], path: str, title: str = ''):
     buffer = io.BytesIO()
     fig.savefig(buffer, format='png', dpi=110)
     plt.close(fig)
-    write_atomic(path, buffer.getvalue())
+    wd.write_atomic(path, buffer.getvalue())
     return fig
 
 
@@ -818,8 +811,8 @@ def write_summary(workdir: str) -> list[dict]:
         raise SweepError(f'{workdir} holds no {SWEEP_NAME}: not a sweep directory')
     rows = [point_row(workdir, name) for name in meta['points']]
     keys = sorted({k for r in rows for k in r['overrides']})
-    write_atomic(os.path.join(workdir, 'summary.md'), _markdown(rows, meta))
-    write_atomic(os.path.join(workdir, 'summary.csv'), _csv(rows, keys))
+    wd.write_atomic(os.path.join(workdir, 'summary.md'), _markdown(rows, meta))
+    wd.write_atomic(os.path.join(workdir, 'summary.csv'), _csv(rows, keys))
     plot_curves(rows, os.path.join(workdir, 'curves.png'),
                 f'{meta.get("config", "")}: {os.path.basename(os.path.abspath(workdir))}')
     return rows

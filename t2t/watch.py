@@ -19,17 +19,33 @@ it was read, or that is corrupt, is reported in one line and skipped.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 
+import jax
+import numpy as np
+
 from t2t import checkpoint, evaluation, metrics, sharding, startup
+from t2t import workdir as wd
 
 
-def _done_steps(logdir: str) -> set[int]:
-    if not os.path.exists(os.path.join(logdir, metrics.JSONL_NAME)):
+def _done_steps(logdir) -> set[int]:
+    if not wd.exists(logdir / metrics.JSONL_NAME):
         return set()
     return {r['step'] for r in metrics.read_jsonl(logdir)}
+
+
+def _from_process_0(values: list[int]) -> list[int]:
+    """Process 0's list of ints, on every process."""
+    if jax.process_count() == 1:
+        return values
+    from jax.experimental import multihost_utils
+
+    n = int(multihost_utils.broadcast_one_to_all(np.int32(len(values))))
+    if not n:
+        return []
+    mine = np.asarray(values if jax.process_index() == 0 else [0] * n, np.int32)
+    return [int(v) for v in multihost_utils.broadcast_one_to_all(mine)]
 
 
 def run(config, workdir, *, split: str = '', timeout_s: float = 3600.0, poll_s: float = 5.0,
@@ -44,8 +60,11 @@ def run(config, workdir, *, split: str = '', timeout_s: float = 3600.0, poll_s: 
         raise evaluation.EvalError('--workdir is required')
     split = split or config.test_split
     tag = evaluation._split_tag(split)
-    logdir = os.path.join(workdir, f'watch-{tag}')
-    json_path = os.path.join(workdir, f'eval-{tag}.json')
+    logdir = wd.path(workdir, f'watch-{tag}')
+    json_path = evaluation.scores_path(workdir, split)
+    writes = jax.process_index() == 0  # every process decodes its rows; process 0 writes
+    if not writes:
+        echo = lambda _: None  # noqa: E731
     done = _done_steps(logdir)
     skipped: set[int] = set()
     tokenizer = evaluation._get_tokenizer(config)
@@ -53,13 +72,16 @@ def run(config, workdir, *, split: str = '', timeout_s: float = 3600.0, poll_s: 
     mesh = sharding.make_mesh((-1, 1, 1))  # decoding: every device its own rows
     echo(f'watching {workdir} ({split}); done before: {sorted(done) or "none"}')
     results = {}
-    writer = metrics.MetricWriter(logdir, start_step=max(done, default=0))
+    writer = metrics.MetricWriter(logdir, enabled=writes, start_step=max(done, default=0))
     last_news = clock()
     try:
         while True:
             finished = loop.read_finished(workdir)  # read before listing: see the last step
-            steps = checkpoint.finished_steps(workdir) if os.path.isdir(workdir) else []
-            todo = [s for s in steps if s not in done and s not in skipped]
+            steps = checkpoint.finished_steps(workdir) if wd.is_dir(wd.path(workdir)) else []
+            # Process 0's view (a listing may differ for a moment between hosts): every process
+            # decodes the same steps and stops at the same time.
+            todo = _from_process_0([s for s in steps if s not in done and s not in skipped])
+            finished_here = _from_process_0([] if finished is None else [finished['step']])
             for step in todo:
                 label = f'step-{step}'
                 try:
@@ -75,7 +97,8 @@ def run(config, workdir, *, split: str = '', timeout_s: float = 3600.0, poll_s: 
                 record = evaluation.evaluate_params(
                     config, params, tokenizer, eval_split, split=split, label=label,
                     steps=[step], workdir=workdir, progress=progress, echo=echo, mesh=mesh)
-                evaluation._merge_json(json_path, label, record)
+                if writes:
+                    evaluation.merge_json(json_path, label, record)
                 writer.write_scalars(step, {
                     'eval/sacrebleu': record['sacrebleu'], 'eval/chrf': record['chrf'],
                     'eval/tok_bleu': record['tok_bleu_compound_split'],
@@ -84,11 +107,12 @@ def run(config, workdir, *, split: str = '', timeout_s: float = 3600.0, poll_s: 
                 results[step] = record
             if todo:
                 last_news = clock()
-            elif finished is not None:
-                echo(f'training finished at step {finished["step"]} ({finished["stopped_by"]}); '
+            elif finished_here:
+                stopped_by = (finished or {}).get('stopped_by', '?')
+                echo(f'training finished at step {finished_here[0]} ({stopped_by}); '
                      f'evaluated {len(results)} new checkpoints -> {logdir}')
                 return results
-            elif clock() - last_news > timeout_s:
+            elif _from_process_0([1] if clock() - last_news > timeout_s else []):
                 echo(f'no new checkpoint for {timeout_s:.0f} s: stopping; evaluated '
                      f'{len(results)} new checkpoints -> {logdir}')
                 return results

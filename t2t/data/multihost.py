@@ -17,6 +17,8 @@ import tempfile
 
 import numpy as np
 
+from t2t import workdir as wd
+
 
 def _distributed() -> bool:
     if 'jax' not in sys.modules:  # nothing can have started jax.distributed
@@ -55,21 +57,6 @@ def file_digest(path: str) -> str:
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def write_atomically(path: str, data: bytes) -> None:
-    """A reader sees the old file or the whole new one; concurrent writers never share a file."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix='.' + os.path.basename(path) + '.')
-    try:
-        with os.fdopen(fd, 'wb') as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
 def share_file(path: str) -> None:
     """Process 0's bytes of `path` on every process's filesystem (written where they differ).
 
@@ -93,7 +80,7 @@ def share_file(path: str) -> None:
             with open(path, 'rb') as f:
                 same = f.read() == data
         if not same:
-            write_atomically(path, data)
+            wd.write_atomic(path, data)
 
 
 def check_same(what: str, digest: str) -> None:

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from t2t import workdir as wd
 from t2t import ids as ids_lib
 from t2t.ids import EOS_ID, PAD_ID, UNK_ID
 
@@ -85,11 +86,7 @@ def tokenizer(config) -> RecallTokenizer:
     """The recall vocabulary, written once to data_dir/vocab (atomically) and read from there."""
     path = os.path.join(config.data_dir, 'vocab', f'recall-v{VERSION}.vocab')
     if not os.path.exists(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with tempfile.NamedTemporaryFile('w', dir=os.path.dirname(path), delete=False,
-                                         suffix='.tmp', encoding='utf-8') as f:
-            f.write(''.join(p + '\n' for p in PIECES))
-        os.replace(f.name, path)
+        wd.write_atomic(path, ''.join(p + '\n' for p in PIECES))
     return RecallTokenizer(path)
 
 

@@ -1,0 +1,163 @@
+"""The one I/O layer for files under a workdir, a local directory or a bucket URL (gs://...).
+
+Every file t2t writes or reads in a workdir (metrics.jsonl, TensorBoard events, markers, evaluation
+records and hypotheses, watch and sweep state, the vocabulary copy, run records) goes through here;
+checkpoints go through orbax, which takes the same paths. Paths are `etils.epath.Path`s: local
+paths are made absolute, URLs are kept as given (`gs://` needs gcsfs, a dependency).
+
+Writes are atomic: a reader sees the old file or the whole new one, never a part. Locally that is a
+temporary file in the same directory renamed over the target; in a bucket an object upload is
+atomic by itself (an object becomes visible only when its upload completes), so the object is
+written directly. A bucket has no append: `Appender` keeps the file's content and rewrites the
+whole object at each append (metrics files are small: one line per log step).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+
+from etils import epath
+
+
+def is_url(location) -> bool:
+    """True for gs://, s3:// and the like (anything that is not a local path)."""
+    return '://' in os.fspath(location)
+
+
+def path(location, *parts) -> epath.Path:
+    """WORKDIR/part/...: an absolute local path, or the URL as given."""
+    location = os.fspath(location)
+    base = epath.Path(location if is_url(location) else os.path.abspath(location))
+    return base.joinpath(*parts) if parts else base
+
+
+def exists(p) -> bool:
+    return epath.Path(p).exists()
+
+
+def is_dir(p) -> bool:
+    return epath.Path(p).is_dir()
+
+
+def makedirs(p) -> None:
+    """Creates a local directory and its parents (a bucket needs none; a no-op there)."""
+    p = epath.Path(p)
+    if not is_url(p):
+        p.mkdir(parents=True, exist_ok=True)
+
+
+def read_bytes(p) -> bytes | None:
+    """The file's bytes, or None when it does not exist."""
+    try:
+        return epath.Path(p).read_bytes()
+    except FileNotFoundError:
+        return None
+
+
+def read_text(p) -> str | None:
+    """The file's text (UTF-8), or None when it does not exist."""
+    data = read_bytes(p)
+    return None if data is None else data.decode('utf-8')
+
+
+def write_atomic(p, data: str | bytes) -> None:
+    """Writes `data` to `p` so that no reader ever sees a partial file (see the module doc)."""
+    p = epath.Path(p)
+    data = data.encode('utf-8') if isinstance(data, str) else bytes(data)
+    if is_url(p):
+        p.write_bytes(data)  # one object upload: visible only when complete
+        return
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.fspath(p.parent), prefix=f'.{p.name}.', suffix='.tmp')
+    try:
+        with os.fdopen(fd, 'wb') as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.fspath(p))
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def remove(p) -> bool:
+    """Removes a file; False when there was none."""
+    try:
+        epath.Path(p).unlink()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def glob(directory, pattern: str) -> list[epath.Path]:
+    """The files of `directory` matching `pattern`, sorted by name ([] when it does not exist)."""
+    directory = epath.Path(directory)
+    if not directory.exists():
+        return []
+    return sorted(directory.glob(pattern), key=lambda q: q.name)
+
+
+def copy(src, dst) -> None:
+    """Copies a file (local or URL, either side) atomically to `dst`."""
+    data = read_bytes(src)
+    if data is None:
+        raise FileNotFoundError(f'{src} does not exist')
+    write_atomic(dst, data)
+
+
+def check_writable(location) -> None:
+    """WORKDIR can be created, and a file in it written, read back and deleted (a probe object in
+    a bucket). Raises OSError with the reason; callers turn it into a one-line error."""
+    probe = path(location, f'.t2t-write-probe-{uuid.uuid4().hex}')
+    try:
+        makedirs(probe.parent)
+        probe.write_bytes(b't2t')
+        if probe.read_bytes() != b't2t':
+            raise OSError(f'{probe} read back different bytes')
+        probe.unlink()
+    except Exception as e:  # gcsfs / google-auth raise their own types too
+        first = (str(e).strip().splitlines() or [''])[0][:200]
+        if isinstance(e, FileNotFoundError) and is_url(location):
+            first = f'no such bucket ({first})'
+        elif isinstance(e, PermissionError):
+            first = f'permission denied ({first})'
+        elif not isinstance(e, OSError) or not e.strerror:
+            first = f'{type(e).__name__}: {first}'
+        else:
+            raise
+        raise OSError(first) from e
+
+
+class Appender:
+    """A text file that grows by whole lines, e.g. metrics.jsonl.
+
+    Locally: opened for append, each `append` flushed at once. In a bucket: the content so far is
+    kept in memory and the whole object rewritten by each `append` (atomic), since objects cannot
+    be appended to. Either way a crash loses at most the call in flight.
+    """
+
+    def __init__(self, p):
+        self.path = epath.Path(p)
+        self._file = None
+        self._content = None
+        if is_url(self.path):
+            self._content = read_text(self.path) or ''
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(os.fspath(self.path), 'a', encoding='utf-8')  # noqa: SIM115
+
+    def append(self, text: str) -> None:
+        if self._file is not None:
+            self._file.write(text)
+            self._file.flush()
+        else:
+            self._content += text
+            write_atomic(self.path, self._content)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

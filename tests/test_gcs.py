@@ -1,0 +1,79 @@
+"""gs:// workdirs against a real Cloud Storage API on localhost (tests/gcs_server.py).
+
+In-process: the workdir I/O layer, the metric writer (resume truncation included) and the
+writability probe. The pod scenario (2 processes x 4 CPU devices, train.py with
+--workdir=gs://..., SIGKILL, resume, evaluate.py --watch / --all / --average_last on 2 processes)
+is in test_gcs_pod.py.
+"""
+
+import os
+
+import pytest
+
+from t2t import metrics, startup
+from t2t import workdir as wd
+from tests import gcs_server
+
+
+@pytest.fixture(scope='module')
+def bucket():
+    with gcs_server.serve() as url:
+        yield gcs_server.make_bucket(url, 'unit')
+
+
+def test_atomic_writes_reads_and_globs_in_a_bucket(bucket):
+    run = wd.path(bucket, 'run')
+    assert str(run) == f'{bucket}/run'  # a URL stays a URL (no local 'gs:' directory)
+    wd.write_atomic(run / 'a.json', '{"x": 1}')
+    wd.write_atomic(run / 'b.bin', b'\x00\x01')
+    assert wd.read_text(run / 'a.json') == '{"x": 1}'
+    assert wd.read_bytes(run / 'b.bin') == b'\x00\x01'
+    assert wd.read_text(run / 'missing') is None
+    assert [p.name for p in wd.glob(run, '*.json')] == ['a.json']
+    assert wd.remove(run / 'a.json') and not wd.remove(run / 'a.json')
+    wd.copy(run / 'b.bin', run / 'sub' / 'c.bin')
+    assert wd.read_bytes(run / 'sub' / 'c.bin') == b'\x00\x01'
+    assert not os.path.exists('gs:')
+
+
+def test_appender_grows_a_bucket_object_line_by_line(bucket):
+    target = wd.path(bucket, 'appender', 'lines.txt')
+    first = wd.Appender(target)
+    first.append('one\n')
+    first.append('two\n')
+    first.close()
+    assert wd.read_text(target) == 'one\ntwo\n'
+    second = wd.Appender(target)  # a resumed run keeps what is there
+    second.append('three\n')
+    assert wd.read_text(target) == 'one\ntwo\nthree\n'
+
+
+def test_metric_writer_in_a_bucket_truncates_on_resume(bucket):
+    logdir = wd.path(bucket, 'metrics-run')
+    with metrics.MetricWriter(logdir, stream=open(os.devnull, 'w'), start_step=0) as writer:
+        for step in range(1, 6):
+            writer.write_scalars(step, {'loss': 10.0 - step})
+    # Resumed from step 3: steps 4 and 5 go, in metrics.jsonl and in the event files.
+    with metrics.MetricWriter(logdir, stream=open(os.devnull, 'w'), start_step=3) as writer:
+        writer.write_scalars(4, {'loss': 0.5})
+    records = metrics.read_jsonl(logdir)
+    assert [(r['step'], r['loss']) for r in records] == [(1, 9.0), (2, 8.0), (3, 7.0), (4, 0.5)]
+    events = metrics.read_events(logdir)
+    assert [(s, v) for tag, s, v in events if tag == 'loss'] == \
+        [(1, 9.0), (2, 8.0), (3, 7.0), (4, 0.5)]
+    assert len(wd.glob(logdir, metrics.EVENTS_GLOB)) == 2  # one event file per writer
+
+
+def test_check_writable_probes_the_bucket(bucket):
+    startup.check_writable(f'{bucket}/probe-run')  # writes, reads and deletes a probe object
+    assert wd.glob(wd.path(bucket, 'probe-run'), '*') == []
+    with pytest.raises(startup.ConfigError, match=r'^workdir gs://no-such-bucket/run is not '
+                                                  r'writable: .+'):
+        startup.check_writable('gs://no-such-bucket/run')
+
+
+def test_check_writable_names_a_local_directory_it_cannot_create(tmp_path):
+    blocker = tmp_path / 'file'
+    blocker.write_text('x')
+    with pytest.raises(startup.ConfigError, match='is not writable'):
+        startup.check_writable(blocker / 'run')
