@@ -25,12 +25,16 @@ def base_config() -> ml_collections.ConfigDict:
     c.vocab_path = ''  # '' -> derived from data_dir, dataset and vocab_size
     c.tokenizer_sentences = 1_000_000  # sentences (source + target) used to train sentencepiece
     c.tokenizer_character_coverage = 0.9999  # rarer characters become UTF-8 byte pieces
+    c.vocab_seed = 0  # the vocabulary's sample of sentences (not shuffle_seed: seeds share one)
     c.max_len = 256  # tokens per side of one packed training row; longer pairs are skipped
     c.max_eval_len = 256  # evaluation pairs longer than this are skipped (and counted)
     c.batch_size = 128  # packed rows per global batch (~ batch_size * max_len * fill target tokens)
     c.eval_batch_size = 64  # sentences per evaluation batch (unpacked, last batch padded)
     c.pack = True
-    c.shuffle_seed = 0
+    c.shuffle_seed = 0  # the order of the training rows (the vocabulary and caches stay)
+    # A resumed run whose batch size or packed training cache differs from its checkpoint's is an
+    # error unless this is True (then the data position is mapped by rows consumed, and logged).
+    c.allow_data_change = False
     # dataset='recall' (t2t/data/recall.py): source length, training draws, held-out sequences
     c.recall_length = 8
     c.recall_train_examples = 20_000

@@ -23,6 +23,7 @@ process 0 prints and writes files. Checkpoints of any mesh or process count eval
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable
 
@@ -239,13 +240,37 @@ def _table(results: dict[str, dict]) -> str:
 # Entry
 
 
-def _get_tokenizer(config):
+def workdir_tokenizer(config, workdir):
+    """The vocabulary WORKDIR was trained with (its vocab.model, written by its first run); for a
+    workdir from before t2t kept that copy, the config's prepared vocabulary. Never trains one."""
     from t2t import data
+    from t2t.data import identity
 
     try:
-        return data.get_tokenizer(config)
+        if config.dataset == 'recall':  # fixed symbols: nothing trained, nothing to pin
+            return data.get_tokenizer(config)
+        path = identity.local_vocabulary(workdir, config.data_dir)
+        if path is None:
+            path = data.vocab_path(config)
+            if not os.path.exists(path):
+                raise EvalError(f'{wd.path(workdir, identity.VOCAB_NAME)} and {path} do not '
+                                'exist: evaluate.py never trains a vocabulary (python -m t2t.data '
+                                '--config=... prepares the config\'s)')
+        return data.Tokenizer(path)
     except (ValueError, OSError) as e:
         raise EvalError(f'cannot load the tokenizer: {e}') from e
+
+
+def check_vocabulary(workdir, steps: list[int], tokenizer, label: str) -> None:
+    """The tokenizer is the one checkpoint `steps[-1]` was trained with (when it recorded it)."""
+    from t2t.data import identity
+
+    saved = checkpoint.read_metadata(workdir, steps[-1]).get(identity.DATA_KEY)
+    if saved and saved['vocab_sha256'] != identity.vocab_digest(tokenizer):
+        raise EvalError(
+            f'checkpoint {label} was trained with vocabulary {saved["vocab_sha256"][:12]} but '
+            f'{tokenizer.path} is {identity.vocab_digest(tokenizer)[:12]}: its hypotheses would '
+            'be other words (evaluate with the run\'s own WORKDIR/vocab.model)')
 
 
 def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
@@ -267,11 +292,13 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
     if translate and input_path == '-' and jax.process_count() > 1:
         raise EvalError('with several processes --translate reads --input=FILE, not stdin')
     selection = select(workdir, step=step, all_steps=all_steps, average_last=average_last)
-    tokenizer = _get_tokenizer(config)
+    tokenizer = workdir_tokenizer(config, workdir)
     mesh = sharding.make_mesh((-1, 1, 1), devices)  # decoding: every device its own rows
     if jax.process_index() != 0:
         echo, progress = (lambda _: None), False
 
+    for label, steps in selection:
+        check_vocabulary(workdir, steps, tokenizer, label)
     if translate:
         label, steps = selection[0]
         params = _params_for(config, workdir, label, steps, write_averaged, mesh)

@@ -25,6 +25,7 @@ import numpy as np
 
 from t2t import checkpoint, flops, metrics, optim, sharding, startup, train_lib
 from t2t import workdir as wd
+from t2t.data import identity
 from t2t.preemption import Interrupted, PreemptionFlag
 
 FINISHED_NAME = 'TRAINING_FINISHED'  # JSON {step, stopped_by}: the run has nothing left to do
@@ -185,14 +186,7 @@ def train_and_evaluate(config, workdir: str, devices=None) -> TrainResult:
     if eval_rows != config.eval_batch_size:
         _say(f'eval_batch_size {config.eval_batch_size} is padded to {eval_rows} rows (a multiple '
              f'of the {sharding.data_parallel_size(mesh)} data-parallel devices)')
-    tokenizer = data.get_tokenizer(config)
-    if tokenizer.vocab_size > config.vocab_size:
-        raise ValueError(f'tokenizer {tokenizer.path} has {tokenizer.vocab_size} pieces but '
-                         f'config.vocab_size={config.vocab_size}')
-    if tokenizer.vocab_size < config.vocab_size:  # a small corpus can't fill the vocabulary
-        logging.warning('tokenizer %s has %d pieces < config.vocab_size=%d: rows unused',
-                        tokenizer.path, tokenizer.vocab_size, config.vocab_size)
-    train_iter = data.train_iterator(config, tokenizer, rows=rows)
+    tokenizer, train_iter, data_identity = _training_data(config, workdir, rows)
 
     tx = optim.make_optimizer(config)
     manager = checkpoint.make_manager(workdir, config)
@@ -209,6 +203,11 @@ def train_and_evaluate(config, workdir: str, devices=None) -> TrainResult:
         _say(f'resuming from checkpoint {latest} in {workdir}')
         meta = checkpoint.read_metadata(workdir, latest)
         trained_s = float(meta.get('train_seconds', 0.0))
+        mapped = identity.check_resume(
+            meta.get(identity.DATA_KEY), data_identity, meta.get(checkpoint.ITERATOR_KEY),
+            allow_change=config.allow_data_change, where=f'checkpoint {latest} of {workdir}')
+        if mapped is not None:
+            train_iter.set_state(mapped)
     _clear_finished(workdir)
 
     step_config = train_lib.StepConfig.from_config(config)
@@ -301,7 +300,8 @@ def train_and_evaluate(config, workdir: str, devices=None) -> TrainResult:
                 checkpoint.save(manager, step, state, train_iter, extra_metadata={
                     'train_seconds': train_seconds(),
                     'unlogged_metrics': interval.unlogged(),
-                    'evaluation_pending': evaluation_pending})
+                    'evaluation_pending': evaluation_pending,
+                    identity.DATA_KEY: data_identity})
             if stopping:
                 break
             if logged:  # after evaluation and saving, so step times measure training alone
@@ -315,6 +315,30 @@ def train_and_evaluate(config, workdir: str, devices=None) -> TrainResult:
         _mark_finished(workdir, step, stopped_by)
     return TrainResult(step=step, stopped_by=stopped_by, train_metrics=train_summary,
                        eval_metrics=eval_summary)
+
+
+def _training_data(config, workdir, rows):
+    """(tokenizer, training iterator, data identity): the vocabulary pinned in WORKDIR, the
+    packed training rows and what a checkpoint records about them (t2t/data/identity.py)."""
+    from t2t import data
+
+    tokenizer = data.get_tokenizer(config)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(f'tokenizer {tokenizer.path} has {tokenizer.vocab_size} pieces but '
+                         f'config.vocab_size={config.vocab_size}')
+    if tokenizer.vocab_size < config.vocab_size:  # a small corpus can't fill the vocabulary
+        logging.warning('tokenizer %s has %d pieces < config.vocab_size=%d: rows unused',
+                        tokenizer.path, tokenizer.vocab_size, config.vocab_size)
+    if config.dataset != 'recall':  # the recall toy's symbols are fixed, not trained
+        identity.pin_vocabulary(workdir, tokenizer, write=jax.process_index() == 0)
+    packed = data.packed_split(config, tokenizer, config.train_split)
+    meta = packed.meta
+    _say(f'training data {meta["source"]}: {meta["examples"]} pairs in {packed.num_rows} packed '
+         f'rows of {meta["max_len"]} tokens (fill {meta["fill"]:.3f}); skipped '
+         + (', '.join(f'{k}={v}' for k, v in sorted(meta['skipped'].items())) or 'none')
+         + f'; vocabulary {tokenizer.path} ({tokenizer.vocab_size} pieces)')
+    train_iter = data.train_iterator(config, tokenizer, rows=rows, packed=packed)
+    return tokenizer, train_iter, identity.run_identity(tokenizer, packed, config.batch_size)
 
 
 def _clear_finished(workdir) -> None:

@@ -67,8 +67,7 @@ def run(config, workdir, *, split: str = '', timeout_s: float = 3600.0, poll_s: 
         echo = lambda _: None  # noqa: E731
     done = _done_steps(logdir)
     skipped: set[int] = set()
-    tokenizer = evaluation._get_tokenizer(config)
-    eval_split = evaluation._load_split(config, tokenizer, split)
+    tokenizer = eval_split = None  # read at the first checkpoint: the run writes its vocabulary
     mesh = sharding.make_mesh((-1, 1, 1))  # decoding: every device its own rows
     echo(f'watching {workdir} ({split}); done before: {sorted(done) or "none"}')
     results = {}
@@ -84,7 +83,11 @@ def run(config, workdir, *, split: str = '', timeout_s: float = 3600.0, poll_s: 
             finished_here = _from_process_0([] if finished is None else [finished['step']])
             for step in todo:
                 label = f'step-{step}'
+                if tokenizer is None:
+                    tokenizer = evaluation.workdir_tokenizer(config, workdir)
+                    eval_split = evaluation._load_split(config, tokenizer, split)
                 try:
+                    evaluation.check_vocabulary(workdir, [step], tokenizer, label)
                     params = evaluation.load_params(workdir, [step],
                                                     scan_layers=config.scan_layers)
                     params = sharding.put_global(params, sharding.replicated(mesh))

@@ -8,7 +8,8 @@ actions (a real signal each time, at a moment chosen exactly instead of by chanc
   kill_in_save  SIGKILL while the checkpoint of step `at` is being written (its metadata item, in
                 orbax's background commit: the step's temporary directory is half written)
   sigterm_in_eval  SIGTERM (a preemption notice) as the `at`-th evaluation of this run starts
-Prints {"step": ..., "stopped_by": ...} when training returns.
+Prints {"step": ..., "stopped_by": ...} when training returns. With "distributed" (coordinator,
+num_processes, process_id) it is one process of a jax.distributed job.
 """
 
 import json
@@ -52,12 +53,19 @@ def _install(action: str, at: int) -> None:
 
 
 def main(spec: dict) -> None:
+    if 'distributed' in spec:  # coordinator, num_processes, process_id
+        import jax
+
+        d = spec['distributed']
+        jax.distributed.initialize(d['coordinator'], d['num_processes'], d['process_id'])
     from t2t import loop
     from tests import toy_corpus
 
     _install(spec['action'], spec.get('at', 0))
     corpus = dict(spec['corpus'], root=pathlib.Path(spec['corpus']['root']))
     config = toy_corpus.tiny_config(corpus, **spec['overrides'])
+    if 'data_dir' in spec:  # a host-local data_dir
+        config.data_dir = spec['data_dir']
     result = loop.train_and_evaluate(config, spec['workdir'])
     print(json.dumps({'step': result.step, 'stopped_by': result.stopped_by}), flush=True)
 

@@ -273,8 +273,16 @@ def test_eval_every_example_once_original_order_and_skips(corpus, tokenizer):
 
 
 def test_cli_report_lines(corpus):
-    lines = report(_config(corpus))
-    assert [line.split(':')[0] for line in lines] == ['train', 'validation', 'test']
+    config = _config(corpus)
+    lines = report(config)
+    assert [line.split(':')[0] for line in lines] == ['vocabulary', 'packed training rows',
+                                                      'train', 'validation', 'test']
+    # Where the prepared data lives, for a pod's hosts to share.
+    assert lines[0].startswith(f'vocabulary: {pipeline.vocab_path(config)} (')
+    packed_dir = lines[1].split(': ')[1].split(' (')[0]
+    assert packed_dir.startswith(os.path.join(config.data_dir, 'packed', 'train-'))
+    assert os.path.exists(os.path.join(packed_dir, 'meta.json'))
+    lines = lines[2:]
     assert 'examples=400' in lines[0] and 'longer_than_max_eval_len_32=3' in lines[1]
     assert all('src_tokens mean=' in line and 'p95=' in line for line in lines)
 

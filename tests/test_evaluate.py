@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from t2t import checkpoint, evaluation, optim, sharding, train_lib
+from t2t import checkpoint, data, evaluation, optim, sharding, train_lib
 from tests import toy_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,6 +41,7 @@ def run_dir(tmp_path_factory):
     """A workdir with checkpoints 1 and 2 of a random tiny model (different params)."""
     root = tmp_path_factory.mktemp('eval')
     config = _config(root)
+    data.get_tokenizer(config)  # prepared, as python -m t2t.data does: evaluate.py trains none
     mesh = sharding.make_mesh(config.mesh_shape)
     state, _ = train_lib.create_sharded_state(config, mesh, optim.make_optimizer(config))
     workdir = root / 'run'
@@ -137,13 +138,16 @@ def test_errors_are_one_line_and_name_the_thing(run_dir, tmp_path):
     files = [os.path.join(r, f) for r, _, fs in os.walk(corrupt / 'checkpoints' / '3' / 'state')
              for f in fs]
     with open(max(files, key=os.path.getsize), 'r+b') as f:
-        data = bytearray(f.read())
-        data[len(data) // 2] ^= 0x10
+        raw = bytearray(f.read())
+        raw[len(raw) // 2] ^= 0x10
         f.seek(0)
-        f.write(data)
+        f.write(raw)
     assert 'corrupt' in error(checkpoint.CheckpointError, corrupt)
 
-    other_vocab = _config(run_dir['root'], vocab_size=450)  # trains (and loads) another tokenizer
+    other_vocab = _config(run_dir['root'], vocab_size=450)
+    assert 'never trains a vocabulary' in error(evaluation.EvalError, run_dir['workdir'],
+                                                config=other_vocab)
+    data.get_tokenizer(other_vocab)  # prepared: then the sizes disagree
     message = error(evaluation.EvalError, run_dir['workdir'], config=other_vocab)
     assert 'embedding of 400 rows' in message and 'tokenizer' in message
     bigger = _config(run_dir['root'], d_model=64)

@@ -103,9 +103,9 @@ def _assert_same_run(workdir, reference):
         {k: v for k, v in want.items() if k[0] not in TIMING}
 
 
-def _drive(corpus, workdir, action, at=0):
+def _drive(corpus, workdir, action, at=0, overrides=SETTINGS):
     spec = {'corpus': {k: str(v) for k, v in corpus.items() if k != 'validation_texts'},
-            'overrides': SETTINGS, 'workdir': str(workdir), 'action': action, 'at': at}
+            'overrides': overrides, 'workdir': str(workdir), 'action': action, 'at': at}
     return subprocess.run([sys.executable, '-m', 'tests.kill_driver', json.dumps(spec)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
@@ -143,6 +143,24 @@ def test_killed_mid_save_then_preempted_mid_eval_the_run_ends_exact(corpus, refe
     assert loop.read_finished(workdir) == {'step': 8, 'stopped_by': 'num_train_steps'}
     assert _leftovers(workdir) == []  # temporary and deleted steps are gone
     _assert_same_run(workdir, reference)
+
+
+def test_sigterm_in_the_final_evaluation_of_a_time_budget_stop_leaves_it_pending(corpus,
+                                                                                 tmp_path):
+    workdir = tmp_path / 'budget'
+    # The budget is spent at the first log step (2), which is no scheduled evaluation: the stop's
+    # final evaluation starts there, and a SIGTERM arrives in it.
+    budget = {**SETTINGS, 'train_time_budget_s': 1e-3, 'eval_every_steps': 100}
+    preempted = _drive(corpus, workdir, 'sigterm_in_eval', at=1, overrides=budget)
+    assert preempted.returncode == 0, preempted.stderr[-2000:]
+    assert json.loads(preempted.stdout.splitlines()[-1]) == {'step': 2, 'stopped_by': 'preemption'}
+    assert checkpoint.read_metadata(workdir, 2)['evaluation_pending'] is True
+    assert loop.read_finished(workdir) is None
+    # The resumed run evaluates step 2 first, then finds the budget spent.
+    result = loop.train_and_evaluate(toy_corpus.tiny_config(corpus, **budget), str(workdir))
+    assert (result.step, result.stopped_by) == (2, 'time_budget')
+    assert result.eval_metrics['eval_loss'] == metrics.read_jsonl(workdir)[-1]['eval_loss']
+    assert loop.read_finished(workdir) == {'step': 2, 'stopped_by': 'time_budget'}
 
 
 def test_writer_drops_records_after_the_resumed_step_in_jsonl_and_events(tmp_path):

@@ -224,7 +224,8 @@ def test_cluster_launcher_commands_and_refused_flags(tmp_path):
         '--launcher_flags: --detach returns before the job ends; a sweep waits for each point')
     assert 'set by the sweep' in error(launcher='slurm', launcher_flags=['--workdir=/x'])
     assert 'not --launcher=local' in error(launcher_flags=['--nodes=1'])
-    with pytest.raises(sweep.SweepError, match='gs://b/sw: the sweep keeps its state'):
+    with pytest.raises(sweep.SweepError,
+                       match='gs://b/sw: a sweep directory must be a local or shared file system'):
         sweep.run('configs/table3_mini.py', config, 'gs://b/sw', launcher='tpu', sweep=[{}])
 
 

@@ -3,14 +3,18 @@
     python -m t2t.data --config=configs/default.py [--config.key=value ...]
 
 Downloads / builds the corpus if needed, trains the tokenizer if missing, builds the packed training
-cache, and reports examples, skips (and why) and token lengths (EOS included) of each split.
+cache, and reports where they are (the config's data_dir), examples, skips (and why) and token
+lengths (EOS included) of each split. The documented preparation step of a pod run: prepare once,
+then train.py on every host reads the prepared data_dir (a shared, even read-only, file system such
+as NFS or a gcsfuse mount; a host whose data_dir lacks the cache waits for process 0 to build it,
+then builds its own copy, and all hosts compare digests of their rows and vocabulary).
 """
 
 import numpy as np
 from absl import app
 from ml_collections import config_flags
 
-from t2t.data import cache, pipeline
+from t2t.data import cache, identity, pipeline
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'experiment config file',
                                           lock_config=True)
@@ -30,7 +34,11 @@ def _stats(stats: dict) -> str:
 def report(config) -> list[str]:
     tokenizer = pipeline.get_tokenizer(config)
     lines = []
-    train = cache.packed_split(config, tokenizer, config.train_split).meta
+    packed = cache.packed_split(config, tokenizer, config.train_split)
+    train = packed.meta
+    lines.append(f'vocabulary: {tokenizer.path} ({tokenizer.vocab_size} pieces, sha256 '
+                 f'{identity.vocab_digest(tokenizer)[:12]})')
+    lines.append(f'packed training rows: {packed.directory} (digest {train["digest"][:12]})')
     lines.append(f'train: split={config.train_split} examples={train["examples"]} '
                  f'{_skips(train["skipped"])} {_stats(train["stats"])} packed_rows={train["rows"]} '
                  f'fill={train["fill"]:.3f} vocab={tokenizer.vocab_size}')

@@ -22,7 +22,8 @@ import numpy as np
 from t2t.data import multihost, packing, sources
 from t2t.data.tokenizer import EOS_ID, Tokenizer
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
+MIX_SEED = 0  # the fixed mix of each chunk before packing (the cache is seed independent)
 CHUNK_PAIRS = 200_000  # pairs tokenized and packed at a time: bounds memory for WMT-sized splits
 ARRAYS = ('inputs', 'targets', 'inputs_segment_ids', 'targets_segment_ids')
 
@@ -73,8 +74,9 @@ class PackedSplit:
 def cache_key(config, tokenizer: Tokenizer, split: str) -> str:
     with open(tokenizer.path, 'rb') as f:
         vocab_hash = hashlib.sha256(f.read()).hexdigest()
+    # Not shuffle_seed: the rows are mixed by a fixed seed; the pipeline shuffles them per epoch.
     parts = [CACHE_VERSION, sources.split_fingerprint(config, split), config.source_lang,
-             config.target_lang, config.max_len, bool(config.pack), config.shuffle_seed, vocab_hash]
+             config.target_lang, config.max_len, bool(config.pack), vocab_hash]
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
 
 
@@ -94,6 +96,7 @@ def _build(config, tokenizer: Tokenizer, split: str, out_dir: str) -> None:
     dtypes = {'inputs': token_dtype, 'targets': token_dtype,
               'inputs_segment_ids': np.uint16, 'targets_segment_ids': np.uint16}
     files = {name: open(os.path.join(out_dir, name + '.bin'), 'wb') for name in ARRAYS}
+    digests = {name: hashlib.sha256() for name in ARRAYS}  # the rows' identity across hosts
     skipped = collections.Counter(pairs.skipped)
     src_lens, tgt_lens = [], []
     rows = examples = real_tokens = 0
@@ -101,7 +104,7 @@ def _build(config, tokenizer: Tokenizer, split: str, out_dir: str) -> None:
         for chunk, start in enumerate(range(0, len(pairs), CHUNK_PAIRS)):
             texts = usable(pairs.read(start, min(start + CHUNK_PAIRS, len(pairs))), skipped)
             # the corpus may be sorted (trans-de-en is, by headword): mix it before packing
-            order = np.random.default_rng([config.shuffle_seed, chunk]).permutation(len(texts))
+            order = np.random.default_rng([MIX_SEED, chunk]).permutation(len(texts))
             texts = [texts[i] for i in order]
             src = tokenize(tokenizer, [s for s, _ in texts])
             tgt = tokenize(tokenizer, [t for _, t in texts])
@@ -120,7 +123,9 @@ def _build(config, tokenizer: Tokenizer, split: str, out_dir: str) -> None:
                                       packed=config.pack, dtype=token_dtype)
             rows += len(rows_chunk['inputs'])
             for name in ARRAYS:
-                files[name].write(rows_chunk[name].astype(dtypes[name]).tobytes())
+                data = rows_chunk[name].astype(dtypes[name]).tobytes()
+                files[name].write(data)
+                digests[name].update(data)
     finally:
         for f in files.values():
             f.close()
@@ -131,7 +136,9 @@ def _build(config, tokenizer: Tokenizer, split: str, out_dir: str) -> None:
     meta = {'split': split, 'source': pairs.name, 'rows': rows, 'max_len': max_len,
             'examples': examples, 'skipped': {k: v for k, v in skipped.items() if v},
             'target_tokens': real_tokens, 'fill': real_tokens / (rows * max_len),
-            'stats': stats, 'dtypes': {k: np.dtype(v).name for k, v in dtypes.items()}}
+            'stats': stats, 'dtypes': {k: np.dtype(v).name for k, v in dtypes.items()},
+            'digest': hashlib.sha256(''.join(digests[n].hexdigest() for n in ARRAYS)
+                                     .encode()).hexdigest()}
     with open(os.path.join(out_dir, 'meta.json'), 'w') as f:
         json.dump(meta, f, indent=1)
 

@@ -45,8 +45,9 @@ def vocab_path(config) -> str:
     if config.vocab_path:
         return config.vocab_path
     # The name carries every setting that changes the trained model, so none is reused stale.
+    # Not shuffle_seed: a seed sweep trains on one vocabulary.
     settings = (TOKENIZER_VERSION, config.tokenizer_character_coverage, config.tokenizer_sentences,
-                config.shuffle_seed)
+                config.vocab_seed)
     tag = hashlib.sha256(repr(settings).encode()).hexdigest()[:8]
     name = f'{sources.dataset_id(config)}-{config.vocab_size}-{tag}.model'
     return os.path.join(config.data_dir, 'vocab', name)
@@ -79,7 +80,7 @@ def _load_or_train(config, path: str) -> Tokenizer:
     pairs = sources.open_split(config, config.train_split)
     n = min(len(pairs), max(1, config.tokenizer_sentences // 2))
     # a seeded sample, not a prefix: WMT's training split is a concatenation of corpora
-    rows = np.sort(np.random.default_rng(config.shuffle_seed).choice(len(pairs), n, replace=False))
+    rows = np.sort(np.random.default_rng(config.vocab_seed).choice(len(pairs), n, replace=False))
     texts = [t for i in rows.tolist() for t in pairs[i] if t]
     logging.info('training a %d-piece vocabulary on %d sentences of %s -> %s',
                  config.vocab_size, len(texts), pairs.name, path)
@@ -87,13 +88,15 @@ def _load_or_train(config, path: str) -> Tokenizer:
                            config.tokenizer_character_coverage)
 
 
-def train_iterator(config, tokenizer: Tokenizer, *, rows=None, num_threads: int = 2):
+def train_iterator(config, tokenizer: Tokenizer, *, rows=None, num_threads: int = 2,
+                   packed: cache.PackedSplit | None = None):
     """An endless grain DatasetIterator of packed training batches.
 
     Global batch k holds the packed rows at stream positions [k*B, (k+1)*B) of the shuffled,
     repeated row stream (B = config.batch_size). `rows`: the sorted row positions within a global
     batch that this process feeds (t2t.sharding.process_rows); None: all of them. Every process
-    must call it (the packed cache is built by process 0 first).
+    must call it (the packed cache is built by process 0 first). `packed`: the training split's
+    packed rows when the caller has them already.
     """
     import grain
 
@@ -102,10 +105,8 @@ def train_iterator(config, tokenizer: Tokenizer, *, rows=None, num_threads: int 
     if take.ndim != 1 or not len(take) or take.min() < 0 or take.max() >= batch_size:
         raise ValueError(f'rows must be positions in a batch of batch_size={batch_size}, got '
                          f'{take.tolist()[:8]}')
-    packed = cache.packed_split(config, tokenizer, config.train_split)
-    logging.info('%s: %d packed rows of %d pairs (fill %.3f); skipped %s', config.train_split,
-                 packed.num_rows, packed.meta['examples'], packed.meta['fill'],
-                 packed.meta['skipped'] or 'none')
+    if packed is None:
+        packed = cache.packed_split(config, tokenizer, config.train_split)
     ds = grain.MapDataset.range(packed.num_rows).shuffle(seed=config.shuffle_seed).repeat()
     ds = ds.batch(batch_size, drop_remainder=True).map(lambda ids: packed.gather(ids[take]))
     options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=4 * num_threads)

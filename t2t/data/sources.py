@@ -11,7 +11,6 @@ direction, `read(start, stop)`, a `name` for messages, and `skipped` (lines drop
 
 import collections
 import hashlib
-import os
 from typing import Protocol
 
 from t2t.data import embedded, recall, tfds_wmt, tsv
@@ -80,8 +79,18 @@ def open_split(config, split: str) -> Pairs:
     return pairs
 
 
+def _files_digest(config, split: str) -> str:
+    """The content digest of a TSV split's file(s): a copy elsewhere gives the same one."""
+    from t2t.data import identity
+
+    paths = [p.strip() for p in _tsv_spec(config, split).split(',')]
+    digests = [identity.content_digest(p, config.data_dir) for p in paths]
+    return hashlib.sha256('|'.join(digests).encode()).hexdigest()[:16]
+
+
 def dataset_id(config) -> str:
-    """A file-name-safe name of the training data, for vocabulary and cache paths."""
+    """A file-name-safe name of the training data, for vocabulary paths: the corpus's name, or
+    for TSV the digest of the training files' contents (not their path or mtime)."""
     _check_dataset(config)
     if config.dataset == 'embedded':
         return f'trans_de_en-{embedded.DATASET_VERSION}'
@@ -89,16 +98,11 @@ def dataset_id(config) -> str:
         return config.tfds_name.replace('/', '-')
     if config.dataset == 'recall':
         return recall.dataset_id(config)
-    spec = _tsv_spec(config, config.train_split)
-    stamp = [spec] + [f'{os.path.getsize(p)}:{os.path.getmtime(p)}'
-                      for p in spec.split(',') if os.path.exists(p.strip())]
-    return 'tsv-' + hashlib.sha256('|'.join(stamp).encode()).hexdigest()[:12]
+    return 'tsv-' + _files_digest(config, config.train_split)
 
 
 def split_fingerprint(config, split: str) -> str:
-    """Changes whenever the texts of `split` may have changed (the packed cache key)."""
+    """Changes whenever the texts of `split` change (the packed cache key): file contents."""
     if config.dataset == 'tsv':
-        spec = _tsv_spec(config, split)
-        return spec + '|' + '|'.join(f'{os.path.getsize(p.strip())}:{os.path.getmtime(p.strip())}'
-                                     for p in spec.split(','))
+        return 'tsv-' + _files_digest(config, split)
     return f'{dataset_id(config)}|{split}'
