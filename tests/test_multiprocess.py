@@ -1,12 +1,17 @@
 """Pod scale from one machine: 2 processes x 4 CPU devices train and evaluate like 1 x 8, and a
 checkpoint restores on any mesh, device count or process count with the data continuing in order.
 
-One scenario (the `pod` fixture, computed once even when the tests run on several xdist workers):
-  A1  train.py on 2 processes, mesh (8, 1, 1) over both: steps 0 -> 3; process 1 has its own
-      data_dir, like a TPU VM's local disk: it gets the vocabulary from process 0
+One scenario (the `pod` fixture, computed once even when the tests run on several xdist workers),
+with the workdir of A in a Cloud Storage bucket (gs://pod/A on a real Cloud Storage API on
+localhost, tests/gcs_server.py), as on a TPU pod slice:
+  A1  the training loop on 2 processes (tests/kill_driver.py), mesh (8, 1, 1) over both, steps
+      0 -> 6, SIGKILLed on process 0 while checkpoint 6 is written (process 1 is killed then
+      too); checkpoint 3 is in the bucket. Process 1 has its own data_dir, like a TPU VM's local
+      disk: it gets the vocabulary from process 0
   A2  train.py on 2 processes resumes A1: steps 3 -> 6 on mesh (2, 1, 2) x dcn (1, 2, 1), i.e. a
       (2, 2, 2) mesh whose fsdp axis spans the processes (process 0 feeds rows 0,1,4,5 of 8)
-  E2  evaluate.py on 2 processes on step 6
+  E2  evaluate.py on 2 processes: --watch, --all, --average_last=2, reading the bucket and
+      writing their records there; then the bucket's A is copied to a local directory
   ref loop.train_and_evaluate in this process: 1 process x 8 devices, mesh (1, 8, 1), steps 0 -> 8
 and in this process, from those checkpoints: A's step 6 -> 8 on 1 process, mesh (1, 8, 1);
 ref's step 3 -> 6 on (8, 1, 1); ref's step 3 -> 6 on 1 device, then 6 -> 8 on 8 devices; and
@@ -20,11 +25,13 @@ The attention key biases are left out of parameter comparisons: their exact grad
 into +-learning-rate steps by Adam, moves them differently without changing any output.
 """
 
+import collections
 import contextlib
 import fcntl
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -36,8 +43,9 @@ import numpy as np
 import pytest
 
 from t2t import checkpoint, evaluation, loop, metrics, sharding
-from t2t.data import pipeline
-from tests import toy_corpus
+from t2t import workdir as wd
+from t2t.data import identity, pipeline
+from tests import gcs_server, toy_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # max_eval_len 16: evaluation buckets of 8 and 16 tokens only (9 of 21 test sentences are skipped
@@ -144,24 +152,82 @@ class _Recorder:
         monkeypatch.setattr(sharding, 'put_rows', recording)
 
 
+def _killed_in_save(corpus, args_overrides, workdir, data_dirs, log_dir, at: int) -> list[int]:
+    """tests/kill_driver on 2 processes x 4 CPU devices: process 0 SIGKILLs itself while the
+    checkpoint of step `at` is written; process 1 is killed then too, as a pod's scheduler does.
+    Returns both return codes."""
+    port, procs = _free_port(), []
+    env = {**os.environ, 'JAX_PLATFORMS': 'cpu',
+           'XLA_FLAGS': '--xla_force_host_platform_device_count=4',
+           'JAX_COMPILATION_CACHE_DIR': str(log_dir / 'jax-cache')}
+    for i in range(2):
+        spec = {'corpus': {k: str(v) for k, v in corpus.items() if k != 'validation_texts'},
+                'overrides': {**SETTINGS, **args_overrides}, 'workdir': workdir,
+                'data_dir': data_dirs[i], 'action': 'kill_in_save' if i == 0 else 'none',
+                'at': at, 'distributed': {'coordinator': f'localhost:{port}',
+                                          'num_processes': 2, 'process_id': i}}
+        with open(log_dir / f'killed-{port}-{i}.err', 'w') as err:
+            procs.append(subprocess.Popen([sys.executable, '-m', 'tests.kill_driver',
+                                           json.dumps(spec)], cwd=ROOT, env=env,
+                                          stdout=subprocess.DEVNULL, stderr=err))
+    deadline = time.monotonic() + TIMEOUT_S
+    while procs[0].poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    return [p.returncode for p in procs]
+
+
+def _bucket_facts(a: str) -> dict:
+    """What the runs left in the bucket, read while its server runs."""
+    text = wd.read_text
+    return {
+        'metrics_text': text(wd.path(a, metrics.JSONL_NAME)),
+        'watch_text': text(wd.path(a, 'watch-test', metrics.JSONL_NAME)),
+        'scores': json.loads(text(wd.path(a, 'eval-test.json'))),
+        'hypotheses': {p.name: text(p) for p in wd.glob(wd.path(a), 'hypotheses-*.txt')},
+        'events': metrics.read_events(a),
+        'finished': loop.read_finished(a),
+        'vocab': wd.exists(wd.path(a, identity.VOCAB_NAME)),
+        'run_records': [p.name for p in wd.glob(wd.path(a), 'run-*.json')],
+    }
+
+
+def _mirror(url: str, local: str) -> str:
+    """A local copy of a bucket directory (checkpoints included), for the tests that follow."""
+    import gcsfs
+
+    gcsfs.GCSFileSystem().get(url.removeprefix('gs://'), local, recursive=True)
+    return local
+
+
 def _run_scenario(root) -> dict:
     (root / 'corpus').mkdir()
     corpus = toy_corpus.make_corpus(root / 'corpus')
     data0, data1 = str(root / 'corpus' / 'data'), str(root / 'local1')
     runs = {'corpus_root': str(corpus['root']), 'data_dirs': [data0, data1]}
-
-    a = str(root / 'A')
     dirs = [data0, data1]
-    _two_processes('train.py', [*_flags(corpus, num_train_steps=3), f'--workdir={a}'], dirs, root)
-    runs['a2_stdout'] = _two_processes(
-        'train.py', [*_flags(corpus, num_train_steps=6, mesh_shape=(2, 1, 2),
-                             dcn_mesh_shape=(1, 2, 1), **BLEU), f'--workdir={a}'], dirs, root)[0]
-    _two_processes('evaluate.py', [*_flags(corpus), f'--workdir={a}', '--step=6'], dirs, root)
-    runs['A'] = a
-    with open(os.path.join(a, 'hypotheses-test-step-6.txt'), encoding='utf-8') as f:
-        runs['hypotheses_2_processes'] = f.read()
-    with open(os.path.join(a, 'eval-test.json'), encoding='utf-8') as f:
-        runs['scores_2_processes'] = json.load(f)['step-6']
+    with gcs_server.serve() as url:
+        a = gcs_server.make_bucket(url, 'pod') + '/A'
+        runs['bucket_workdir'] = a
+        runs['killed'] = _killed_in_save(corpus, {'num_train_steps': 6}, a, dirs, root, at=6)
+        runs['after_kill'] = {'steps': checkpoint.finished_steps(a),
+                              'logged': max(r['step'] for r in metrics.read_jsonl(a))}
+        resume = _flags(corpus, num_train_steps=6, mesh_shape=(2, 1, 2), dcn_mesh_shape=(1, 2, 1),
+                        **BLEU)
+        runs['a2_stdout'] = _two_processes('train.py', [*resume, f'--workdir={a}'], dirs, root)[0]
+        evaluate = [*_flags(corpus), f'--workdir={a}']
+        runs['watch_stdout'] = _two_processes('evaluate.py', [*evaluate, '--watch'], dirs, root)[0]
+        runs['all_stdout'] = _two_processes('evaluate.py', [*evaluate, '--all'], dirs, root)[0]
+        runs['average_stdout'] = _two_processes('evaluate.py', [*evaluate, '--average_last=2'],
+                                                dirs, root)[0]
+        runs['bucket'] = _bucket_facts(a)
+        runs['A'] = _mirror(a, str(root / 'A'))
+    runs['hypotheses_2_processes'] = runs['bucket']['hypotheses']['hypotheses-test-step-6.txt']
+    runs['scores_2_processes'] = runs['bucket']['scores']['step-6']
+    runs['local_gs_dir'] = os.path.exists(os.path.join(ROOT, 'gs:'))
 
     # The reference: 1 process x 8 devices, FSDP mesh (1, 8, 1): steps 0 -> 8, checkpoints 3, 6, 8.
     runs['reference'] = str(root / 'reference')
@@ -270,6 +336,31 @@ def test_two_processes_train_and_resume_like_one(pod, reference, capsys):
     for step in (3, 6):
         assert _iterator_position(pod['A'], step) == _iterator_position(reference, step) \
             == {'next_index': step}
+
+
+def test_the_bucket_workdir_survives_a_kill_and_holds_every_record_once(pod):
+    assert pod['killed'][0] == -signal.SIGKILL
+    # Killed while writing checkpoint 6: only 3 is in the bucket, steps past it were logged.
+    assert pod['after_kill']['steps'] == [3] and pod['after_kill']['logged'] == 6
+    bucket = pod['bucket']
+    records = [json.loads(line) for line in bucket['metrics_text'].splitlines()]
+    # The resumed run removed the killed run's records of steps 4-6 and wrote its own, once.
+    assert collections.Counter(r['step'] for r in records if 'loss' in r) == \
+        collections.Counter(range(1, 7))
+    assert [r['step'] for r in records if 'eval_loss' in r] == [6]
+    assert sorted(s for tag, s, _ in bucket['events'] if tag == 'loss') == list(range(1, 7))
+    assert bucket['finished'] == {'step': 6, 'stopped_by': 'num_train_steps'}
+    assert bucket['vocab']  # the run's vocabulary, beside its checkpoints
+    # evaluate.py --watch, --all and --average_last=2 on 2 processes wrote to the bucket, once.
+    assert sorted(bucket['scores']) == ['avg2-3-6', 'step-3', 'step-6']
+    assert sorted(bucket['hypotheses']) == [f'hypotheses-test-{label}.txt'
+                                            for label in ('avg2-3-6', 'step-3', 'step-6')]
+    assert all(text.count('\n') == 21 for text in bucket['hypotheses'].values())
+    assert [json.loads(line)['step'] for line in bucket['watch_text'].splitlines()] == [3, 6]
+    assert 'training finished at step 6 (num_train_steps); evaluated 2 new checkpoints' in \
+        pod['watch_stdout']
+    assert '== avg2-3-6 on' in pod['average_stdout'] and '== step-3 on' in pod['all_stdout']
+    assert not pod['local_gs_dir']  # nothing went to a local directory named 'gs:'
 
 
 def test_a_host_local_data_dir_gets_process_0s_vocabulary(pod):
