@@ -47,7 +47,10 @@ def main(argv):
         return
     if not _WORKDIR.value:
         raise app.UsageError('--workdir is required (checkpoints, metrics and logs go there)')
-    distributed.initialize()
+    try:
+        distributed.initialize()
+    except distributed.StartupError as e:  # one line naming the processes that did not join
+        sys.exit(f'train.py: {e}')
     if not flags.FLAGS['verbosity'].present:
         absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save at INFO
 
@@ -57,7 +60,7 @@ def main(argv):
     try:
         result = loop.train_and_evaluate(config, _WORKDIR.value)
     except (startup.ConfigError, checkpoint.CheckpointError, loop.NonFiniteLossError,
-            OSError) as e:  # OSError: e.g. metrics.jsonl on a full disk; it names the file
+            distributed.SyncError, OSError) as e:  # OSError: e.g. a full disk; it names the file
         sys.exit(f'train.py: {e}')
     print(f'finished at step {result.step} ({result.stopped_by}); '
           + ' '.join(f'{k}={v:.4g}' for k, v in result.eval_metrics.items()))
