@@ -159,13 +159,29 @@ def _read_line(conn: socket.socket, timeout_s: float) -> str:
     return data.split(b'\n', 1)[0].decode('utf-8', 'replace') if b'\n' in data else ''
 
 
+def _closed(conn: socket.socket) -> bool:
+    """The other end has gone (a process that said hello, then died)."""
+    try:
+        conn.settimeout(0.0)  # else Python waits for data up to the socket's timeout
+        return conn.recv(1, socket.MSG_PEEK) == b''
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
 def _serve(address: str, port: int, count: int, timeout_s: float) -> None:
     start = time.monotonic()
     deadline, next_progress = start + timeout_s, start + PROGRESS_EVERY_S
     joined: dict[int, socket.socket] = {}
     others, problem = [], None
     with _listen(port) as server:
-        while len(joined) < count - 1 and problem is None:
+        while problem is None:
+            if len(joined) == count - 1:  # all here; but one that died meanwhile must come back
+                for pid in [p for p, conn in joined.items() if _closed(conn)]:
+                    joined.pop(pid).close()
+                if len(joined) == count - 1:
+                    break
             now = time.monotonic()
             if now >= deadline:
                 break
@@ -187,7 +203,9 @@ def _serve(address: str, port: int, count: int, timeout_s: float) -> None:
             if their_count != count:
                 problem = (f'process {pid} has --num_processes={their_count}, process 0 has '
                            f'{count}')
-            elif not 0 < pid < count or pid in joined:
+            elif pid in joined and _closed(joined[pid]):  # that process restarted: the new one
+                joined.pop(pid).close()
+            if problem is None and (not 0 < pid < count or pid in joined):
                 problem = f'two processes have --process_id={pid}' if pid in joined else (
                     f'a process has --process_id={pid}, outside 1 .. {count - 1}')
             if problem:
@@ -236,7 +254,8 @@ def _join(address: str, host: str, port: int, count: int, index: int, timeout_s:
         raise StartupError(f'process {index}: process 0 gave up: {rest}')
     if word != _GO:
         raise StartupError(f'process {index}: the coordinator {address} closed the start-up '
-                           'handshake without an answer')
+                           'handshake without an answer (did process 0 start without this '
+                           'process, or is another job on that port?)')
 
 
 # --- host-side barriers over jax's key-value store -----------------------------------------------

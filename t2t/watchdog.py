@@ -24,13 +24,14 @@ import traceback
 
 _HISTORY = 100  # the median is over the last this many steps
 _MIN_HISTORY = 5  # no straggler verdict before this many steps (the first one compiles)
+POLL_S = 1.0  # the thread looks this often
 
 
 class Watchdog:
     """`mark(kind, step)` from the loop; `close()` at the end. Cheap: no device sync, no I/O."""
 
     def __init__(self, straggler_factor: float, straggler_min_s: float, slow_save_s: float,
-                 process_index: int = 0, poll_s: float = 1.0, stream=None):
+                 process_index: int = 0, poll_s: float = POLL_S, stream=None):
         self.factor, self.min_s, self.slow_save_s = straggler_factor, straggler_min_s, slow_save_s
         self.process_index, self.stream = process_index, stream
         self._steps = collections.deque(maxlen=_HISTORY)  # seconds of the finished steps
@@ -46,7 +47,7 @@ class Watchdog:
     @classmethod
     def from_config(cls, config, process_index: int = 0) -> Watchdog:
         return cls(config.straggler_factor, config.straggler_min_s, config.slow_save_s,
-                   process_index)
+                   process_index, POLL_S)
 
     def mark(self, kind: str, step: int) -> None:
         """From now on the loop does `kind` ('step', 'save' or 'other') for `step`."""
