@@ -72,13 +72,12 @@ def _detect(timeout_s):
 
 
 def _initialize(address, count, index, local_ids, timeout_s: float) -> None:
-    import jax
-
     if count is None or index is None or not 0 <= index < count:
         raise StartupError(f'--process_id={index} must be in 0 .. --num_processes-1 '
                            f'(--num_processes={count})')
     if count > 1:
         rendezvous(address, count, index, timeout_s)
+    import jax
     # Every process is up: what remains is jax's own connection. A process dying just now would
     # leave jax waiting, then aborting with a stack trace: one line from here first.
     done = threading.Event()

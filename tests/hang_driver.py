@@ -4,9 +4,10 @@ tests/test_hangs.py:
     python tests/hang_driver.py --coordinator_address=localhost:PORT --num_processes=2 \
         --process_id=I --startup_timeout_s=3 [--scenario=barriers]
 
-Prints 'started' once jax.distributed is up. --scenario=barriers then runs, with progress lines
-every 0.5 s: a barrier that process 1 reaches 1.5 s late, an agreement, a disagreement and a
-barrier that process 1 never reaches, printing one line per outcome.
+Prints 'started' once jax.distributed is up, or how long it took to give up. --scenario=barriers
+then runs, with progress lines every 0.5 s: a barrier that process 1 reaches 1.5 s late, an
+agreement, a disagreement and a barrier that process 1 never reaches, printing one line per
+outcome.
 """
 
 import os
@@ -32,9 +33,11 @@ def _outcome(label, fn):
 
 def main(argv):
     del argv
+    start = time.monotonic()
     try:
         distributed.initialize()
     except distributed.StartupError as e:
+        print(f'gave up after {time.monotonic() - start:.2f} s', flush=True)
         sys.exit(f'hang_driver.py: {e}')
     import jax
 
