@@ -14,7 +14,10 @@ A workdir that holds checkpoints is resumed from the newest good one. Multi-host
 command on every host; jax.distributed is initialized from --coordinator_address/--num_processes/
 --process_id, or detected automatically on TPU pods and SLURM/Open MPI clusters (--distributed).
 SIGTERM saves a checkpoint and exits 0; `kill -USR1 <pid>` prints every thread's stack to stderr
-(a job that seems stuck). A config, workdir or checkpoint problem is one line on stderr, exit 1.
+(a job that seems stuck); a step or a checkpoint save that runs far longer than usual prints them
+by itself (config straggler_factor, slow_save_s). WORKDIR/run-<UTC start>.json records what ran.
+Processes that do not all start within --startup_timeout_s are named in one line, exit 1.
+A config, workdir or checkpoint problem is one line on stderr, exit 1.
 """
 
 import faulthandler

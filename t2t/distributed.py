@@ -59,21 +59,28 @@ def initialize() -> None:
         _initialize(COORDINATOR.value, NUM_PROCESSES.value, PROCESS_ID.value, None,
                     STARTUP_TIMEOUT.value)
     elif DISTRIBUTED.value:
-        address, count, index, local_ids = _detect(STARTUP_TIMEOUT.value)
+        try:  # jax's own cluster detection, which jax.distributed.initialize() would run
+            from jax._src import clusters  # private: without it, jax's start-up as it is
+
+            detect = clusters.ClusterEnv.auto_detect_unset_distributed_params
+        except (ImportError, AttributeError):
+            import jax
+
+            jax.distributed.initialize(initialization_timeout=int(STARTUP_TIMEOUT.value))
+            return
+        address, count, index, local_ids = detect(None, None, None, None, None,
+                                                  int(STARTUP_TIMEOUT.value))
+        if address is None or count is None or index is None:
+            raise StartupError('--distributed: jax detected no TPU pod, SLURM or Open MPI job; '
+                               'give --coordinator_address, --num_processes and --process_id')
         _initialize(address, count, index, local_ids, STARTUP_TIMEOUT.value)
 
 
-def _detect(timeout_s):
-    """jax's own cluster detection (TPU pods, SLURM, Open MPI): what initialize() would use."""
-    from jax._src import clusters  # private, but it is exactly what jax.distributed calls
-
-    return clusters.ClusterEnv.auto_detect_unset_distributed_params(
-        None, None, None, None, None, int(timeout_s))
-
-
 def _initialize(address, count, index, local_ids, timeout_s: float) -> None:
-    if count is None or index is None or not 0 <= index < count:
-        raise StartupError(f'--process_id={index} must be in 0 .. --num_processes-1 '
+    if count is None or index is None:
+        raise StartupError('--coordinator_address needs --num_processes and --process_id')
+    if not 0 <= index < count:
+        raise StartupError(f'--process_id={index} is not in 0 .. {count - 1} '
                            f'(--num_processes={count})')
     if count > 1:
         rendezvous(address, count, index, timeout_s)
@@ -274,8 +281,8 @@ def _key(kind: str, name: str) -> str:
     return f't2t/{kind}/{name}/{use}/'
 
 
-def _arrive_and_wait(client, prefix: str, value: str, waited_for: Sequence[int], what: str,
-                     timeout_s: float) -> dict[int, str]:
+def _arrive_and_wait(client, prefix: str, value: str, waited_for: Sequence[int], name: str,
+                     what: str, timeout_s: float) -> dict[int, str]:
     """Puts this process's value under prefix, then waits until every process in waited_for has
     put one; returns {process: value} of all that did. Progress line every minute."""
     import jax
@@ -290,8 +297,8 @@ def _arrive_and_wait(client, prefix: str, value: str, waited_for: Sequence[int],
             return values
         now = time.monotonic()
         if now >= deadline:
-            raise SyncError(f'process {jax.process_index()}: gave up after {timeout_s:.0f} s '
-                            f'waiting for {_ids(missing)}: {what}')
+            raise SyncError(f'process {jax.process_index()}: gave up at {name!r} after '
+                            f'{timeout_s:.0f} s waiting for {_ids(missing)}: {what}')
         if now >= next_progress:
             print(f'{_prog()}: process {jax.process_index()}: waiting for {_ids(missing)}: '
                   f'{what}, {_elapsed(now - start)} so far', flush=True)
@@ -325,7 +332,7 @@ def wait_for(name: str, what: str, timeout_s: float,
         raise ValueError(f'wait_for({name!r}): no {_ids(bad)} in a job of {count}')
     if count == 1:
         return
-    _arrive_and_wait(_client(), _key('barrier', name), '1', waited_for, what, timeout_s)
+    _arrive_and_wait(_client(), _key('barrier', name), '1', waited_for, name, what, timeout_s)
 
 
 def agree(name: str, value: str, timeout_s: float) -> None:
@@ -336,8 +343,8 @@ def agree(name: str, value: str, timeout_s: float) -> None:
     count = jax.process_count()
     if count == 1:
         return
-    values = _arrive_and_wait(_client(), _key('agree', name), value, range(count),
-                              f'{name}: every process gives its value', timeout_s)
+    values = _arrive_and_wait(_client(), _key('agree', name), value, range(count), name,
+                              'every process gives its value', timeout_s)
     differ = [p for p in range(count) if values[p] != values[0]]
     if differ:
         raise SyncError(f'the processes disagree on {name}: process 0 has {_short(values[0])}, '
