@@ -37,7 +37,10 @@ _TIMEOUT = flags.DEFINE_float('timeout', 3600.0, 'With --watch: give up after th
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-    distributed.initialize()
+    try:
+        distributed.initialize()
+    except distributed.StartupError as e:  # one line naming the processes that did not join
+        sys.exit(f'evaluate.py: {e}')
     if not flags.FLAGS['verbosity'].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
     from t2t import checkpoint, evaluation, startup, watch  # after flag parsing: fast --help
@@ -51,7 +54,8 @@ def main(argv):
             average_last=_AVERAGE_LAST.value, write_averaged=_WRITE_AVERAGED.value,
             split=_SPLIT.value, translate=_TRANSLATE.value, input_path=_INPUT.value,
             output_path=_OUTPUT.value)
-    except (evaluation.EvalError, checkpoint.CheckpointError, startup.ConfigError) as e:
+    except (evaluation.EvalError, checkpoint.CheckpointError, startup.ConfigError,
+            distributed.SyncError) as e:
         sys.exit(f'evaluate.py: {e}')
 
 

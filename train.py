@@ -14,7 +14,10 @@ A workdir that holds checkpoints is resumed from the newest good one. Multi-host
 command on every host; jax.distributed is initialized from --coordinator_address/--num_processes/
 --process_id, or detected automatically on TPU pods and SLURM/Open MPI clusters (--distributed).
 SIGTERM saves a checkpoint and exits 0; `kill -USR1 <pid>` prints every thread's stack to stderr
-(a job that seems stuck). A config, workdir or checkpoint problem is one line on stderr, exit 1.
+(a job that seems stuck); a step or a checkpoint save that runs far longer than usual prints them
+by itself (config straggler_factor, slow_save_s). WORKDIR/run-<UTC start>.json records what ran.
+Processes that do not all start within --startup_timeout_s are named in one line, exit 1.
+A config, workdir or checkpoint problem is one line on stderr, exit 1.
 """
 
 import faulthandler
@@ -47,7 +50,10 @@ def main(argv):
         return
     if not _WORKDIR.value:
         raise app.UsageError('--workdir is required (checkpoints, metrics and logs go there)')
-    distributed.initialize()
+    try:
+        distributed.initialize()
+    except distributed.StartupError as e:  # one line naming the processes that did not join
+        sys.exit(f'train.py: {e}')
     if not flags.FLAGS['verbosity'].present:
         absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save at INFO
 
@@ -57,7 +63,7 @@ def main(argv):
     try:
         result = loop.train_and_evaluate(config, _WORKDIR.value)
     except (startup.ConfigError, checkpoint.CheckpointError, loop.NonFiniteLossError,
-            OSError) as e:  # OSError: e.g. metrics.jsonl on a full disk; it names the file
+            distributed.SyncError, OSError) as e:  # OSError: e.g. a full disk; it names the file
         sys.exit(f'train.py: {e}')
     print(f'finished at step {result.step} ({result.stopped_by}); '
           + ' '.join(f'{k}={v:.4g}' for k, v in result.eval_metrics.items()))

@@ -91,6 +91,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.keep_checkpoints = 20
     c.num_eval_batches = 20  # validation batches for eval loss (-1 = all)
     c.eval_bleu_sentences = 256  # validation sentences decoded for BLEU at each eval (0 = off)
+    # Hangs and stragglers (t2t/watchdog.py): every thread's stack goes to stderr, training goes on.
+    c.straggler_factor = 10.0  # a step running over this x the median recent step (0 = off) ...
+    c.straggler_min_s = 10.0  # ... and over this many seconds (tiny steps jitter)
+    c.slow_save_s = 600.0  # a checkpoint save running over this many seconds (0 = off)
 
     # --- decoding
     c.beam_size = 4

@@ -1,9 +1,30 @@
-"""The multi-process flags of train.py and evaluate.py, and jax.distributed's start-up from them.
+"""The multi-process flags of train.py and evaluate.py, jax.distributed's start-up from them, and
+host-side barriers that name the processes they wait for.
 
 Run the same command on every host (or process): with --coordinator_address, --num_processes and
 --process_id explicitly, or with --distributed to let jax detect them (TPU pod slices, SLURM,
 Open MPI). Without either flag the job is one process.
+
+Start-up: jax.distributed.initialize blocks until every process has registered and, past its
+timeout, aborts with a stack trace that does not say which process is missing. So the processes
+first meet on the coordinator's port in a small handshake of their own (process 0 listens, the
+others say who they are); after --startup_timeout_s process 0 exits with one line naming the
+processes that did not join, and they exit naming the coordinator that did not answer. Only then
+is jax.distributed started, on the same port, with the same timeout.
+
+After start-up, `wait_for` and `agree` meet over jax's coordination service (its key-value store:
+host to host, no device collective), print a progress line every minute and raise SyncError naming
+the processes that did not arrive or that disagree.
 """
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Sequence
 
 from absl import flags
 
@@ -13,13 +34,323 @@ DISTRIBUTED = flags.DEFINE_bool(
 COORDINATOR = flags.DEFINE_string('coordinator_address', None, 'host:port of process 0.')
 NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Processes in the job.')
 PROCESS_ID = flags.DEFINE_integer('process_id', None, 'This process, 0 .. num_processes-1.')
+STARTUP_TIMEOUT = flags.DEFINE_float(
+    'startup_timeout_s', 600.0, 'Several processes: give up (naming the processes that did not '
+    'join) when not all have started within this many seconds.', lower_bound=1.0)
+
+PROGRESS_EVERY_S = 60.0  # a "still waiting" line this often
+_HELLO, _GO, _ABORT = 't2t-join', 't2t-go', 't2t-abort'
+
+
+class StartupError(RuntimeError):
+    """The processes did not all start: the message names the ones missing."""
+
+
+class SyncError(RuntimeError):
+    """A host-side barrier timed out or the processes disagree: the message names them."""
 
 
 def initialize() -> None:
-    """jax.distributed.initialize from the flags; nothing without them. Call before any jax op."""
+    """jax.distributed.initialize from the flags; nothing without them. Call before any jax op.
+
+    Raises StartupError (one line) when not every process started within --startup_timeout_s.
+    """
+    if COORDINATOR.value:
+        _initialize(COORDINATOR.value, NUM_PROCESSES.value, PROCESS_ID.value, None,
+                    STARTUP_TIMEOUT.value)
+    elif DISTRIBUTED.value:
+        try:  # jax's own cluster detection, which jax.distributed.initialize() would run
+            from jax._src import clusters  # private: without it, jax's start-up as it is
+
+            detect = clusters.ClusterEnv.auto_detect_unset_distributed_params
+        except (ImportError, AttributeError):
+            import jax
+
+            jax.distributed.initialize(initialization_timeout=int(STARTUP_TIMEOUT.value))
+            return
+        address, count, index, local_ids = detect(None, None, None, None, None,
+                                                  int(STARTUP_TIMEOUT.value))
+        if address is None or count is None or index is None:
+            raise StartupError('--distributed: jax detected no TPU pod, SLURM or Open MPI job; '
+                               'give --coordinator_address, --num_processes and --process_id')
+        _initialize(address, count, index, local_ids, STARTUP_TIMEOUT.value)
+
+
+def _initialize(address, count, index, local_ids, timeout_s: float) -> None:
+    if count is None or index is None:
+        raise StartupError('--coordinator_address needs --num_processes and --process_id')
+    if not 0 <= index < count:
+        raise StartupError(f'--process_id={index} is not in 0 .. {count - 1} '
+                           f'(--num_processes={count})')
+    if count > 1:
+        rendezvous(address, count, index, timeout_s)
+    import jax
+    # Every process is up: what remains is jax's own connection. A process dying just now would
+    # leave jax waiting, then aborting with a stack trace: one line from here first.
+    done = threading.Event()
+    threading.Thread(target=_exit_unless, daemon=True, args=(done, timeout_s, (
+        f'{_prog()}: process {index}: jax.distributed.initialize did not finish within '
+        f'{timeout_s:.0f} s after all {count} processes joined (coordinator {address})'))).start()
+    try:
+        jax.distributed.initialize(address, count, index, local_device_ids=local_ids,
+                                   initialization_timeout=int(timeout_s) + 30)
+    finally:
+        done.set()
+
+
+def _exit_unless(done: threading.Event, timeout_s: float, message: str) -> None:
+    if not done.wait(timeout_s):
+        print(message, file=sys.stderr, flush=True)
+        os._exit(1)  # the main thread is inside jax's C++ start-up: nothing else stops it
+
+
+def _prog() -> str:
+    return os.path.basename(sys.argv[0]) or 'python'
+
+
+# --- the start-up handshake ----------------------------------------------------------------------
+
+
+def _split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(':')
+    if not sep or not port.isdigit():
+        raise StartupError(f'--coordinator_address={address!r} is not host:port')
+    return host.strip('[]'), int(port)
+
+
+def _ids(ids) -> str:
+    ids = sorted(ids)
+    shown = ', '.join(map(str, ids[:20])) + (f', ... ({len(ids)} in all)' if len(ids) > 20 else '')
+    return ('process ' if len(ids) == 1 else 'processes ') + shown
+
+
+def _elapsed(seconds: float) -> str:
+    return f'{seconds / 60:.0f} min' if seconds >= 90 else f'{seconds:.0f} s'
+
+
+def rendezvous(address: str, count: int, index: int, timeout_s: float) -> None:
+    """Process 0 listens on the coordinator's port until the other count-1 processes said hello
+    (then tells them to go on) or timeout_s passed (then tells those that came to give up and
+    raises StartupError naming the missing ones). The others connect and wait for the answer."""
+    host, port = _split_address(address)
+    if index == 0:
+        _serve(address, port, count, timeout_s)
+    else:
+        _join(address, host, port, count, index, timeout_s)
+
+
+def _listen(port: int) -> socket.socket:
+    """Every interface, like jax's own service ([::]:port)."""
+    try:
+        if socket.has_dualstack_ipv6():
+            return socket.create_server(('', port), family=socket.AF_INET6, dualstack_ipv6=True)
+        return socket.create_server(('', port))
+    except OSError as e:
+        raise StartupError(f'process 0 cannot listen on port {port} of the coordinator: '
+                           f'{e.strerror or e}') from e
+
+
+def _read_line(conn: socket.socket, timeout_s: float) -> str:
+    """One short line, '' on a timeout, a closed connection or something that is not ours."""
+    conn.settimeout(max(timeout_s, 0.01))
+    data = b''
+    try:
+        while b'\n' not in data and len(data) < 4096:
+            chunk = conn.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+    except OSError:
+        pass
+    return data.split(b'\n', 1)[0].decode('utf-8', 'replace') if b'\n' in data else ''
+
+
+def _closed(conn: socket.socket) -> bool:
+    """The other end has gone (a process that said hello, then died)."""
+    try:
+        conn.settimeout(0.0)  # else Python waits for data up to the socket's timeout
+        return conn.recv(1, socket.MSG_PEEK) == b''
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def _serve(address: str, port: int, count: int, timeout_s: float) -> None:
+    start = time.monotonic()
+    deadline, next_progress = start + timeout_s, start + PROGRESS_EVERY_S
+    joined: dict[int, socket.socket] = {}
+    others, problem = [], None
+    with _listen(port) as server:
+        while problem is None:
+            if len(joined) == count - 1:  # all here; but one that died meanwhile must come back
+                for pid in [p for p, conn in joined.items() if _closed(conn)]:
+                    joined.pop(pid).close()
+                if len(joined) == count - 1:
+                    break
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            if now >= next_progress:
+                missing = set(range(1, count)) - set(joined)
+                print(f'{_prog()}: waiting for {_ids(missing)} of {count} to join (coordinator '
+                      f'{address}), {_elapsed(now - start)} so far', flush=True)
+                next_progress += PROGRESS_EVERY_S
+            server.settimeout(max(min(deadline, next_progress) - now, 0.01))
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            words = _read_line(conn, 10.0).split()
+            if len(words) != 3 or words[0] != _HELLO or not all(w.isdigit() for w in words[1:]):
+                conn.close()  # not one of ours (a port scan, a stale client): ignore it
+                continue
+            pid, their_count = int(words[1]), int(words[2])
+            if their_count != count:
+                problem = (f'process {pid} has --num_processes={their_count}, process 0 has '
+                           f'{count}')
+            elif pid in joined and _closed(joined[pid]):  # that process restarted: the new one
+                joined.pop(pid).close()
+            if problem is None and (not 0 < pid < count or pid in joined):
+                problem = f'two processes have --process_id={pid}' if pid in joined else (
+                    f'a process has --process_id={pid}, outside 1 .. {count - 1}')
+            if problem:
+                others.append(conn)  # told to give up with the rest
+            else:
+                joined[pid] = conn
+        missing = set(range(1, count)) - set(joined)
+        if problem is None and missing:
+            problem = (f'{_ids(missing)} of {count} did not join within {timeout_s:.0f} s '
+                       f'(coordinator {address})')
+        for conn in [*joined.values(), *others]:
+            try:
+                conn.sendall(f'{_ABORT} {problem}\n'.encode() if problem else f'{_GO}\n'.encode())
+                if not problem:  # let them close first, so the port is free for jax at once
+                    _read_line(conn, 5.0)
+            except OSError:
+                pass
+            conn.close()
+    if problem:
+        raise StartupError(problem)
+
+
+def _join(address: str, host: str, port: int, count: int, index: int, timeout_s: float) -> None:
+    start = time.monotonic()
+    deadline, next_progress = start + timeout_s, start + PROGRESS_EVERY_S
+    while True:
+        try:
+            conn = socket.create_connection((host, port), timeout=5.0)
+            break
+        except OSError:  # process 0 is not listening yet
+            now = time.monotonic()
+            if now >= deadline:
+                raise StartupError(f'process {index}: the coordinator {address} (process 0) did '
+                                   f'not answer within {timeout_s:.0f} s') from None
+            if now >= next_progress:
+                print(f'{_prog()}: process {index}: waiting for the coordinator {address} '
+                      f'(process 0), {_elapsed(now - start)} so far', flush=True)
+                next_progress += PROGRESS_EVERY_S
+            time.sleep(0.25)
+    with conn:
+        conn.sendall(f'{_HELLO} {index} {count}\n'.encode())
+        # Process 0 answers within its own timeout, which may have started a little later.
+        answer = _read_line(conn, timeout_s + 30.0)
+    word, _, rest = answer.partition(' ')
+    if word == _ABORT:
+        raise StartupError(f'process {index}: process 0 gave up: {rest}')
+    if word != _GO:
+        raise StartupError(f'process {index}: the coordinator {address} closed the start-up '
+                           'handshake without an answer (did process 0 start without this '
+                           'process, or is another job on that port?)')
+
+
+# --- host-side barriers over jax's key-value store -----------------------------------------------
+
+_uses: dict[str, int] = {}  # every process calls the same barriers in the same order
+
+
+def _client():
+    from jax._src import distributed as jax_distributed
+
+    return jax_distributed.global_state.client
+
+
+def _key(kind: str, name: str) -> str:
+    """A fresh key directory per call, so a name can be used again (e.g. once per evaluation)."""
+    use = _uses[f'{kind}/{name}'] = _uses.get(f'{kind}/{name}', -1) + 1
+    return f't2t/{kind}/{name}/{use}/'
+
+
+def _arrive_and_wait(client, prefix: str, value: str, waited_for: Sequence[int], name: str,
+                     what: str, timeout_s: float) -> dict[int, str]:
+    """Puts this process's value under prefix, then waits until every process in waited_for has
+    put one; returns {process: value} of all that did. Progress line every minute."""
     import jax
 
-    if COORDINATOR.value:
-        jax.distributed.initialize(COORDINATOR.value, NUM_PROCESSES.value, PROCESS_ID.value)
-    elif DISTRIBUTED.value:
-        jax.distributed.initialize()
+    client.key_value_set(prefix + str(jax.process_index()), value)
+    start = time.monotonic()
+    deadline, next_progress = start + timeout_s, start + PROGRESS_EVERY_S
+    while True:
+        values = {int(k.rsplit('/', 1)[-1]): v for k, v in client.key_value_dir_get(prefix)}
+        missing = [p for p in waited_for if p not in values]
+        if not missing:
+            return values
+        now = time.monotonic()
+        if now >= deadline:
+            raise SyncError(f'process {jax.process_index()}: gave up at {name!r} after '
+                            f'{timeout_s:.0f} s waiting for {_ids(missing)}: {what}')
+        if now >= next_progress:
+            print(f'{_prog()}: process {jax.process_index()}: waiting for {_ids(missing)}: '
+                  f'{what}, {_elapsed(now - start)} so far', flush=True)
+            next_progress += PROGRESS_EVERY_S
+        # Returns as soon as that key is set (then the listing is read again), else at the wait's
+        # end: a wait on the service, not a poll.
+        wait_ms = max(int((min(deadline, next_progress) - now) * 1000), 1)
+        try:
+            client.blocking_key_value_get(prefix + str(missing[0]), wait_ms)
+        except Exception as e:  # jax raises its runtime error class with DEADLINE_EXCEEDED
+            if 'DEADLINE_EXCEEDED' not in str(e):
+                raise
+
+
+def wait_for(name: str, what: str, timeout_s: float,
+             processes: Sequence[int] | None = None) -> None:
+    """A host-side barrier: this process arrives at `name`, then waits until every process in
+    `processes` (default: all) has arrived. Every process calls it, the waited-for ones once they
+    are done: e.g. the data prepared by process 0 is read after
+
+        distributed.wait_for('data', 'process 0 prepares the data', 3600, processes=[0])
+
+    `what` goes into the progress line printed every minute and into the SyncError raised after
+    timeout_s, which names the processes that did not arrive. One process: returns at once.
+    """
+    import jax
+
+    count = jax.process_count()
+    waited_for = list(range(count)) if processes is None else sorted(set(processes))
+    if bad := [p for p in waited_for if not 0 <= p < count]:
+        raise ValueError(f'wait_for({name!r}): no {_ids(bad)} in a job of {count}')
+    if count == 1:
+        return
+    _arrive_and_wait(_client(), _key('barrier', name), '1', waited_for, name, what, timeout_s)
+
+
+def agree(name: str, value: str, timeout_s: float) -> None:
+    """Every process gives its value (e.g. a digest of its data); raises SyncError naming the
+    processes whose value differs from process 0's (or that did not arrive within timeout_s)."""
+    import jax
+
+    count = jax.process_count()
+    if count == 1:
+        return
+    values = _arrive_and_wait(_client(), _key('agree', name), value, range(count), name,
+                              'every process gives its value', timeout_s)
+    differ = [p for p in range(count) if values[p] != values[0]]
+    if differ:
+        raise SyncError(f'the processes disagree on {name}: process 0 has {_short(values[0])}, '
+                        + '; '.join(f'process {p} has {_short(values[p])}' for p in differ[:5])
+                        + (f' ({len(differ)} differ in all)' if len(differ) > 5 else ''))
+
+
+def _short(value: str, keep: int = 80) -> str:
+    return repr(value if len(value) <= keep else value[:keep] + '...')

@@ -179,6 +179,9 @@ def train_and_evaluate(config, workdir: str, devices=None) -> TrainResult:
     _say(f'mesh {dict(mesh.shape)} over {mesh.size} {mesh.devices.flat[0].platform} devices '
          f'({jax.process_count()} processes)')
     _check_config(config, mesh)
+    from t2t import run_record, watchdog  # what ran; stacks of slow steps and saves
+
+    run_record.write(workdir, run_record.record(config, mesh))  # what ran: WORKDIR/run-*.json
     batch_sharding = sharding.batch_sharding(mesh)
     rows = sharding.process_rows(batch_sharding, config.batch_size)
     _say(_batch_line(config, mesh, rows))
@@ -257,6 +260,7 @@ def train_and_evaluate(config, workdir: str, devices=None) -> TrainResult:
     stopped_by = 'num_train_steps'
     train_summary, eval_summary = {}, {}
     preemption = PreemptionFlag().install()
+    dog = watchdog.Watchdog.from_config(config, jax.process_index())
     try:
         if meta.get('evaluation_pending'):  # preempted at an evaluation step: evaluate it now
             eval_summary = evaluate()
@@ -267,6 +271,7 @@ def train_and_evaluate(config, workdir: str, devices=None) -> TrainResult:
             _say(f'the time budget of {config.train_time_budget_s:.0f} s is spent in {workdir}: '
                  'nothing to train')
         while step < config.num_train_steps and stopped_by == 'num_train_steps':
+            dog.mark('step', step + 1)
             batch = sharding.put_rows(next(train_iter), batch_sharding, config.batch_size)
             state, step_metrics = train_step(state, batch)
             step += 1
@@ -289,6 +294,7 @@ def train_and_evaluate(config, workdir: str, devices=None) -> TrainResult:
             # is an interrupted one (also the final evaluation of a time-budget stop).
             evaluation_pending = scheduled_eval and preempted
             if (scheduled_eval or stopping) and not preempted:
+                dog.mark('other', step)
                 summary = evaluate()
                 if summary is None:  # SIGTERM during the evaluation: save this step now
                     stopped_by, stopping, preempted = 'preemption', True, True
@@ -297,6 +303,7 @@ def train_and_evaluate(config, workdir: str, devices=None) -> TrainResult:
                     eval_summary = summary
             if step % config.checkpoint_every_steps == 0 or stopping:
                 interval.check_finite(config.skip_nonfinite)  # never save a non-finite state
+                dog.mark('save', step)
                 checkpoint.save(manager, step, state, train_iter, extra_metadata={
                     'train_seconds': train_seconds(),
                     'unlogged_metrics': interval.unlogged(),
@@ -307,6 +314,7 @@ def train_and_evaluate(config, workdir: str, devices=None) -> TrainResult:
             if logged:  # after evaluation and saving, so step times measure training alone
                 interval = _Interval()
     finally:
+        dog.close()
         preemption.uninstall()
         checkpoint.wait(manager)
         checkpoint.close(manager)

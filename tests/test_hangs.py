@@ -1,0 +1,189 @@
+"""Hangs and stragglers name themselves: a process that never starts, a barrier a process never
+reaches, processes that disagree, a step or a save that runs too long; and every run records
+what ran (WORKDIR/run-<start>.json)."""
+
+import glob
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+
+from t2t import checkpoint, loop, run_record, train_lib, watchdog
+from tests import toy_corpus
+from tests.conftest import ROOT, one_device_env
+from tests.test_multiprocess import _free_port
+from tests.test_train import _run_config
+
+DRIVER = os.path.join(ROOT, 'tests', 'hang_driver.py')
+STARTUP_S = 3
+
+
+def _start(port, count, index, *extra):
+    return subprocess.Popen(
+        [sys.executable, DRIVER, f'--coordinator_address=localhost:{port}',
+         f'--num_processes={count}', f'--process_id={index}', f'--startup_timeout_s={STARTUP_S}',
+         *extra], cwd=ROOT, env=one_device_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+
+
+def _finish(proc, timeout=60):
+    """(exit status, stdout, last line of stderr, seconds from now)."""
+    start = time.monotonic()
+    out, err = proc.communicate(timeout=timeout)
+    lines = err.strip().splitlines()
+    return proc.returncode, out, lines[-1] if lines else '', time.monotonic() - start
+
+
+def test_processes_that_never_start_are_named():
+    ports = [_free_port() for _ in range(4)]
+    started = time.monotonic()
+    jobs = {
+        # the 2-process job whose process 1 never starts
+        'alone0': _start(ports[0], 2, 0),
+        # a 3-process job whose process 2 never starts: process 1 hears it from process 0
+        'three0': _start(ports[1], 3, 0), 'three1': _start(ports[1], 3, 1),
+        # process 1 of a job whose process 0 never starts
+        'alone1': _start(ports[2], 2, 1),
+        # the processes do not agree on the job's size
+        'size0': _start(ports[3], 2, 0), 'size1': _start(ports[3], 3, 1),
+    }
+    results = {name: _finish(proc) for name, proc in jobs.items()}
+    took = time.monotonic() - started
+    assert {name: r[0] for name, r in results.items()} == dict.fromkeys(jobs, 1), results
+    assert results['alone0'][2] == (f'hang_driver.py: process 1 of 2 did not join within '
+                                    f'{STARTUP_S} s (coordinator localhost:{ports[0]})')
+    missing_2 = f'process 2 of 3 did not join within {STARTUP_S} s (coordinator localhost:'
+    assert results['three0'][2] == f'hang_driver.py: {missing_2}{ports[1]})'
+    assert results['three1'][2] == (f'hang_driver.py: process 1: process 0 gave up: {missing_2}'
+                                    f'{ports[1]})')
+    assert results['alone1'][2] == (f'hang_driver.py: process 1: the coordinator localhost:'
+                                    f'{ports[2]} (process 0) did not answer within {STARTUP_S} s')
+    size = 'process 1 has --num_processes=3, process 0 has 2'
+    assert results['size0'][2] == f'hang_driver.py: {size}'
+    assert results['size1'][2] == f'hang_driver.py: process 1: process 0 gave up: {size}'
+    # Each gave up at its timeout (process 1 of 'three' when process 0 told it), not after
+    # jax's 5 minutes; 'size' at once.
+    waited = {name: float(r[1].split()[3]) for name, r in results.items()}
+    for name in ('alone0', 'three0', 'alone1'):
+        assert STARTUP_S <= waited[name] < STARTUP_S + 2, (name, waited)
+    assert STARTUP_S - 1 < waited['three1'] < STARTUP_S + 2, waited  # started after process 0
+    assert max(waited['size0'], waited['size1']) < STARTUP_S, waited
+    assert took < 60
+
+
+def test_barriers_wait_for_late_processes_and_name_absent_and_disagreeing_ones():
+    port = _free_port()
+    procs = [_start(port, 2, i, '--scenario=barriers') for i in range(2)]
+    results = [_finish(p) for p in procs]
+    assert [r[0] for r in results] == [0, 0], results
+    out0, out1 = results[0][1].splitlines(), results[1][1].splitlines()
+    outcomes = [line for line in out0 if ': ok' in line or 'Error' in line]
+    # Process 1 reaches the first barrier 1.5 s late: process 0 waits, with progress lines.
+    assert outcomes[0].startswith('late: ok after') and float(outcomes[0].split()[3]) >= 1.0
+    assert any(line.startswith('hang_driver.py: process 0: waiting for process 1: everyone, ')
+               and line.endswith(' s so far') for line in out0)
+    assert outcomes[1].startswith('same: ok')
+    differ = ("the processes disagree on digest: process 0 has 'value-0', process 1 has "
+              "'value-1'")
+    assert outcomes[2].endswith(differ) and any(line.endswith(differ) for line in out1)
+    # Process 1 never reaches 'absent': process 0 gives up after 2 s, naming it.
+    assert outcomes[3].endswith(": process 0: gave up at 'absent' after 2 s waiting for process 1: "
+                                'process 1 does something')
+    assert outcomes[3].startswith('absent: SyncError after')
+    assert 2.0 <= float(outcomes[3].split()[3]) < 3.0
+    # ... and both go on to the next barrier, process 1 having waited there for process 0.
+    assert outcomes[4].startswith('after: ok') and out1[-1].startswith('after: ok')
+    assert 'hang_driver.py: process 1: waiting for process 0: everyone, 1 s so far' in out1, out1
+
+
+def _sleep_in(seconds):
+    time.sleep(seconds)
+
+
+def test_watchdog_dumps_stacks_while_a_step_or_a_save_hangs():
+    stream = io.StringIO()
+    dog = watchdog.Watchdog(straggler_factor=3, straggler_min_s=0.2, slow_save_s=0.3,
+                            process_index=5, poll_s=0.02, stream=stream)
+    for step in range(1, 7):  # steps of ~0.01 s: the limit is max(3 x median, 0.2 s) = 0.2 s
+        dog.mark('step', step)
+        time.sleep(0.01)
+    dog.mark('step', 7)
+    _sleep_in(0.5)
+    # Dumped while step 7 still ran (the next mark has not come), once.
+    text = stream.getvalue()
+    assert text.count('watchdog:') == 1
+    assert 'watchdog: process 5: step 7 has run 0.2' in text
+    assert 'straggler_min_s=0.2' in text and 'in _sleep_in' in text
+    dog.mark('other', 7)  # an evaluation: not timed
+    time.sleep(0.4)
+    dog.mark('save', 7)
+    time.sleep(0.45)
+    dog.mark('step', 8)
+    dog.close()
+    text = stream.getvalue()
+    assert text.count('watchdog:') == 2, text
+    assert ('watchdog: process 5: the checkpoint save of step 7 has run 0.3' in text
+            and '(slow_save_s=0.3)' in text)
+
+
+def test_training_records_what_ran_and_survives_a_slow_step_and_save(tmp_path, capfd,
+                                                                     monkeypatch):
+    """A step and a save that sleep past their limits: both dump every stack to stderr, naming
+    the step, and training finishes normally. The run's record is in WORKDIR/run-*.json."""
+    real_jit, real_save, calls = train_lib.jit_train_step, checkpoint.save, []
+
+    def slow_jit(*args, **kwargs):
+        step_fn = real_jit(*args, **kwargs)
+
+        def step(state, batch):
+            calls.append(None)
+            if len(calls) == 7:  # after 5 timed steps (the first compiles): the median is known
+                _sleep_in(2.5)
+            return step_fn(state, batch)
+
+        return step
+
+    def slow_save(manager, step, *args, **kwargs):
+        if step == 6:
+            _sleep_in(2.5)
+        return real_save(manager, step, *args, **kwargs)
+
+    monkeypatch.setattr(train_lib, 'jit_train_step', slow_jit)
+    monkeypatch.setattr(checkpoint, 'save', slow_save)
+    monkeypatch.setattr(watchdog, 'POLL_S', 0.05)
+    (tmp_path / 'corpus').mkdir()
+    corpus = toy_corpus.make_corpus(tmp_path / 'corpus')
+    # test_train's settings: its programs are in the session's compilation cache when it ran.
+    config = _run_config(corpus, num_train_steps=8, straggler_factor=2.0, straggler_min_s=0.5,
+                         slow_save_s=1.0)
+    workdir = tmp_path / 'run'
+    result = loop.train_and_evaluate(config, str(workdir))
+    assert (result.step, result.stopped_by) == (8, 'num_train_steps')
+    out, err = capfd.readouterr()
+    assert 'watchdog: process 0: step 7 has run' in err, err
+    assert 'watchdog: process 0: the checkpoint save of step 6 has run' in err, err
+    assert err.count('in _sleep_in') >= 2 and 'Thread 0x' in err
+
+    paths = glob.glob(str(workdir / 'run-*.json'))
+    assert len(paths) == 1
+    record = json.loads(open(paths[0]).read())
+    assert os.path.basename(paths[0]) == f'run-{record["start"]}.json'
+    assert len(record['start']) == 16 and record['start'].endswith('Z')
+    git = run_record.git_state(ROOT)
+    if git is not None:  # the tests run from a git checkout (a source tarball has none)
+        assert record['git'] == git and len(git['commit']) == 40
+    for package in ('jax', 'jaxlib', 'flax', 'optax', 'orbax-checkpoint', 'grain', 't2t'):
+        assert record['versions'][package], package
+    assert 'libtpu' in record['versions']
+    assert record['python'] == '.'.join(map(str, sys.version_info[:3]))
+    assert (record['platform'], record['device_kind']) == ('cpu', 'cpu')
+    assert (record['device_count'], record['process_count']) == (8, 1)
+    assert record['mesh_shape'] == {'data': 8, 'fsdp': 1, 'tensor': 1}
+    assert record['config']['num_train_steps'] == 8 and record['config']['slow_save_s'] == 1.0
+    assert record['config']['tsv_files']['train'] == corpus['train']
+    summary = next(line for line in out.splitlines() if line.startswith('run record '))
+    assert summary == run_record.summary(record, paths[0])
+    assert '8 cpu devices, 1 process; mesh data 8 x fsdp 1 x tensor 1' in summary
+
