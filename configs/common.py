@@ -21,6 +21,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.test_split = 'test'
     c.tsv_files = ml_collections.ConfigDict({'train': '', 'validation': '', 'test': ''})
     c.data_dir = 'data'  # prepared datasets, tokenizers and packed caches live here
+    # Several processes: how long the others wait (host-side, a progress line a minute) for
+    # process 0 to prepare the data, before stopping with a line that says what they waited for.
+    c.data_wait_timeout_s = 6 * 3600.0
     c.vocab_size = 32000  # one sentencepiece vocabulary shared by source and target
     c.vocab_path = ''  # '' -> derived from data_dir, dataset and vocab_size
     c.tokenizer_sentences = 1_000_000  # sentences (source + target) used to train sentencepiece

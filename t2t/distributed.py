@@ -354,3 +354,30 @@ def agree(name: str, value: str, timeout_s: float) -> None:
 
 def _short(value: str, keep: int = 80) -> str:
     return repr(value if len(value) <= keep else value[:keep] + '...')
+
+
+_CHUNK = 1 << 20  # bytes per key-value entry (well under the coordination service's gRPC limits)
+
+
+def share_bytes(name: str, data: bytes | None, what: str, timeout_s: float) -> bytes:
+    """Process 0's `data` on every process, over the key-value store (not a device collective).
+
+    Process 0 passes the bytes and returns them at once; the others pass None and wait for them
+    like `wait_for` waits (progress lines, then a SyncError naming process 0 after timeout_s).
+    """
+    import jax
+
+    if jax.process_count() == 1:
+        return data
+    client, prefix = _client(), _key('bytes', name)
+    if jax.process_index() == 0:
+        chunks = [data[i:i + _CHUNK] for i in range(0, len(data), _CHUNK)] or [b'']
+        for i, chunk in enumerate(chunks):
+            client.key_value_set_bytes(f'{prefix}chunk/{i}', chunk)
+        client.key_value_set(f'{prefix}count', str(len(chunks)))
+        _arrive_and_wait(client, prefix + 'arrived/', '1', [0], name, what, timeout_s)
+        return data
+    _arrive_and_wait(client, prefix + 'arrived/', '1', [0], name, what, timeout_s)
+    count = int(client.blocking_key_value_get(f'{prefix}count', 60_000))
+    return b''.join(client.blocking_key_value_get_bytes(f'{prefix}chunk/{i}', 60_000)
+                    for i in range(count))

@@ -17,6 +17,8 @@ from importlib import metadata
 
 import jax
 
+from t2t import workdir as wd
+
 PACKAGES = ('jax', 'jaxlib', 'libtpu', 'flax', 'optax', 'orbax-checkpoint', 'grain', 't2t')
 _SOURCE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -83,15 +85,8 @@ def write(workdir: str, rec: dict) -> str | None:
     prints the one-line summary."""
     if jax.process_index() != 0:
         return None
-    path = _write_text(workdir, f'run-{rec["start"]}.json', json.dumps(rec, indent=1) + '\n')
+    path = wd.path(workdir, f'run-{rec["start"]}.json')
+    wd.write_atomic(path, json.dumps(rec, indent=1) + '\n')
+    path = str(path)
     print(summary(rec, path), flush=True)
     return path
-
-
-def _write_text(workdir: str, name: str, text: str) -> str:
-    """WORKDIR/name (workdir may be a gs:// URL)."""
-    from etils import epath
-
-    path = epath.Path(workdir) / name
-    path.write_text(text)
-    return os.fspath(path)

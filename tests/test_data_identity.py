@@ -1,6 +1,7 @@
 """Data identity: artifacts keyed by content, the vocabulary pinned in the workdir, and checkpoints
 that refuse other data (t2t/data/identity.py)."""
 
+import json
 import os
 import shutil
 
@@ -145,3 +146,26 @@ def test_check_resume_maps_by_rows_consumed():
     with pytest.raises(identity.DataMismatchError, match='train_digest d -> e'):
         identity.check_resume(saved, dict(saved, train_digest='e'), state, allow_change=False,
                               where='x')
+
+
+def test_two_processes_with_other_packed_rows_stop_with_one_line(corpus, tmp_path):
+    from tests.test_multiprocess import _flags, _two_processes
+
+    # Process 0's data_dir prepared here; process 1's is a copy whose cache holds other rows
+    # (what another library version or a stale cache gives a host).
+    config = toy_corpus.tiny_config(corpus, data_dir=str(tmp_path / 'data0'))
+    packed = cache.packed_split(config, pipeline.get_tokenizer(config), 'train')
+    shutil.copytree(config.data_dir, tmp_path / 'data1')
+    other = os.path.join(str(tmp_path / 'data1'), os.path.relpath(packed.directory,
+                                                                  config.data_dir))
+    meta = json.loads(open(os.path.join(other, 'meta.json')).read())
+    meta['digest'] = 'f' * 64
+    wd.write_atomic(os.path.join(other, 'meta.json'), json.dumps(meta))
+    with pytest.raises(AssertionError) as info:
+        _two_processes('train.py', [*_flags(corpus), f'--workdir={tmp_path / "run"}'],
+                       [config.data_dir, str(tmp_path / 'data1')], tmp_path)
+    for process in (0, 1):  # each stops with the same one line, before anything compiles
+        assert f'process {process} exited with 1' in str(info.value)
+    want = (f"train.py: the processes disagree on the packed rows of train (rows:digest): "
+            f"process 0 has '{packed.num_rows}:{packed.meta['digest'][:10]}")
+    assert str(info.value).count(want) == 2, str(info.value)[-3000:]

@@ -152,12 +152,19 @@ def packed_split(config, tokenizer: Tokenizer, split: str) -> PackedSplit:
     """
     key = cache_key(config, tokenizer, split)
     directory = os.path.join(config.data_dir, 'packed', f'{split}-{key}')
+    wait = config.data_wait_timeout_s
     if multihost.process_index() == 0:
         _build_once(config, tokenizer, split, directory)
-    multihost.barrier(f't2t-packed-{split}')  # the same name on every process
+    multihost.wait_for_process_0(f'packed-{split}', f'process 0 builds the packed rows of '
+                                 f'{split} in {directory}', wait)
     if multihost.process_index() != 0:
         _build_once(config, tokenizer, split, directory)
-    return _load(directory)
+    packed = _load(directory)
+    # Hosts that hold other rows (another library version, a stale or foreign cache) would mix
+    # different data into one global batch: stop before the first step instead.
+    multihost.check_same(f'the packed rows of {split} (rows:digest)',
+                         f'{packed.num_rows}:{packed.meta["digest"]}', wait)
+    return packed
 
 
 def _build_once(config, tokenizer: Tokenizer, split: str, directory: str) -> None:

@@ -1,21 +1,21 @@
 """Several processes of one jax.distributed job preparing the same data.
 
-Process 0 builds (trains the vocabulary, writes the packed cache) while the others wait; then the
-others reuse what it built where they share its filesystem, or, where their data_dir is their own
-(a TPU VM's disk), receive the vocabulary's bytes from process 0 and build the deterministic rest
-themselves. Files are always written under a unique temporary name and renamed into place, so no
-two processes ever write one file.
+Process 0 builds (trains the vocabulary, writes the packed cache) while the others wait on a
+host-side barrier (jax's key-value store, t2t/distributed.py: a progress line a minute, and after
+config.data_wait_timeout_s an error naming what was awaited), never inside a device collective;
+then the others reuse what it built where they share its filesystem, or, where their data_dir is
+their own (a TPU VM's disk), receive the vocabulary's bytes from process 0 and build the
+deterministic rest themselves. Every process then gives a digest of its vocabulary and of its
+packed rows, and a host whose data differs (another library version, a stale cache) stops the job
+with one line naming it. Files are always written under a unique temporary name and renamed into
+place, so no two processes ever write one file.
 
 Several processes means a jax.distributed job (train.py / evaluate.py --coordinator_address=... or
 --distributed); otherwise, e.g. `python -m t2t.data`, there is one and no jax backend is started.
 """
 
 import hashlib
-import os
 import sys
-import tempfile
-
-import numpy as np
 
 from t2t import workdir as wd
 
@@ -44,12 +44,12 @@ def process_index() -> int:
     return jax.process_index()
 
 
-def barrier(name: str) -> None:
-    """Every process waits here until all have arrived (a no-op with one process)."""
+def wait_for_process_0(name: str, what: str, timeout_s: float) -> None:
+    """Process 0 arrives once it is done; the others wait for it (no-op with one process)."""
     if process_count() > 1:
-        from jax.experimental import multihost_utils
+        from t2t import distributed
 
-        multihost_utils.sync_global_devices(name)
+        distributed.wait_for(name, what, timeout_s, processes=[0])
 
 
 def file_digest(path: str) -> str:
@@ -57,41 +57,30 @@ def file_digest(path: str) -> str:
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def share_file(path: str) -> None:
+def share_file(path: str, what: str, timeout_s: float) -> None:
     """Process 0's bytes of `path` on every process's filesystem (written where they differ).
 
-    Every process must call it; it returns on each once process 0 has the file (a barrier too).
+    Every process must call it, process 0 once the file is ready; the others wait for it (`what`:
+    what they wait for, in the progress lines and the timeout's error).
     """
     if process_count() == 1:
         return
-    from jax.experimental import multihost_utils
+    from t2t import distributed
 
-    is_source = process_index() == 0
-    data = b''
-    if is_source:
+    name = f'file:{path}'
+    if process_index() == 0:
         with open(path, 'rb') as f:
-            data = f.read()
-    size = int(multihost_utils.broadcast_one_to_all(np.int32(len(data))))
-    buffer = np.frombuffer(data, np.uint8) if is_source else np.zeros(size, np.uint8)
-    data = multihost_utils.broadcast_one_to_all(buffer).tobytes()
-    if not is_source:
-        same = False
-        if os.path.exists(path):
-            with open(path, 'rb') as f:
-                same = f.read() == data
-        if not same:
-            wd.write_atomic(path, data)
-
-
-def check_same(what: str, digest: str) -> None:
-    """Raises a one-line error when `digest` (hex) differs between processes."""
-    if process_count() == 1:
+            distributed.share_bytes(name, f.read(), what, timeout_s)
         return
-    from jax.experimental import multihost_utils
+    data = distributed.share_bytes(name, None, what, timeout_s)
+    if wd.read_bytes(path) != data:
+        wd.write_atomic(path, data)
 
-    mine = np.frombuffer(bytes.fromhex(digest)[:16], np.uint8)
-    every = np.asarray(multihost_utils.process_allgather(mine))  # [processes, 16]
-    differ = [p for p in range(len(every)) if not np.array_equal(every[p], every[0])]
-    if differ:
-        raise RuntimeError(f'{what} differs between processes: processes {differ} disagree '
-                           'with process 0')
+
+def check_same(what: str, value: str, timeout_s: float) -> None:
+    """Raises a one-line SyncError naming the processes whose `value` (e.g. a digest) differs
+    from process 0's."""
+    if process_count() > 1:
+        from t2t import distributed
+
+        distributed.agree(what, value, timeout_s)

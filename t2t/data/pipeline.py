@@ -69,8 +69,9 @@ def get_tokenizer(config) -> Tokenizer:
         return _load_or_train(config, path)
     if multihost.process_index() == 0:
         _load_or_train(config, path)
-    multihost.share_file(path)
-    multihost.check_same(f'the vocabulary {path}', multihost.file_digest(path))
+    wait = config.data_wait_timeout_s
+    multihost.share_file(path, f'process 0 loads or trains the vocabulary {path}', wait)
+    multihost.check_same(f'the vocabulary {path}', multihost.file_digest(path), wait)
     return Tokenizer(path)
 
 
