@@ -4,6 +4,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TPU_STAMP := $(VENV)/.tpu-installed
+EXPORT_STAMP := $(VENV)/.export-installed
+# torch's CPU-only build for the export extra: a 190 MB wheel, ~750 MB installed, ~40 s. PyPI's
+# Linux torch is the CUDA build, which does not import without its ~3 GB of nvidia-* wheels; pip
+# finds the CPU build where this machine keeps it, or with TORCH_PIP_ARGS='--index-url URL'
+# (PyTorch's CPU wheel index). Without either, PyPI's CUDA build is the fallback.
+TORCH_CPU ?= torch==2.13.0+cpu
+TORCH_PIP_ARGS ?=
 WORKDIR ?= workdirs/default
 # glibc's malloc backs its large blocks with transparent huge pages (THP mode 'madvise'): XLA's
 # CPU backend allocates a step's temporaries afresh every step, which with 4 KiB pages cost
@@ -27,6 +34,13 @@ $(TPU_STAMP): $(STAMP)
 		"jax[tpu]==$$($(BIN)/python -c 'import jax; print(jax.__version__)')"
 	touch $(TPU_STAMP)
 
+# The export extra (transformers, CTranslate2, torch) for t2t.export's parity tests.
+$(EXPORT_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH_PIP_ARGS) "$(TORCH_CPU)" \
+		|| $(BIN)/pip install --quiet --disable-pip-version-check "torch>=2.4,<3"
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev,export]'
+	touch $(EXPORT_STAMP)
+
 # The main job: prepare the embedded corpus, train within the config's time budget (a workdir
 # that already spent it is only re-evaluated), evaluate the average of the last 5 checkpoints
 # (the paper's averaging for base models) on the test split, plot the curve.
@@ -36,7 +50,7 @@ demo: $(STAMP)
 	$(BIN)/python evaluate.py --config=configs/default.py --workdir=$(WORKDIR) --average_last=5
 	$(BIN)/python bench/learning_curve.py --workdir=$(WORKDIR)
 
-test: $(STAMP) $(TPU_STAMP)
+test: $(STAMP) $(TPU_STAMP) $(EXPORT_STAMP)
 	JAX_PLATFORMS=cpu $(BIN)/pytest -n 2 --durations=15 tests
 
 lint: $(STAMP)

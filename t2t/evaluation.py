@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from collections.abc import Callable
 
 import jax
@@ -342,39 +341,26 @@ def _params_for(config, workdir, label, steps, write_averaged, mesh):
 
 
 def translate_file(config, params, tokenizer, input_path: str, output_path: str,
-                   mesh=None) -> None:
-    """Translates the lines of a file (or stdin, '-') into a file (or stdout, '-'), in order.
+                   mesh=None, truncate_long: bool = False) -> None:
+    """Translates the lines of a file (or stdin, '-') into a file (or stdout, '-'), in order,
+    streamed and resumable (t2t/translate.py). With several processes each reads the file and
+    decodes its rows; process 0 writes."""
+    from t2t import translate
 
-    With several processes each reads the file and decodes its rows; process 0 writes."""
-    try:
-        if input_path == '-':
-            texts = sys.stdin.read().splitlines()
-        else:
-            with open(input_path, encoding='utf-8') as f:
-                texts = f.read().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise EvalError(f'cannot read --input {input_path}: {e}') from e
     model_config = TransformerConfig.from_config(config)
+    predict = inference.config_predict_fn(config, model_config,
+                                          num_valid_ids=tokenizer.vocab_size, mesh=mesh)
     try:
-        predict = inference.config_predict_fn(config, model_config,
-                                              num_valid_ids=tokenizer.vocab_size, mesh=mesh)
-        result = inference.translate_texts(
-            predict, params, tokenizer, texts, batch_size=config.eval_batch_size,
-            max_len=config.max_position, progress=output_path != '-' and jax.process_index() == 0,
-            mesh=mesh)
-    except ValueError as e:
-        raise EvalError(f'--input {input_path}: {e}') from e
-    if result.capped:
-        logging.warning('%d translations were truncated by max_decode_len=%d (lines %s)',
-                        len(result.capped), config.max_decode_len,
-                        ', '.join(str(i + 1) for i in result.capped[:10]))
-    if jax.process_index() != 0:
-        return
-    if output_path == '-':
-        sys.stdout.write(''.join(h.replace('\n', ' ') + '\n' for h in result.hypotheses))
-        sys.stdout.flush()
-    else:
-        try:
-            _write_lines(output_path, result.hypotheses)
-        except OSError as e:
-            raise EvalError(f'cannot write --output {output_path}: {e}') from e
+        stats = translate.translate_stream(
+            predict, params, tokenizer, input_path, output_path, max_len=config.max_position,
+            token_budget=max(translate.DEFAULT_TOKEN_BUDGET, config.max_position),
+            truncate_long=truncate_long, mesh=mesh, write=jax.process_index() == 0,
+            progress=output_path != '-' and jax.process_index() == 0)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise EvalError(f'--translate {input_path} -> {output_path}: {e}') from e
+    if stats.too_long:
+        logging.warning('%d lines are longer than max_position=%d tokens: %s', stats.too_long,
+                        config.max_position, 'truncated' if truncate_long else 'left empty')
+    if stats.capped:
+        logging.warning('%d translations were truncated by max_decode_len=%d', stats.capped,
+                        config.max_decode_len)

@@ -1,0 +1,39 @@
+"""python -m t2t.export: see t2t/export/__init__.py."""
+
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Experiment config.')
+_WORKDIR = flags.DEFINE_string('workdir', None, 'The training workdir (holds checkpoints/).')
+_STEP = flags.DEFINE_integer('step', None, 'Export this checkpoint step (default: the latest).')
+_AVERAGE_LAST = flags.DEFINE_integer('average_last', 0,
+                                     'Export the mean of the last N checkpoints.')
+_FORMAT = flags.DEFINE_enum('format', None, ['hf', 'ct2'],
+                            'hf: transformers MarianMT directory; ct2: CTranslate2 model.')
+_OUTPUT = flags.DEFINE_string('output', None, 'The directory to write (new or empty).')
+_QUANTIZATION = flags.DEFINE_string(
+    'quantization', '', 'ct2 only: weight type, e.g. int8 or float16 (default float32).')
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+    if not flags.FLAGS['verbosity'].present:
+        logging.set_verbosity(logging.WARNING)
+    from t2t import checkpoint, export, startup
+
+    if not _WORKDIR.value or not _FORMAT.value or not _OUTPUT.value:
+        sys.exit('t2t.export: --workdir, --format and --output are required')
+    try:
+        out = export.export(_CONFIG.value, _WORKDIR.value, fmt=_FORMAT.value,
+                            output=_OUTPUT.value, step=_STEP.value,
+                            average_last=_AVERAGE_LAST.value, quantization=_QUANTIZATION.value)
+    except (export.ExportError, checkpoint.CheckpointError, startup.ConfigError) as e:
+        sys.exit(f't2t.export: {e}')
+    print(out)
+
+
+if __name__ == '__main__':
+    app.run(main)

@@ -1,0 +1,98 @@
+"""t2t/translate.py: streamed bulk translation keeps order, few shapes, long lines, resumes."""
+
+import numpy as np
+import pytest
+
+from t2t import inference, translate
+from t2t.ids import EOS_ID, PAD_ID
+
+
+class _EchoTokenizer:
+    """Text '3 4 5' <-> ids [3, 4, 5]; decode stops at EOS like the real tokenizer."""
+
+    def encode(self, text):
+        return [int(w) for w in text.split()]
+
+    def decode(self, ids):
+        ids = list(ids)
+        ids = ids[:ids.index(EOS_ID)] if EOS_ID in ids else ids
+        return ' '.join(str(i) for i in ids if i != PAD_ID)
+
+
+class _EchoPredict:
+    """Copies the source (so order is checkable); records shapes; can fail at a given call."""
+
+    def __init__(self, fail_at=None):
+        self.shapes, self.fail_at = [], fail_at
+
+    def __call__(self, params, inputs_BS):
+        if self.fail_at is not None and len(self.shapes) == self.fail_at:
+            raise KeyboardInterrupt('killed')
+        ids_BL = np.asarray(inputs_BS)
+        self.shapes.append(ids_BL.shape)
+        return inference.Prediction(ids_BL=ids_BL, hit_limit_B=np.zeros(len(ids_BL), bool),
+                                    capped_B=np.zeros(len(ids_BL), bool))
+
+
+def _lines(n, seed=0):
+    rng = np.random.default_rng(seed)
+    out = [' '.join(str(w) for w in rng.integers(3, 40, k)) for k in rng.integers(1, 40, n)]
+    out[3] = ''  # a blank line
+    return out
+
+
+def _run(tmp_path, texts, predict, **kwargs):
+    src, out = tmp_path / 'in.txt', tmp_path / 'out.txt'
+    if not src.exists():
+        src.write_text(''.join(t + '\n' for t in texts), encoding='utf-8')
+    settings = dict(max_len=32, token_budget=128, window=50, progress=False)
+    stats = translate.translate_stream(predict, None, _EchoTokenizer(), str(src), str(out),
+                                       **{**settings, **kwargs})
+    return stats, out.read_text(encoding='utf-8').split('\n')[:-1]
+
+
+def test_output_in_input_order_with_few_shapes_and_long_lines_counted(tmp_path):
+    texts = _lines(230)
+    predict = _EchoPredict()
+    stats, got = _run(tmp_path, texts, predict)
+    too_long = [i for i, t in enumerate(texts) if len(t.split()) + 1 > 32]
+    assert too_long and stats.too_long == len(too_long)
+    want = ['' if i in too_long else t for i, t in enumerate(texts)]
+    assert got == want and stats.lines == 230 and stats.translated == 229 - len(too_long)
+    # Buckets 8, 16, 32 with 128 // length rows: three shapes however many windows and batches.
+    assert set(predict.shapes) == {(16, 8), (8, 16), (4, 32)}
+    assert len(predict.shapes) > 10
+
+
+def test_truncate_long_cuts_to_max_len(tmp_path):
+    texts = ['5 ' * 40, '6 7']
+    _, got = _run(tmp_path, texts, _EchoPredict(), truncate_long=True)
+    assert got == [' '.join(['5'] * 31), '6 7']
+
+
+def test_killed_run_resumes_where_it_stopped(tmp_path):
+    texts = _lines(230, seed=1)
+    ref = tmp_path / 'ref'
+    ref.mkdir()
+    _, full = _run(ref, texts, _EchoPredict())
+    first = _EchoPredict(fail_at=25)  # dies inside a later window
+    with pytest.raises(KeyboardInterrupt):
+        _run(tmp_path, texts, first)
+    done = (tmp_path / 'out.txt').read_text(encoding='utf-8').count('\n')
+    assert 0 < done < 230 and done % 50 == 0  # whole windows only
+    second = _EchoPredict()
+    stats, got = _run(tmp_path, texts, second)
+    assert got == full and stats.resumed_from == done
+    # Only the lines after the finished windows were decoded again.
+    assert stats.lines == 230 and stats.translated == sum(
+        0 < len(t.split()) < 32 for t in texts[done:])
+
+
+def test_progress_file_of_another_input_is_an_error(tmp_path):
+    texts = _lines(20)
+    _run(tmp_path, texts, _EchoPredict())
+    other = tmp_path / 'other.txt'
+    other.write_text('3 4\n', encoding='utf-8')
+    with pytest.raises(ValueError, match='not of .*other.txt: remove it'):
+        translate.translate_stream(_EchoPredict(), None, _EchoTokenizer(), str(other),
+                                   str(tmp_path / 'out.txt'), max_len=32, progress=False)
