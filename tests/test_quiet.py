@@ -8,9 +8,8 @@ import sys
 
 from t2t import checkpoint, data, optim, sharding, train_lib
 from tests import toy_corpus
-from tests.conftest import one_device_env, tiny_config
+from tests.conftest import ROOT, one_device_env, tiny_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # absl's line prefix: W1201 05:05:48.246602 139859538611072 checkpoint_manager.py:849]
 ABSL_LINE = re.compile(r'^[WEF]\d{4} [\d:.]+ +\d+ (\S+\.py):\d+\]', re.M)
 T2T_FILES = {f for _, _, files in os.walk(os.path.join(ROOT, 't2t')) for f in files}
