@@ -6,7 +6,7 @@
 The peer is google/flax examples/wmt (models.py, decode.py) kept verbatim in .peer/flax_wmt/
 (git-ignored: peer code is never committed; flax's source distribution on PyPI ships it:
 `pip download flax==<version> --no-deps --no-binary :all:`, then examples/wmt/). Its train step
-is train.py's train_step as ../shared/bench/peers_gpu.py runs it (jit instead of pmap, loss as
+is train.py's train_step as bench/peers_gpu.py runs it (jit instead of pmap, loss as
 compute_weighted_cross_entropy with label smoothing 0.1, Adam(0.9, 0.98, 1e-9), dropout 0.1 and
 attention dropout 0.1 as in its config); its beam search is train.py's predict_step (encoder once,
 beams expanded, decode.beam_search with EOS disabled).

@@ -4,7 +4,7 @@
     python bench/decode_speed.py --tiny                          # CPU smoke test
     python bench/decode_speed.py --model cpu --attention xla     # the CPU comparison shape
 
-Shape (as ../shared/bench/peers_gpu.py): BASE model (512/2048/8 heads/6+6, vocab 32768, bf16,
+Shape (as bench/peers_gpu.py): BASE model (512/2048/8 heads/6+6, vocab 32768, bf16,
 random init), beam 4, alpha 0.6, 64 sentences x 32 source tokens (random ids in [3, vocab), the
 peers' own batch), exactly 64 new tokens per sentence. The predict function is
 t2t.inference.make_predict_fn, unchanged: per batch it runs the encoder, builds the decode caches

@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
-# The one prepared GPU benchmark run: the peers (shared/bench/peers_gpu.py) and t2t's train and
-# decode speed in the same run on the same GPU, then a table of t2t/peer ratios.
+# The GPU benchmark run: the peers (bench/peers_gpu.py) and t2t's train and decode speed in the
+# same run on the same GPU, then a table of t2t/peer ratios. A user runs it on a GPU machine from
+# the repository root:
 #
-#   bash bench/run_gpu.sh prepare  # HERE, right before the device call: copies the peers'
-#                                  # ../shared/bench/peers_gpu.py into shared/bench/ (git ignores
-#                                  # it; shared/ travels) and notes the commit in t2t_commit.txt
-#   bash bench/run_gpu.sh          # on the GPU machine, through the device tool (bench/README.md)
+#   bash bench/run_gpu.sh          # on the GPU machine (bench/README.md)
+#   bash bench/run_gpu.sh prepare  # on a checkout, before copying the tree to a machine without
+#                                  # git: notes the commit in shared/bench/t2t_commit.txt (git
+#                                  # ignores shared/) for the run's header
 #   bash bench/run_gpu.sh --tiny   # CPU smoke test of the t2t part and the summary (no peers)
 #
-# Everything lands in $OUT (default /tmp/t2t-bench-<time>), 7 files at most (the device tool
-# brings back 8): run_gpu.log, anchors.jsonl + <section>.stderr.log (peers), t2t_results.jsonl and
-# summary.md. Time: BUDGET_S (default 480) for the whole run, PEER_BUDGET_S (default 230) of it for
-# the peers; each t2t part is cut at its own cap and at the overall deadline, least important last.
+# Everything lands in $OUT (default /tmp/t2t-bench-<time>), 7 files at most: run_gpu.log,
+# anchors.jsonl + <section>.stderr.log (peers), t2t_results.jsonl and summary.md. Time: BUDGET_S
+# (default 480) for the whole run, PEER_BUDGET_S (default 230) of it for the peers; each t2t part
+# is cut at its own cap and at the overall deadline, least important last.
 # Knobs (environment): PYTHON, BUDGET_S, PEER_BUDGET_S, MODELS (base|big|both), PEER_SECTIONS
-# (default hw,hf,torch; the jax section needs flax examples/wmt in shared/.peer/flax_wmt and about
+# (default hw,hf,torch; the jax section needs flax examples/wmt in .peer/flax_wmt and about
 # 150 s more), LEVERS (train_speed.py options of every t2t train run; default scanned layers, rbg
 # dropout keys, fused loss in chunks of 32 positions: "--scan_layers --rng_impl rbg
 # --loss_chunk_len 32"), REMAT (remat policy of the last run, default dots_saveable).
@@ -22,15 +23,11 @@ cd "$(dirname "$0")/.."
 
 if [[ "${1:-}" == prepare ]]; then
     mkdir -p shared/bench
-    cp ../shared/bench/peers_gpu.py ../shared/bench/README.md shared/bench/ || exit 1
-    if [[ -d ../.peer ]]; then mkdir -p shared/.peer && cp -r ../.peer/. shared/.peer/; fi
-    # flax examples/wmt, verbatim and git-ignored (bench/cpu_vs_flax.py keeps it in .peer/)
-    if [[ -d .peer ]]; then mkdir -p shared/.peer && cp -r .peer/. shared/.peer/; fi
     commit=$(git rev-parse HEAD)
     if ! git diff-index --quiet HEAD -- || [[ -n $(git ls-files --others --exclude-standard) ]]
     then commit="$commit+uncommitted-changes"; fi
     echo "$commit" > shared/bench/t2t_commit.txt
-    echo "prepared shared/bench: $(ls shared/bench | tr '\n' ' ')(commit $commit)"
+    echo "prepared shared/bench/t2t_commit.txt: $commit"
     exit 0
 fi
 
@@ -93,19 +90,15 @@ run_capped() {
 
 # 1. Peers, first: their hw section measures the matmul peak that becomes t2t's second MFU base.
 if [[ -n $PEER_SECTIONS ]]; then
-    if [[ -f shared/bench/peers_gpu.py ]]; then
-        run_capped $((PEER_BUDGET_S + 60)) peers \
-            env ANCHOR_BUDGET_S="$PEER_BUDGET_S" \
-            $PY shared/bench/peers_gpu.py --sections "$PEER_SECTIONS" $TINY
-        MEAS_TFLOPS=$($PY -c 'import json,sys
+    run_capped $((PEER_BUDGET_S + 60)) peers \
+        env ANCHOR_BUDGET_S="$PEER_BUDGET_S" \
+        $PY bench/peers_gpu.py --sections "$PEER_SECTIONS" $TINY
+    MEAS_TFLOPS=$($PY -c 'import json,sys
 for l in open(sys.argv[1]):
     r = json.loads(l)
     if r["name"] == "matmul_bf16" and r["status"] == "ok": print(r["achieved_tflops"])' \
-            "$OUT/anchors.jsonl" 2>/dev/null | tail -1)
-        [[ -n $MEAS_TFLOPS ]] && export MEAS_TFLOPS
-    else
-        echo "# peers: no shared/bench/peers_gpu.py ('bash bench/run_gpu.sh prepare' first)"
-    fi
+        "$OUT/anchors.jsonl" 2>/dev/null | tail -1)
+    [[ -n $MEAS_TFLOPS ]] && export MEAS_TFLOPS
 fi
 
 # 2. t2t, in order of importance: the shipped configs' attention (dot_product) for both models with
@@ -139,7 +132,7 @@ peers, t2t = load("anchors.jsonl"), load("t2t_results.jsonl")
 ok = lambda recs: [r for r in recs if r.get("status") == "ok"]
 info = next((r for r in ok(peers) if r["name"] == "device_info"), {})
 hw = {r["name"]: r for r in ok(peers)}
-# peers' published run, shared/bench/README.md (2026-11-29, one H200): NOT from this run
+# the peers' reference run (bench/RESULTS.md; 2026-11-29, one H200): NOT from this run
 PUBLISHED = {"train_BASE": {"torch": 641000, "flax wmt": 442200},
              "train_BIG": {"torch": 296200, "flax wmt": 217700},
              "beam_search_BASE": {"flax wmt": 81.3, "hf marian": 339.3}}

@@ -4,7 +4,7 @@
     python bench/train_speed.py --model cpu --attention xla                  # the CPU shape
     python bench/train_speed.py --tiny                                       # CPU smoke test
 
-Shape (as ../shared/bench/peers_gpu.py): 128 sentence pairs x 256 tokens each side, random ids in
+Shape (as bench/peers_gpu.py): 128 sentence pairs x 256 tokens each side, random ids in
 [3, vocab) (no padding), vocab 32768, label smoothing 0.1, Adam(0.9, 0.98, 1e-9) with the paper's
 schedule, bf16 compute (float32 parameters), dropout 0.1. BASE 512/2048/8 heads/6+6, BIG
 1024/4096/16 heads/6+6. The step is t2t.train_lib.jit_train_step, unchanged: it also computes the

@@ -15,17 +15,14 @@ the checkpoint directory and SIGKILLs as soon as a new orbax temporary directory
 the random moment if none does); if that directory outlives the kill, the kill landed mid-save.
 
 Where a kill landed: just before it, the script sends SIGUSR1, on which train.py prints every
-thread's stack (faulthandler); the main thread's innermost known frame gives startup (imports,
-data, restore, compile), mid-step, mid-eval or mid-save; an orbax temporary directory left on disk
-also counts as mid-save (the asynchronous write was in flight). Prints a JSON summary; exit 1 if
-any round differs.
+thread's stack (faulthandler). Before train.py has printed its last set-up line (`eval loss on
+...`, printed once the data, the restored state and the step functions are ready, right before the
+first step) the kill landed in startup (imports, data, restore); after it, the main thread's
+innermost t2t frame gives mid-step (the first step's compile included), mid-eval or mid-save; an
+orbax temporary directory left on disk also counts as mid-save (the asynchronous write was in
+flight). Prints a JSON summary; exit 1 if any round differs.
 
-    python scripts/torture.py --sigterm=configs/default.py [--sigterm_after_log=1] [--delay=0]
-
-measures instead the seconds from SIGTERM to exit: train.py runs the config until its
---sigterm_after_log-th log line (plus --delay seconds), gets SIGTERM, and must save and exit 0.
-With --config.eval_every_steps equal to log_every_steps (pass --eval_at_log) the signal lands as
-an evaluation starts, the slowest moment.
+The seconds from SIGTERM to exit are measured by scripts/sigterm_latency.py.
 """
 
 from __future__ import annotations
@@ -40,6 +37,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,7 +47,8 @@ OVERRIDES = dict(num_train_steps=120, log_every_steps=5, eval_every_steps=20,
                  checkpoint_every_steps=7, keep_checkpoints=3, num_eval_batches=4,
                  eval_bleu_sentences=8, train_time_budget_s=0.0)
 TIMING = {'step_time_s', 'target_tokens_per_s', 'mfu_real_tokens', 'mfu_padded_slots'}
-LOOP_START = 'while step < config.num_train_steps'
+# The line train.py prints when its set-up is done, right before the training loop's first step.
+SETUP_DONE = re.compile(r'^eval loss on ', re.M)
 
 
 def _config():
@@ -76,17 +75,16 @@ def _main_thread_frames(stderr: str) -> list[tuple[str, int, str]]:
     return []
 
 
-def _phase(stderr: str, save_in_flight: bool, loop_line: int) -> str:
+def _phase(stderr: str, save_in_flight: bool, set_up: bool) -> str:
     """Where the main thread was: startup, mid-step, mid-eval or mid-save."""
     frames = _main_thread_frames(stderr)
-    if not frames:
+    if not set_up:
+        phase = 'startup (imports, data, restore)'
+    elif not frames:
         return 'unknown (no stack dump read)'
-    loop_frame = [n for f, n, fn in frames
-                  if f.endswith('t2t/loop.py') and fn == 'train_and_evaluate']
-    if not loop_frame or loop_frame[0] < loop_line:
-        phase = 'startup (data, restore, compile)'
     else:
-        file, _, function = next((f, n, fn) for f, n, fn in frames if '/t2t/' in f)
+        file, _, function = next(((f, n, fn) for f, n, fn in frames if '/t2t/' in f),
+                                 ('', 0, ''))
         if file.endswith('checkpoint.py'):
             phase = 'mid-save'
         elif function in ('evaluate', 'evaluate_loss', 'run') or \
@@ -192,58 +190,14 @@ def _run_to_end(workdir, env) -> float:
     return time.perf_counter() - start
 
 
-def sigterm_latency(config_path: str, workdir: str, after_log: int, delay: float,
-                    eval_at_log: bool, env) -> dict:
-    """Seconds from SIGTERM to exit of train.py, and what it left behind."""
-    sys.path.insert(0, ROOT)
-    from t2t import checkpoint
-
-    shutil.rmtree(workdir, ignore_errors=True)
-    command = [sys.executable, 'train.py', f'--config={config_path}', f'--workdir={workdir}',
-               '--config.train_time_budget_s=0', '--config.num_train_steps=1000000']
-    if eval_at_log:
-        command.append('--config.eval_every_steps=' + re.search(
-            r'log_every_steps = (\d+)', open(os.path.join(ROOT, config_path)).read()).group(1))
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
-    logs, lines = 0, []
-    for line in proc.stdout:
-        lines.append(line)
-        if re.match(r'step \d+ \| loss', line):
-            logs += 1
-            if logs == after_log:
-                break
-    time.sleep(delay)
-    signalled = time.perf_counter()
-    proc.send_signal(signal.SIGTERM)
-    lines += proc.stdout.readlines()
-    proc.wait()
-    seconds = time.perf_counter() - signalled
-    return {'config': config_path, 'seconds_from_sigterm_to_exit': round(seconds, 2),
-            'returncode': proc.returncode, 'last_lines': [x.rstrip() for x in lines[-2:]],
-            'checkpoints': checkpoint.finished_steps(workdir)}
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--kills', type=int, default=20)
     parser.add_argument('--seed', type=int, default=0)
     parser.add_argument('--workdir', default='/tmp/t2t-torture')
     parser.add_argument('--aim_at_saves', type=float, default=0.0)
-    parser.add_argument('--sigterm', default='', help='a config: measure SIGTERM to exit instead')
-    parser.add_argument('--sigterm_after_log', type=int, default=1)
-    parser.add_argument('--delay', type=float, default=0.0)
-    parser.add_argument('--eval_at_log', action='store_true')
     args = parser.parse_args()
-    if args.sigterm:
-        env = {**os.environ, 'JAX_PLATFORMS': 'cpu'}
-        result = sigterm_latency(args.sigterm, os.path.join(args.workdir, 'sigterm'),
-                                 args.sigterm_after_log, args.delay, args.eval_at_log, env)
-        print(json.dumps(result, indent=2))
-        sys.exit(0 if result['returncode'] == 0 and result['checkpoints'] else 1)
     rng = random.Random(args.seed)
-    with open(os.path.join(ROOT, 't2t', 'loop.py'), encoding='utf-8') as f:
-        loop_line = next(i for i, line in enumerate(f, 1) if LOOP_START in line)
     env = {**os.environ, 'JAX_PLATFORMS': 'cpu'}
     started = time.perf_counter()
     subprocess.run([sys.executable, '-m', 't2t.data', '--config=configs/tiny.py'], cwd=ROOT,
@@ -260,8 +214,9 @@ def main():
         while kills < args.kills:
             checkpoints = os.path.join(workdir, 'checkpoints')
             stale = _saves_in_flight(checkpoints)  # left by the last kill, removed at start
+            stdout = tempfile.TemporaryFile('w+', encoding='utf-8')  # read at a kill
             proc = subprocess.Popen(_command(workdir), cwd=ROOT, env=env, text=True,
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                    stdout=stdout, stderr=subprocess.PIPE)
             restarts += 1
             delay = rng.uniform(0.0, duration * 0.6)
             aimed = rng.random() < args.aim_at_saves
@@ -283,15 +238,18 @@ def main():
                     tmp = _saves_in_flight(checkpoints) - stale
                     proc.kill()
                     _, stderr = proc.communicate()
+                    stdout.seek(0)
                     phase = ('startup (imports, before the stack dump handler)'
                              if proc.returncode == -signal.SIGUSR1 else
-                             _phase(stderr, bool(tmp), loop_line))
+                             _phase(stderr, bool(tmp), bool(SETUP_DONE.search(stdout.read()))))
+                stdout.close()
                 landed[phase] += 1
                 kills += 1
                 round_kills += 1
                 print(f'kill {kills}{" aimed at a save" if aimed else f" after {delay:.1f} s"}: '
                       f'{phase}', flush=True)
                 continue
+            stdout.close()
             stderr = proc.stderr.read()
             if proc.returncode:
                 raise SystemExit(f'torture.py: training failed in {workdir}:\n{stderr[-3000:]}')

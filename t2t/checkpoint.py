@@ -49,6 +49,16 @@ TRASH = '.deleted'  # old steps are renamed here (atomic), then removed
 CORRUPT = 'corrupt'  # WORKDIR/corrupt/<step>-<time>: steps that failed to restore
 
 
+def _not_read_only_notice(record: logging.LogRecord) -> bool:
+    return record.msg != 'Given directory is read only=%s'
+
+
+# orbax 0.12 warns 'Given directory is read only' at every read-only CheckpointManager, and no
+# option turns it off; t2t's readers (evaluate.py, --watch beside a training) are read-only on
+# purpose, so that one message is dropped from absl's logger (orbax logs through it).
+logging.getLogger('absl').addFilter(_not_read_only_notice)
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, corrupt, does not fit, or could not be saved."""
 

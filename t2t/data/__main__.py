@@ -10,6 +10,8 @@ as NFS or a gcsfuse mount; a host whose data_dir lacks the cache waits for proce
 then builds its own copy, and all hosts compare digests of their rows and vocabulary).
 """
 
+import logging
+
 import numpy as np
 from absl import app
 from ml_collections import config_flags
@@ -54,9 +56,16 @@ def report(config) -> list[str]:
     return lines
 
 
+def _not_tfds_info(record: logging.LogRecord) -> bool:
+    return record.levelno > logging.INFO or 'tensorflow_datasets' not in record.pathname
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+    # TFDS logs 'Load dataset info from ...' at INFO at every read of a prepared split; t2t's own
+    # INFO lines (training a vocabulary, packing) and every warning stay.
+    logging.getLogger('absl').addFilter(_not_tfds_info)
     for line in report(_CONFIG.value):
         print(line, flush=True)
 
