@@ -27,7 +27,7 @@ def record(config, mesh) -> dict:
     """The record of a run starting now with `config` on `mesh` (the same on every process)."""
     devices = jax.devices()
     return {
-        'start': datetime.datetime.now(datetime.timezone.utc).strftime('%Y%m%dT%H%M%SZ'),
+        'start': datetime.datetime.now(datetime.UTC).strftime('%Y%m%dT%H%M%SZ'),
         'git': git_state(_SOURCE_DIR),
         'versions': {name: _version(name) for name in PACKAGES},
         'python': platform.python_version(),
