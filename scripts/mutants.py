@@ -163,9 +163,14 @@ MUTANTS = (
 
 def _copy_repo(dest: str) -> None:
     """The working tree without .git, virtual environments, caches and run outputs."""
-    skip = {'.git', '.venv', '__pycache__', '.pytest_cache', '.ruff_cache', 'data', 'runs',
-            'workdirs'}
-    shutil.copytree(ROOT, dest, ignore=lambda d, names: [n for n in names if n in skip])
+    anywhere = {'.git', '__pycache__', '.pytest_cache', '.ruff_cache'}
+    top = {'.venv', 'data', 'runs', 'workdirs'}  # t2t/data is code: only the top-level ones
+
+    def ignore(directory, names):
+        return [n for n in names if n in anywhere
+                or (n in top and os.path.samefile(directory, ROOT))]
+
+    shutil.copytree(ROOT, dest, ignore=ignore)
 
 
 def _run_tests(repo: str, tests, timeout: float) -> tuple[int, str]:
