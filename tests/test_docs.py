@@ -9,7 +9,7 @@ DOCS = sorted(['README.md', *glob.glob('docs/*.md', root_dir=ROOT),
                *glob.glob('bench/*.md', root_dir=ROOT)])
 # Pages other branches add (docs/export.md: the exporters; docs/development.md: working on t2t);
 # the README links them already. Remove an entry once its page is merged.
-PENDING = {'docs/development.md'}
+PENDING = set()
 # Paths a command or its example names on the user's machine or cluster, not in this repository:
 # scratch space (/tmp), a shared file system or a gcsfuse mount in the cluster examples.
 EXAMPLE_ROOTS = ('/tmp/', '/nfs/', '/mnt/')

@@ -9,9 +9,10 @@ import sys
 import jax
 import numpy as np
 import pytest
+import sacrebleu
 
 from configs import tiny
-from t2t import checkpoint, data, evaluation, optim, sharding, train_lib
+from t2t import bleu, checkpoint, data, evaluation, optim, sharding, train_lib
 from tests import toy_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -78,8 +79,27 @@ def test_latest_checkpoint_writes_scores_and_hypotheses_in_order(run_dir):
     assert all(hypotheses[:3]) and all(hypotheses[4:])
     # A random model never says EOS on purpose: the limit counts must be reported, not hidden.
     assert 0 <= record['capped_at_max_decode_len'] <= record['hit_length_limit'] <= 13
-    for key in ('sacrebleu', 'chrf', 'tok_bleu_compound_split'):
-        assert 0.0 <= record[key] <= 100.0
+    # The scores of the written hypotheses, by sacrebleu itself. A random model's output shares
+    # nothing with the toy references (chrF 0), so the split is scored a second time
+    # against references made of its own hypotheses (every other one) and the first references.
+    references = [line.split('\t')[1] for line in _read_lines(run_dir['root'] / 'test.tsv')]
+    mixed = [h if i % 2 and h else r for i, (h, r) in enumerate(
+        zip(hypotheses, references, strict=True))]
+    sources = [line.split('\t')[0] for line in _read_lines(run_dir['root'] / 'test.tsv')]
+    mixed_path = run_dir['root'] / 'test_mixed.tsv'
+    mixed_path.write_text(''.join(f'{s}\t{r}\n' for s, r in zip(sources, mixed, strict=True)),
+                          encoding='utf-8')
+    config = _config(run_dir['root'], max_eval_len=64)  # the hypotheses' bytes tokenize long
+    config.tsv_files['test'] = str(mixed_path)
+    again = _run(run_dir, config)[0]['step-2']
+    rescored = _read_lines(os.path.join(workdir, 'hypotheses-test-step-2.txt'))
+    for got, hyps, refs in ((record, hypotheses, references), (again, rescored, mixed)):
+        assert got['sacrebleu'] == sacrebleu.corpus_bleu(hyps, [refs]).score
+        assert got['chrf'] == sacrebleu.CHRF().corpus_score(hyps, [refs]).score
+        assert got['tok_bleu_compound_split'] == bleu.tokenized_bleu_compound_split(
+            hyps, refs, 'de')[0]
+    # chrF had numbers to match (BLEU stays 0: the hypotheses are one or two 13a tokens each)
+    assert again['chrf'] > 10
     for text in ('sacreBLEU', 'nrefs:1|case:mixed|eff:no|tok:13a', 'chrF',
                  'tokenized BLEU, compound split', 'ended at the length limit', 'source     [0]',
                  'hypothesis [0]'):
@@ -105,12 +125,22 @@ def test_average_last_two_equals_their_mean_and_is_written(run_dir):
 
 
 def test_translate_keeps_line_order(run_dir, tmp_path):
+    # Distinct lines in a shuffled order: each output line is the hypothesis of its own input,
+    # as the test-split evaluation of the same checkpoint decoded it.
+    results, _ = _run(run_dir, step=1)
+    hypotheses = _read_lines(os.path.join(run_dir['workdir'], 'hypotheses-test-step-1.txt'))
+    sources = [line.split('\t')[0] for line in _read_lines(run_dir['root'] / 'test.tsv')]
+    order = [i for i in random.Random(1).sample(range(len(sources)), len(sources)) if i != 3]
     source = tmp_path / 'in.txt'
-    source.write_text('the red cat sees a dog .\n\nold tree .\n' * 5, encoding='utf-8')
+    lines = [sources[i] for i in order]
+    lines.insert(4, '')  # a blank line stays blank
+    source.write_text('\n'.join(lines) + '\n', encoding='utf-8')
     target = tmp_path / 'out.txt'
     _run(run_dir, translate=True, input_path=str(source), output_path=str(target), step=1)
-    lines = _read_lines(target)
-    assert len(lines) == 15 and lines[1] == '' and lines[0] == lines[3] and lines[2] == lines[5]
+    want = [hypotheses[i] for i in order]
+    want.insert(4, '')
+    assert len(set(want)) >= 4  # outputs differ enough for a wrong order to show
+    assert _read_lines(target) == want
 
 
 # After a failed read, orbax's tensorstore callback may hit its already closed event loop.

@@ -172,7 +172,14 @@ def test_bfloat16_compute_keeps_float32_params_and_logits():
     logits = Transformer(cfg).apply({'params': params}, src, tgt)
     assert logits.dtype == jnp.float32
     ref = Transformer(TransformerConfig(**SMALL)).apply({'params': params}, src, tgt)
-    assert float(jnp.abs(logits - ref).max()) < 0.1 * float(jnp.abs(ref).max())
+    # bfloat16 keeps 8 significant bits: each rounding is within 2^-9 (0.2%) relative, and the
+    # logits come out of about 20 roundings in sequence (2 + 2 layers of projections, softmax
+    # inputs, FFN, the final matmul's inputs); independent errors add up to about
+    # sqrt(20) * 0.2% = 0.9% (measured: 0.7-1.2% of the largest logit over 5 seeds, RMS 0.7-1.2%).
+    # 3% leaves room for unlucky seeds; a float32 step done in bfloat16 twice would not pass 10%.
+    err = jnp.abs(logits - ref)
+    assert float(err.max()) < 0.03 * float(jnp.abs(ref).max())
+    assert float(jnp.sqrt(jnp.mean(err ** 2))) < 0.02 * float(jnp.sqrt(jnp.mean(ref ** 2)))
 
 
 @pytest.mark.parametrize('name,d,ff,heads,want', [

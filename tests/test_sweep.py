@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import sacrebleu
 
 from configs import table3_mini
 from t2t import sweep
@@ -177,7 +178,15 @@ def test_sweep_trains_records_failures_resumes_after_a_kill_and_summarizes(tmp_p
     assert (rows['num_heads=2']['steps'], rows[LONG]['steps']) == ('6', '16')
     assert rows[LONG]['eval_label'] == 'step-16' and rows[LONG]['num_train_steps'] == '16'
     assert float(rows[LONG]['best_val_perplexity']) <= float(rows[LONG]['final_val_perplexity'])
-    assert 0 <= float(rows['num_heads=2']['chrf']) <= 100
+    # The point's scores are sacrebleu's on the hypotheses its evaluation wrote.
+    point = workdir / 'num_heads=2'
+    hypotheses = (point / 'hypotheses-test-step-6.txt').read_text(encoding='utf-8').splitlines()
+    references = [line.split('\t')[1] for line in
+                  Path(corpus['test']).read_text(encoding='utf-8').splitlines()]
+    assert float(rows['num_heads=2']['chrf']) == pytest.approx(
+        sacrebleu.CHRF().corpus_score(hypotheses, [references]).score, abs=1e-9)
+    assert float(rows['num_heads=2']['sacrebleu']) == pytest.approx(
+        sacrebleu.corpus_bleu(hypotheses, [references]).score, abs=1e-9)
     assert rows['max_decode_len=300']['status'] == 'failed'
 
     # The summary is rebuilt from the directory alone (what `sweep.py --summarize=DIR` calls).

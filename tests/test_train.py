@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import sacrebleu
 
 from t2t import checkpoint, loop, metrics, optim, sharding, train_lib
 from tests import toy_corpus
@@ -198,7 +199,38 @@ def test_train_leaves_checkpoints_events_and_metrics(corpus, tmp_path):
         assert np.isfinite(train_records[-1][key]), key
     eval_record = next(r for r in records if 'eval_loss' in r)
     assert eval_record['step'] == 4 and eval_record['eval_loss'] > 0
-    assert 0 <= eval_record['eval_bleu'] <= 100 and 0 <= eval_record['eval_chrf'] <= 100
+    # BLEU and chrF of the first 10 validation sentences, decoded again from the checkpoint and
+    # scored by sacrebleu itself (sentences skipped as too long count as empty output).
+    from t2t import data, inference
+    from t2t.model import TransformerConfig
+
+    tokenizer = data.get_tokenizer(config)
+    split = data.eval_split(config, tokenizer, config.eval_split)
+    mesh = sharding.make_mesh(config.mesh_shape)
+    predict = inference.config_predict_fn(config, TransformerConfig.from_config(config),
+                                          num_valid_ids=tokenizer.vocab_size, mesh=mesh)
+    params = checkpoint.restore_params(str(workdir), 4)
+    texts = inference.translate_texts(predict, params, tokenizer, split.sources[:10],
+                                      batch_size=config.eval_batch_size, mesh=mesh).hypotheses
+    hypotheses = ['' if i in split.skipped else h for i, h in enumerate(texts)]
+    references = split.references[:10]
+    assert eval_record['eval_bleu'] == sacrebleu.corpus_bleu(hypotheses, [references]).score
+    assert eval_record['eval_chrf'] == sacrebleu.CHRF().corpus_score(hypotheses,
+                                                                     [references]).score
+    # After 4 steps the model says EOS at once (every score 0): the same BLEU function again on
+    # a random model's (non-empty) output, against references made of that output every other
+    # sentence, where the numbers are far from 0 and hypotheses / references not symmetric.
+    model_config = TransformerConfig.from_config(config)
+    state, _ = train_lib.create_sharded_state(config, mesh, optim.make_optimizer(config))
+    texts = inference.translate_texts(predict, state.params, tokenizer, split.sources[:10],
+                                      batch_size=config.eval_batch_size, mesh=mesh).hypotheses
+    hypotheses = ['' if i in split.skipped else h for i, h in enumerate(texts)]
+    mixed = [h if i % 2 and h else r for i, (h, r) in enumerate(zip(hypotheses, references,
+                                                                    strict=True))]
+    scores = loop._make_bleu_eval(config, model_config, tokenizer, dataclasses.replace(
+        split, references=mixed + split.references[10:]), mesh)(state.params)
+    assert scores['eval_chrf'] == sacrebleu.CHRF().corpus_score(hypotheses, [mixed]).score > 10
+    assert scores['eval_bleu'] == sacrebleu.corpus_bleu(hypotheses, [mixed]).score
     # Resuming a finished run trains nothing and keeps the checkpoint.
     again = loop.train_and_evaluate(config, str(workdir))
     assert again.step == 4
