@@ -230,6 +230,7 @@ class Compiled:
     flops_per_device: float  # XLA's cost_analysis of the partitioned (per-device) program
     seconds: float  # lower + compile
     out_of_memory: str = ''  # the compiler's RESOURCE_EXHAUSTED message
+    hlo_text: str = dataclasses.field(default='', repr=False)  # compiled.as_text()
 
     def fits(self, hbm_bytes: int, margin: float = HBM_MARGIN) -> bool:
         if self.memory is None:
@@ -251,7 +252,8 @@ def _compile(jitted, *abstract_args) -> Compiled:
     seconds = time.perf_counter() - start
     costs = compiled.cost_analysis()
     costs = costs[0] if isinstance(costs, (list, tuple)) else costs
-    return Compiled(Memory.of(compiled), float(costs.get('flops', math.nan)), seconds)
+    return Compiled(Memory.of(compiled), float(costs.get('flops', math.nan)), seconds,
+                    hlo_text=compiled.as_text())
 
 
 def abstract_batch(config, mesh, rows: int | None = None) -> dict:
