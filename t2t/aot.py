@@ -12,7 +12,8 @@ train_lib.abstract_state) lowers for a mesh over them and compiles, compiled.mem
 gives the buffers XLA assigned per device (MaxText's train_compile.py does the same). FLOPs come
 from the compiled HLO (t2t/hlo.py: dots and convolutions, each loop body times its trip count);
 XLA's own cost_analysis() counts a loop body once, so it undercounts scanned layers and the
-loss's chunk loop, and is kept only as what it is. The process itself runs on the CPU backend (platforms.py).
+loss's chunk loop, and is kept only as what it is. The process itself runs on the CPU backend
+(platforms.py).
 
 What memory_analysis counts, per device: arguments (state and batch shards), outputs, aliased
 (outputs written into donated arguments, counted once), temporaries (XLA's scratch at its peak:

@@ -157,7 +157,8 @@ def tpu_dry_run(config, plan, *, find_max_batch: bool = False, max_tries: int = 
                 per_row = (compiled.matmul_flops_per_device / batch_size
                            / (first[1].matmul_flops_per_device / first[0]))
                 sizes = (f'arguments {_size(m.arguments)}, temporaries {_size(m.temporaries)}, '
-                         f'total {_size(m.total)}, matmul FLOPs per row x{per_row:.2f} of the first')
+                         f'total {_size(m.total)}, matmul FLOPs per row x{per_row:.2f} of the '
+                         'first')
             compiled_at[batch_size] = compiled
             out(f'  try {len(compiled_at)}: batch_size={batch_size}: {sizes}: {verdict} '
                 f'(compile {compiled.seconds:.0f} s)')
