@@ -2,7 +2,7 @@
 
     tpu = aot.parse_slice('v5e-16')                  # or 'v5e:4x4', 'v5litepod-16'
     plan = aot.plan(config, 'v5e-16')                # devices of the slice, the config's mesh
-    train = aot.compile_train_step(config, plan.mesh)   # Compiled(memory, flops_per_device, s)
+    train = aot.compile_train_step(config, plan.mesh)   # Compiled: memory, matmul FLOPs, s
     train.memory.total <= plan.tpu.hbm_bytes         # what the step keeps resident per device
     predict = aot.compile_predict(config, plan.mesh)    # beam search on an eval batch
 
