@@ -16,7 +16,7 @@ def get_config():
     c.attention_impl = 'dot_product'
     # Unrolled layers: measured by TPU AOT compile (bench/RESULTS.md, 2026-12-01, batch 128), the
     # scanned stacks need more temporaries per chip for the same matmul FLOPs (v5e-16: 1.91
-    # against 1.04 GiB; see RESULTS for v4-8): the forward scan saves per-layer float32
+    # against 1.04 GiB; v4-8: 6.97 against 4.03): the forward scan saves per-layer float32
     # activations and softmax probabilities, bf16 copies of the weights, and its gradient stacks
     # live next to them. Unrolled fits larger batches and recomputes nothing; scan_layers=True
     # (with remat='dots_saveable' it keeps less) only compiles faster.
