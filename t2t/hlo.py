@@ -9,14 +9,19 @@ Why: XLA's cost_analysis() counts a while loop's body once, whatever its trip co
 of scanned layers (one body for all the layers of a stack) and of the fused loss's chunk loop are
 undercounted by the trip counts. Here every computation is weighted by how often it runs: the
 entry once, a fusion's or call's computation as often as its caller, a while body as often as
-its caller times the loop's trip count (XLA's `known_trip_count` backend config), each branch of
-a conditional as often as its caller (an upper bound: one branch runs). Scalar computations
-(reduce, sort, scatter, collective reductions: `to_apply`) hold no matmuls and are not walked.
+its caller times the loop's trip count, each branch of a conditional as often as its caller (an
+upper bound: one branch runs). The trip count is XLA's `known_trip_count` backend config where
+the text has it (the CPU compiler's), else it is read off the loop's induction variable: started
+at a constant, stepped by a constant, compared with a constant (the TPU compiler's loops); a loop
+without either counts once and is reported as unknown (None). Scalar computations (reduce, sort,
+scatter, collective reductions: `to_apply`) hold no matmuls and are not walked.
 
 FLOPs of a dot: 2 x output elements x the product of the lhs contracting dimensions; of a
-convolution: 2 x output elements x kernel input features x kernel window (padding not
-subtracted). Elementwise ops, reductions and collectives are not counted: the result is the
-matmul work, the number to compare with an analytic model count (t2t/flops.py).
+convolution: 2 x batch x output features x kernel input features x the (output position, kernel
+tap) pairs that read real input, per spatial dimension (the TPU compiler writes batched matmuls
+as convolutions with dilated windows that mostly read holes; XLA's cost analysis counts the
+same). Elementwise ops, reductions and collectives are not counted: the result is the matmul
+work, the number to compare with an analytic model count (t2t/flops.py).
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ class Instruction:
 @dataclasses.dataclass(frozen=True)
 class Module:
     entry: str
-    computations: dict[str, tuple[Instruction, ...]]
+    computations: dict[str, tuple[Instruction, ...]]  # each computation's ROOT last
 
 
 def _balanced_end(text: str, start: int) -> int:
@@ -105,22 +110,26 @@ def _parse_instruction(line: str) -> Instruction | None:
 
 def parse(hlo_text: str) -> Module:
     """The computations of an HLO module's text (HloModule.to_string / compiled.as_text())."""
-    computations, entry, name, body = {}, None, None, []
+    computations, entry, name, body, root = {}, None, None, [], None
     for line in hlo_text.splitlines():
         if name is None:
             if line and not line[0].isspace() and line.rstrip().endswith('{'):
                 m = _HEADER.match(line)
                 if m and not line.startswith('HloModule'):
-                    name, body = m.group(2), []
+                    name, body, root = m.group(2), [], None
                     entry = name if m.group(1) else entry
             continue
         if line.strip() == '}':
-            computations[name] = tuple(body)
+            # The ROOT last (the scheduled text usually prints it last anyway).
+            computations[name] = tuple([i for i in body if i is not root] + [root]
+                                       if root is not None else body)
             name = None
             continue
         instruction = _parse_instruction(line)
         if instruction is not None:
             body.append(instruction)
+            if line.lstrip().startswith('ROOT '):
+                root = instruction
     if entry is None:
         raise ValueError('no ENTRY computation in the HLO text')
     return Module(entry, computations)
@@ -165,9 +174,12 @@ def _value(module: Module, computation: str, name: str, params: tuple = ()):
     if i.opcode == 'parameter':
         index = int(i.arguments)
         return params[index] if index < len(params) else None
-    if i.opcode == 'get-tuple-element' and not params:
+    if i.opcode == 'get-tuple-element' and not params:  # of the loop's own tuple parameter
+        source = [p for p in module.computations[computation] if p.name == i.operands[0]]
         m = re.search(r'index=(\d+)', i.attributes)
-        return ('iv', int(m.group(1)), 0) if m else None
+        if m and source and source[0].opcode == 'parameter':
+            return ('iv', int(m.group(1)), 0)
+        return None
     if i.opcode in ('add', 'subtract') and len(i.operands) == 2:
         a, b = operand(0), operand(1)
         sign = 1 if i.opcode == 'add' else -1
@@ -189,7 +201,7 @@ def _value(module: Module, computation: str, name: str, params: tuple = ()):
 
 def _root(module: Module, computation: str) -> Instruction | None:
     body = module.computations.get(computation, ())
-    return body[-1] if body else None  # XLA prints the ROOT last
+    return body[-1] if body else None
 
 
 def trip_count(instruction: Instruction, module: Module | None = None,
