@@ -5,7 +5,7 @@
 
 The train step (t2t.train_lib.train_step: label smoothing 0.1, Adam, bf16 compute, dropout) is
 lowered and compiled for the topology with XLA's TPU compiler from libtpu (no TPU needed, see
-../shared/TPU-AOT.md) on a (data=1, fsdp=chips, tensor=1) mesh, the state sharded as t2t derives
+t2t/aot.py) on a (data=1, fsdp=chips, tensor=1) mesh, the state sharded as t2t derives
 it and donated. Prints one `RESULT {json}` line with the compiled memory analysis (per device:
 arguments, outputs, aliased, temporaries), XLA's cost_analysis FLOPs per device (each loop body
 once), the HLO's matmul FLOPs per device with loops counted (t2t/hlo.py) and the compile time.
