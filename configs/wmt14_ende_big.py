@@ -19,9 +19,9 @@ def get_config():
     # Unrolled layers: measured by TPU AOT compile (bench/RESULTS.md, 2026-12-01, batch 128), the
     # scanned stacks need more temporaries per chip for the same matmul FLOPs (v5e-16: 4.58
     # against 2.43 GiB, 3.02 with remat='dots_saveable'; v4-8: 14.60 against 7.64): the forward scan
-    # saves per-layer float32 activations and softmax probabilities, bf16 copies of the weights,
-    # and its gradient stacks live next to them. Unrolled fits larger batches and recomputes
-    # nothing; scan_layers=True only compiles faster (288 against 786 s on the 2-core CPU).
+    # saves per-layer float32 activations and softmax probabilities and bf16 copies of the
+    # weights. Unrolled fits larger batches and recomputes nothing; scan_layers=True only
+    # compiles faster (288 against 786 s on the 2-core CPU).
     c.scan_layers = False
     c.rng_impl = 'rbg'  # dropout keys from the hardware-friendly generator
     c.checkpoint_every_steps = 5000
