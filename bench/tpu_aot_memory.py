@@ -7,12 +7,23 @@ The train step (t2t.train_lib.train_step: label smoothing 0.1, Adam, bf16 comput
 lowered and compiled for the topology with XLA's TPU compiler from libtpu (no TPU needed, see
 docs/aot.md) on a (data=1, fsdp=chips, tensor=1) mesh, the state sharded as t2t derives
 it and donated. Prints one `RESULT {json}` line with the compiled memory analysis (per device:
-arguments, outputs, aliased, temporaries), XLA's FLOPs per device and the compile time.
+arguments, outputs, aliased, temporaries), XLA's cost_analysis FLOPs per device (each loop body
+once), the HLO's matmul FLOPs per device with loops counted (t2t/hlo.py) and the compile time.
 
 --code DIR imports t2t from another checkout (e.g. an older commit unpacked with `git archive`),
 so that the same script measures before and after a change. --model_kw / --step_kw pass extra
 TransformerConfig / StepConfig fields (key=value, Python literals) where the checkout has them.
 Compiling big takes minutes on 2 cores; run one at a time: libtpu allows one process.
+
+--config FILE --slice NAME measures instead the dry run's own train step (t2t/aot.py, as
+`train.py --dry_run --topology` compiles it: the config's mesh, batch_size and every other key)
+for a slice name such as v5e-16 or v4-8; --set key=value changes config keys. Besides the memory,
+the RESULT line then carries XLA's cost_analysis FLOPs, the HLO's matmul FLOPs with loops counted
+by trip count (t2t/hlo.py) and t2t/flops.py's count, all per step; --hlo_dir DIR keeps the
+compiled HLO text (gzip) for a later look at where the temporaries go.
+
+    flock /tmp/t2t-libtpu.lock timeout 900 .venv/bin/python bench/tpu_aot_memory.py \
+        --config configs/wmt14_ende_big.py --slice v5e-16 --set batch_size=128 scan_layers=False
 """
 
 from __future__ import annotations
@@ -55,7 +66,13 @@ def main(argv=None) -> int:
     ap.add_argument('--label', default='')
     ap.add_argument('--fast', action='store_true',
                     help='lower optimization effort (compiles faster, reports ~2x temporaries)')
+    ap.add_argument('--config', default=None, help='measure this config file\'s dry-run step')
+    ap.add_argument('--slice', default='v5e-16', help='with --config: the TPU slice name')
+    ap.add_argument('--set', nargs='*', default=[], help='with --config: config keys k=v')
+    ap.add_argument('--hlo_dir', default=None, help='with --config: keep the HLO text here')
     args = ap.parse_args(argv)
+    if args.config:
+        return config_main(args)
 
     os.environ.setdefault('JAX_PLATFORMS', 'cpu')
     os.environ.setdefault('TPU_SKIP_MDS_QUERY', '1')
@@ -72,7 +89,7 @@ def main(argv=None) -> int:
     from jax.experimental import topologies
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from t2t import optim, sharding, train_lib
+    from t2t import hlo, optim, sharding, train_lib
     from t2t.model import TransformerConfig
 
     topo = topologies.get_topology_desc(
@@ -136,7 +153,56 @@ def main(argv=None) -> int:
         temp_gib=round(mem.temp_size_in_bytes / gib, 3),
         total_gib=round((mem.argument_size_in_bytes + mem.output_size_in_bytes
                          - mem.alias_size_in_bytes + mem.temp_size_in_bytes) / gib, 3),
-        xla_tflop_per_device=round(float(cost.get('flops', 0.0)) / 1e12, 3) if cost else None)
+        # cost_analysis counts each loop body once (scanned layers, the loss's chunks): too low
+        xla_tflop_per_device=round(float(cost.get('flops', 0.0)) / 1e12, 3) if cost else None,
+        hlo_matmul_tflop_per_device=round(hlo.matmul_flops(compiled.as_text()) / 1e12, 3))
+    print('RESULT ' + json.dumps(result), flush=True)
+    return 0
+
+
+def config_main(args) -> int:
+    """The dry run's train step of a config file on a slice (t2t.aot), one RESULT line."""
+    import gzip
+    import importlib.util
+
+    os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+    os.environ.setdefault('TPU_SKIP_MDS_QUERY', '1')
+    root = args.code or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.abspath(root))
+    from t2t import aot, flops
+
+    spec = importlib.util.spec_from_file_location('bench_config', args.config)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config()
+    overrides = parse_kw(args.set)
+    for key, value in overrides.items():
+        config[key] = value
+    plan = aot.plan(config, args.slice)
+    train = aot.compile_train_step(config, plan.mesh)
+    if args.hlo_dir:
+        os.makedirs(args.hlo_dir, exist_ok=True)
+        name = args.label or f'{os.path.basename(args.config)[:-3]}-{args.slice}'
+        with gzip.open(os.path.join(args.hlo_dir, name + '.hlo.gz'), 'wt') as f:
+            f.write(train.hlo_text)
+    import jax
+
+    gib = 2 ** 30
+    m = train.memory
+    devices = plan.mesh.size
+    result = dict(
+        label=args.label, code=os.path.abspath(root), config=args.config, set=overrides,
+        slice=plan.tpu.name, topology=plan.tpu.topology, devices=devices,
+        mesh=dict(plan.mesh.shape), batch_size=config.batch_size, max_len=config.max_len,
+        scan_layers=config.scan_layers, remat=config.remat, jax=jax.__version__,
+        compile_s=round(train.seconds, 1),
+        out_of_memory=train.out_of_memory or None,
+        argument_gib=m and round(m.arguments / gib, 3), output_gib=m and round(m.outputs / gib, 3),
+        alias_gib=m and round(m.aliased / gib, 3), temp_gib=m and round(m.temporaries / gib, 3),
+        total_gib=m and round(m.total / gib, 3),
+        xla_cost_analysis_flops=train.flops_per_device * devices,
+        hlo_matmul_flops=train.matmul_flops_per_device * devices if m else None,
+        t2t_flops=flops.config_flops_per_step(config))
     print('RESULT ' + json.dumps(result), flush=True)
     return 0
 

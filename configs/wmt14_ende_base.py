@@ -14,7 +14,13 @@ def get_config():
     c.num_train_steps = 100_000
     c.dtype = 'bfloat16'
     c.attention_impl = 'dot_product'
-    c.scan_layers = True  # compile time independent of depth (parameters stacked per stack)
+    # Unrolled layers: measured by TPU AOT compile (bench/RESULTS.md, 2026-12-01, batch 128), the
+    # scanned stacks need more temporaries per chip for the same matmul FLOPs (v5e-16: 1.91
+    # against 1.04 GiB; v4-8: 6.97 against 4.03): the forward scan saves per-layer float32
+    # activations and softmax probabilities and bf16 copies of the weights. Unrolled fits larger
+    # batches and recomputes nothing; scanned layers compile faster, and with
+    # remat='dots_saveable' keep less (v5e-16 1.27, v4-8 3.80 GiB) but recompute every step.
+    c.scan_layers = False
     c.rng_impl = 'rbg'  # dropout keys from the hardware-friendly generator
     c.checkpoint_every_steps = 2000
     c.keep_checkpoints = 5  # the paper averages the last 5 checkpoints of base

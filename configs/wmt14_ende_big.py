@@ -16,7 +16,13 @@ def get_config():
     c.num_train_steps = 300_000
     c.dtype = 'bfloat16'
     c.attention_impl = 'dot_product'
-    c.scan_layers = True  # compile time independent of depth (parameters stacked per stack)
+    # Unrolled layers: measured by TPU AOT compile (bench/RESULTS.md, 2026-12-01, batch 128), the
+    # scanned stacks need more temporaries per chip for the same matmul FLOPs (v5e-16: 4.58
+    # against 2.43 GiB, 3.02 with remat='dots_saveable'; v4-8: 14.60 against 7.64): the forward scan
+    # saves per-layer float32 activations and softmax probabilities and bf16 copies of the
+    # weights. Unrolled fits larger batches and recomputes nothing; scan_layers=True only
+    # compiles faster (288 against 786 s on the 2-core CPU).
+    c.scan_layers = False
     c.rng_impl = 'rbg'  # dropout keys from the hardware-friendly generator
     c.checkpoint_every_steps = 5000
     c.keep_checkpoints = 20  # the paper averages the last 20 checkpoints of big

@@ -2,15 +2,18 @@
 
     tpu = aot.parse_slice('v5e-16')                  # or 'v5e:4x4', 'v5litepod-16'
     plan = aot.plan(config, 'v5e-16')                # devices of the slice, the config's mesh
-    train = aot.compile_train_step(config, plan.mesh)   # Compiled(memory, flops_per_device, s)
+    train = aot.compile_train_step(config, plan.mesh)   # Compiled: memory, matmul FLOPs, s
     train.memory.total <= plan.tpu.hbm_bytes         # what the step keeps resident per device
     predict = aot.compile_predict(config, plan.mesh)    # beam search on an eval batch
 
 XLA's TPU compiler ships in libtpu and runs without TPU hardware: jax.experimental.topologies
 describes the devices of a slice, the real train step (train_lib.jit_train_step on
 train_lib.abstract_state) lowers for a mesh over them and compiles, compiled.memory_analysis()
-gives the buffers XLA assigned per device and cost_analysis() its FLOP count per device (MaxText's
-train_compile.py does the same). The process itself runs on the CPU backend (platforms.py).
+gives the buffers XLA assigned per device (MaxText's train_compile.py does the same). FLOPs come
+from the compiled HLO (t2t/hlo.py: dots and convolutions, each loop body times its trip count);
+XLA's own cost_analysis() counts a loop body once, so it undercounts scanned layers and the
+loss's chunk loop, and is kept only as what it is. The process itself runs on the CPU backend
+(platforms.py).
 
 What memory_analysis counts, per device: arguments (state and batch shards), outputs, aliased
 (outputs written into donated arguments, counted once), temporaries (XLA's scratch at its peak:
@@ -31,7 +34,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from t2t import inference, optim, platforms, sharding, train_lib
+from t2t import hlo, inference, optim, platforms, sharding, train_lib
 from t2t.model import TransformerConfig
 
 GIB = 1 << 30
@@ -227,9 +230,15 @@ class Compiled:
     """What one compile gave: memory and FLOPs, or the TPU compiler's out-of-memory error."""
 
     memory: Memory | None  # None when the compiler ran out of HBM
-    flops_per_device: float  # XLA's cost_analysis of the partitioned (per-device) program
+    # XLA's cost_analysis of the per-device program: every op, but each loop body counted once
+    # (scanned layers, the loss's chunks), so not what a step executes.
+    flops_per_device: float
     seconds: float  # lower + compile
     out_of_memory: str = ''  # the compiler's RESOURCE_EXHAUSTED message
+    # Dot and convolution FLOPs of the per-device program, loops counted by trip count (hlo.py)
+    matmul_flops_per_device: float = math.nan
+    unknown_loops: int = 0  # while loops whose trip count hlo.py could not find (counted once)
+    hlo_text: str = dataclasses.field(default='', repr=False)  # compiled.as_text()
 
     def fits(self, hbm_bytes: int, margin: float = HBM_MARGIN) -> bool:
         if self.memory is None:
@@ -251,7 +260,12 @@ def _compile(jitted, *abstract_args) -> Compiled:
     seconds = time.perf_counter() - start
     costs = compiled.cost_analysis()
     costs = costs[0] if isinstance(costs, (list, tuple)) else costs
-    return Compiled(Memory.of(compiled), float(costs.get('flops', math.nan)), seconds)
+    text = compiled.as_text()
+    module = hlo.parse(text)
+    unknown = sum(n is None for n in hlo.while_trip_counts(module).values())
+    return Compiled(Memory.of(compiled), float(costs.get('flops', math.nan)), seconds,
+                    matmul_flops_per_device=hlo.matmul_flops(module), unknown_loops=unknown,
+                    hlo_text=text)
 
 
 def abstract_batch(config, mesh, rows: int | None = None) -> dict:

@@ -96,6 +96,22 @@ def _memory_lines(compiled, hbm_bytes: int, margin: float) -> list[str]:
             _total_line(m.total, hbm_bytes, margin)]
 
 
+def flops_lines(compiled, devices: int, config_flops: float) -> list[str]:
+    """The FLOPs of one step, three ways, each labeled with what it counts."""
+    matmul = compiled.matmul_flops_per_device * devices
+    lines = [f'  FLOPs per step: XLA matmul FLOPs (dots and convolutions of the compiled program, '
+             f'loops counted by trip count) {compiled.matmul_flops_per_device:.4g} per device x '
+             f'{devices} = {matmul:.4g}; t2t/flops.py {config_flops:.4g} (matmuls and attention, '
+             f'causal self-attention half): ratio {matmul / config_flops:.3f}']
+    if compiled.unknown_loops:
+        lines.append(f'  WARNING: {compiled.unknown_loops} loop(s) of unknown trip count counted '
+                     'once: the matmul FLOPs are too low')
+    lines.append(f'  XLA cost_analysis: {compiled.flops_per_device * devices:.4g} (every op, but '
+                 'each loop body counted once: not a step\'s total with scanned layers or a '
+                 'chunked loss)')
+    return lines
+
+
 def tpu_dry_run(config, plan, *, find_max_batch: bool = False, max_tries: int = 8,
                 margin: float | None = None, out=print) -> int:
     """Prints the TPU report of `plan` (t2t.aot.plan); returns the exit status: 0 fits, 1 not.
@@ -138,10 +154,11 @@ def tpu_dry_run(config, plan, *, find_max_batch: bool = False, max_tries: int = 
                 # FLOPs per row above the first try's: recomputation the compiler chose to fit.
                 first = next(((b, c) for b, c in compiled_at.items() if c.memory is not None),
                              (batch_size, compiled))
-                per_row = (compiled.flops_per_device / batch_size
-                           / (first[1].flops_per_device / first[0]))
+                per_row = (compiled.matmul_flops_per_device / batch_size
+                           / (first[1].matmul_flops_per_device / first[0]))
                 sizes = (f'arguments {_size(m.arguments)}, temporaries {_size(m.temporaries)}, '
-                         f'total {_size(m.total)}, XLA FLOPs per row x{per_row:.2f} of the first')
+                         f'total {_size(m.total)}, matmul FLOPs per row x{per_row:.2f} of the '
+                         'first')
             compiled_at[batch_size] = compiled
             out(f'  try {len(compiled_at)}: batch_size={batch_size}: {sizes}: {verdict} '
                 f'(compile {compiled.seconds:.0f} s)')
@@ -173,9 +190,8 @@ def tpu_dry_run(config, plan, *, find_max_batch: bool = False, max_tries: int = 
     for line in _memory_lines(train, hbm, margin):
         out(line)
     if train.memory is not None:
-        out(f'  FLOPs per step: XLA {train.flops_per_device:.4g} per device x {mesh.size} = '
-            f'{train.flops_per_device * mesh.size:.4g} (every op, optimizer included); '
-            f't2t/flops.py {config_flops:.4g} (matmuls and attention)')
+        for line in flops_lines(train, mesh.size, config_flops):
+            out(line)
     if not train.fits(hbm, margin):
         out('predict: not compiled (the train step does not fit)')
         return 1

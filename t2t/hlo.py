@@ -1,0 +1,355 @@
+"""Counts from a compiled program's HLO text, loops counted by their trip counts.
+
+    text = compiled.as_text()               # jax's Compiled, after .lower(...).compile()
+    hlo.matmul_flops(text)                   # dot + convolution FLOPs of one run, per device
+    hlo.while_trip_counts(text)              # {while instruction: trip count, None if unknown}
+    runs = hlo.executions(hlo.parse(text))   # {computation: times it runs per run of the entry}
+
+Why: XLA's cost_analysis() counts a while loop's body once, whatever its trip count, so the FLOPs
+of scanned layers (one body for all the layers of a stack) and of the fused loss's chunk loop are
+undercounted by the trip counts. Here every computation is weighted by how often it runs: the
+entry once, a fusion's or call's computation as often as its caller, a while body as often as
+its caller times the loop's trip count, each branch of a conditional as often as its caller (an
+upper bound: one branch runs). The trip count is XLA's `known_trip_count` backend config where
+the text has it (the CPU compiler's), else it is read off the loop's induction variable: started
+at a constant, stepped by a constant, compared with a constant (the TPU compiler's loops); a loop
+without either counts once and is reported as unknown (None). Scalar computations (reduce, sort,
+scatter, collective reductions: `to_apply`) hold no matmuls and are not walked.
+
+FLOPs of a dot: 2 x output elements x the product of the lhs contracting dimensions; of a
+convolution: 2 x batch x output features x kernel input features x the (output position, kernel
+tap) pairs that read real input, per spatial dimension (the TPU compiler writes batched matmuls
+as convolutions with dilated windows that mostly read holes; XLA's cost analysis counts the
+same). Elementwise ops, reductions and collectives are not counted: the result is the matmul
+work, the number to compare with an analytic model count (t2t/flops.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import re
+
+_HEADER = re.compile(r'(ENTRY\s+)?%?([\w.\-]+)\s*[(]')
+_INSTRUCTION = re.compile(r'\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)')
+_OPCODE = re.compile(r'\s*([\w\-]+)[(]')
+_CALLED = re.compile(r'\b(calls|body|condition|true_computation|false_computation)=%?([\w.\-]+)')
+_CALLED_LISTS = re.compile(r'\b(branch_computations|called_computations)=\{([^}]*)\}')
+_ARRAY = re.compile(r'([a-z]+\d*(?:e\d+m\d+\w*)?)\[([^\]]*)\]')
+_CLOSE = {'(': ')', '[': ']', '{': '}'}
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    name: str
+    opcode: str
+    shape: str  # the result type as printed: 'bf16[8,256]{1,0}' or a tuple '(s32[], ...)'
+    operands: tuple[str, ...]  # operand instruction names
+    arguments: str  # the operand list as printed ('2' for constant(2))
+    attributes: str  # everything after the operand list
+    called: tuple[tuple[str, str], ...]  # (role, computation): ('body', 'region_0.4'), ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Module:
+    entry: str
+    computations: dict[str, tuple[Instruction, ...]]  # each computation's ROOT last
+
+
+def _balanced_end(text: str, start: int) -> int:
+    """Index just past the bracket group opening at text[start]."""
+    stack = []
+    for i in range(start, len(text)):
+        c = text[i]
+        if c in _CLOSE:
+            stack.append(_CLOSE[c])
+        elif stack and c == stack[-1]:
+            stack.pop()
+            if not stack:
+                return i + 1
+    raise ValueError(f'unbalanced HLO text: {text[start:start + 80]!r}')
+
+
+def _split_type(rest: str) -> tuple[str, str]:
+    """('bf16[8,256]{1,0:T(8,128)}', rest after it): a type ends at the first top-level space."""
+    if rest.startswith('('):
+        end = _balanced_end(rest, 0)
+        return rest[:end], rest[end:]
+    depth = 0
+    for i, c in enumerate(rest):
+        if c in '([{':
+            depth += 1
+        elif c in ')]}':
+            depth -= 1
+        elif c == ' ' and depth == 0:
+            return rest[:i], rest[i:]
+    return rest, ''
+
+
+def _parse_instruction(line: str) -> Instruction | None:
+    m = _INSTRUCTION.fullmatch(line)
+    if not m:
+        return None
+    name, rest = m.groups()
+    shape, rest = _split_type(rest)
+    op = _OPCODE.match(rest)
+    if not op:
+        return None
+    open_at = op.end() - 1
+    close_at = _balanced_end(rest, open_at)
+    operands = tuple(re.findall(r'%([\w.\-]+)', rest[open_at:close_at]))
+    attributes = rest[close_at:]
+    called = [(role, comp) for role, comp in _CALLED.findall(attributes)]
+    for role, names in _CALLED_LISTS.findall(attributes):
+        called += [(role, n.strip().lstrip('%')) for n in names.split(',') if n.strip()]
+    return Instruction(name, op.group(1), shape, operands, rest[open_at + 1:close_at - 1],
+                       attributes, tuple(called))
+
+
+def parse(hlo_text: str) -> Module:
+    """The computations of an HLO module's text (HloModule.to_string / compiled.as_text())."""
+    computations, entry, name, body, root = {}, None, None, [], None
+    for line in hlo_text.splitlines():
+        if name is None:
+            if line and not line[0].isspace() and line.rstrip().endswith('{'):
+                m = _HEADER.match(line)
+                if m and not line.startswith('HloModule'):
+                    name, body, root = m.group(2), [], None
+                    entry = name if m.group(1) else entry
+            continue
+        if line.strip() == '}':
+            # The ROOT last (the scheduled text usually prints it last anyway).
+            computations[name] = tuple([i for i in body if i is not root] + [root]
+                                       if root is not None else body)
+            name = None
+            continue
+        instruction = _parse_instruction(line)
+        if instruction is not None:
+            body.append(instruction)
+            if line.lstrip().startswith('ROOT '):
+                root = instruction
+    if entry is None:
+        raise ValueError('no ENTRY computation in the HLO text')
+    return Module(entry, computations)
+
+
+def array_dims(shape: str) -> tuple[int, ...]:
+    """Dimensions of an array type 'bf16[8,<=256]{1,0}'; ValueError for a tuple or token."""
+    m = _ARRAY.match(shape)
+    if not m:
+        raise ValueError(f'not an array type: {shape!r}')
+    return tuple(int(d.lstrip('<=')) for d in m.group(2).split(',') if d.strip())
+
+
+def _known_trip_count(instruction: Instruction) -> int | None:
+    m = re.search(r'backend_config=(\{.*\})', instruction.attributes)
+    if not m:
+        return None
+    try:
+        config = json.loads(m.group(1)[:_balanced_end(m.group(1), 0)])
+    except ValueError:
+        return None
+    n = config.get('known_trip_count', {}).get('n') if isinstance(config, dict) else None
+    return int(n) if n is not None else None
+
+
+def _value(module: Module, computation: str, name: str, params: tuple = ()):
+    """What an instruction of a loop's condition or body computes, as far as trip counts need:
+    an int (a constant), ('iv', k, step) (element k of the loop tuple plus step), ('cmp',
+    direction, a, b), or None. params: the values of a fused computation's parameters."""
+    found = [i for i in module.computations.get(computation, ()) if i.name == name]
+    if not found:
+        return None
+    i = found[0]
+    operand = (lambda n: _value(module, computation, i.operands[n], params))
+    if i.opcode == 'constant':
+        try:
+            return int(i.arguments)
+        except ValueError:
+            return None
+    if i.opcode in ('copy', 'bitcast', 'convert') and i.operands:
+        return operand(0)
+    if i.opcode == 'parameter':
+        index = int(i.arguments)
+        return params[index] if index < len(params) else None
+    if i.opcode == 'get-tuple-element' and not params:  # of the loop's own tuple parameter
+        source = [p for p in module.computations[computation] if p.name == i.operands[0]]
+        m = re.search(r'index=(\d+)', i.attributes)
+        if m and source and source[0].opcode == 'parameter':
+            return ('iv', int(m.group(1)), 0)
+        return None
+    if i.opcode in ('add', 'subtract') and len(i.operands) == 2:
+        a, b = operand(0), operand(1)
+        sign = 1 if i.opcode == 'add' else -1
+        if isinstance(a, tuple) and a[0] == 'iv' and isinstance(b, int):
+            return ('iv', a[1], a[2] + sign * b)
+        if isinstance(b, tuple) and b[0] == 'iv' and isinstance(a, int) and sign == 1:
+            return ('iv', b[1], b[2] + a)
+        return None
+    if i.opcode == 'compare':
+        m = re.search(r'direction=(\w+)', i.attributes)
+        return ('cmp', m.group(1), operand(0), operand(1)) if m else None
+    if i.opcode == 'fusion' and i.called:
+        callee = i.called[0][1]
+        roots = module.computations.get(callee, ())
+        inner = tuple(operand(n) for n in range(len(i.operands)))
+        return _value(module, callee, roots[-1].name, inner) if roots else None
+    return None
+
+
+def _root(module: Module, computation: str) -> Instruction | None:
+    body = module.computations.get(computation, ())
+    return body[-1] if body else None
+
+
+def trip_count(instruction: Instruction, module: Module | None = None,
+               computation: str = '') -> int | None:
+    """A while loop's trip count: XLA's known_trip_count, else (module and the computation
+    holding the loop given) from its induction variable: a tuple element started at a constant,
+    stepped by a constant in the body and compared with a constant in the condition (the loops
+    lax.scan makes; the TPU compiler's printed loops carry no known_trip_count). None: unknown."""
+    known = _known_trip_count(instruction)
+    if known is not None or module is None:
+        return known
+    roles = dict(instruction.called)
+    cond_root, body_root = _root(module, roles.get('condition', '')), _root(
+        module, roles.get('body', ''))
+    if cond_root is None or body_root is None or body_root.opcode != 'tuple':
+        return None
+    test = _value(module, roles['condition'], cond_root.name)
+    if not (isinstance(test, tuple) and test[0] == 'cmp'):
+        return None
+    _, direction, a, b = test
+    if isinstance(b, tuple) and isinstance(a, int):  # N > i is i < N
+        a, b = b, a
+        direction = {'GT': 'LT', 'GE': 'LE', 'LT': 'GT', 'LE': 'GE'}.get(direction, direction)
+    if not (isinstance(a, tuple) and a[0] == 'iv' and a[2] == 0 and isinstance(b, int)):
+        return None
+    k = a[1]
+    step = (_value(module, roles['body'], body_root.operands[k])
+            if k < len(body_root.operands) else None)
+    init_tuple = [i for i in module.computations.get(computation, ())
+                  if i.name == (instruction.operands or [''])[0]]
+    if not (isinstance(step, tuple) and step[0] == 'iv' and step[1] == k and step[2]
+            and init_tuple and init_tuple[0].opcode == 'tuple'):
+        return None
+    init = _value(module, computation, init_tuple[0].operands[k])
+    if not isinstance(init, int):
+        return None
+    s = step[2]
+    if direction in ('LT', 'LE') and s > 0:
+        end = b + (direction == 'LE')
+        return max(0, -(-(end - init) // s))
+    if direction in ('GT', 'GE') and s < 0:
+        end = b - (direction == 'GE')
+        return max(0, -(-(init - end) // -s))
+    if direction == 'NE' and (b - init) % s == 0 and (b - init) // s >= 0:
+        return (b - init) // s
+    return None
+
+
+def _module(hlo) -> Module:
+    return hlo if isinstance(hlo, Module) else parse(hlo)
+
+
+def while_trip_counts(hlo) -> dict[str, int | None]:
+    """{while instruction name: known trip count or None}, over every computation."""
+    module = _module(hlo)
+    return {i.name: trip_count(i, module, name) for name, body in module.computations.items()
+            for i in body if i.opcode == 'while'}
+
+
+def executions(hlo) -> dict[str, float]:
+    """{computation: times it runs per run of the entry}; an unknown trip count counts once.
+
+    Computations called only through `to_apply` (scalar reducers) are left out.
+    """
+    module = _module(hlo)
+    runs: dict[str, float] = {}
+
+    def visit(name: str, times: float):
+        runs[name] = runs.get(name, 0.0) + times
+        for instruction in module.computations.get(name, ()):
+            loop = (trip_count(instruction, module, name) if instruction.opcode == 'while'
+                    else None)
+            for role, callee in instruction.called:
+                if role == 'body':
+                    visit(callee, times * (1 if loop is None else loop))
+                elif role == 'condition':
+                    visit(callee, times * (1 if loop is None else loop + 1))
+                else:
+                    visit(callee, times)
+
+    visit(module.entry, 1.0)
+    return runs
+
+
+def instruction_flops(instruction: Instruction, shapes: dict[str, str]) -> float:
+    """Matmul FLOPs of one dot or convolution (0 for any other op); shapes: operand types."""
+    if instruction.opcode not in ('dot', 'convolution'):
+        return 0.0
+    out = math.prod(array_dims(instruction.shape))
+    lhs = array_dims(shapes[instruction.operands[0]])
+    if instruction.opcode == 'dot':
+        m = re.search(r'lhs_contracting_dims=\{([\d,]*)\}', instruction.attributes)
+        contracting = [int(d) for d in m.group(1).split(',') if d] if m else []
+        return 2.0 * out * math.prod(lhs[d] for d in contracting)
+    kernel = array_dims(shapes[instruction.operands[1]])
+    labels = re.search(r'dim_labels=(\w+)_(\w+)->(\w+)', instruction.attributes)
+    if not labels:
+        raise ValueError(f'convolution {instruction.name} without dim_labels')
+    lhs_labels, kernel_labels, out_labels = labels.groups()
+    out_dims = array_dims(instruction.shape)
+    window = _window(instruction.attributes, sum(c.isdigit() for c in kernel_labels))
+    # Per output element: kernel input features x the window taps that land on real input
+    # (the TPU compiler writes batched matmuls as convolutions whose dilated windows mostly hit
+    # holes); taps counted per spatial dimension over all output positions, as XLA's cost
+    # analysis does.
+    features = kernel[kernel_labels.index('i')]
+    non_spatial = math.prod(size for label, size in zip(out_labels, out_dims, strict=True)
+                            if not label.isdigit())
+    taps = 1
+    for d in range(len(window)):
+        taps *= _valid_taps(lhs[lhs_labels.index(str(d))], out_dims[out_labels.index(str(d))],
+                            kernel[kernel_labels.index(str(d))], *window[d])
+    return 2.0 * non_spatial * features * taps
+
+
+def _window(attributes: str, rank: int) -> list[tuple[int, int, int, int]]:
+    """(stride, padding low, lhs dilation, rhs dilation) per spatial dimension."""
+    m = re.search(r'window=\{([^}]*)\}', attributes)
+    fields = dict(f.split('=', 1) for f in m.group(1).split()) if m else {}
+
+    def ints(key, default):
+        if key not in fields:
+            return [default] * rank
+        return [int(v.split('_')[0]) for v in fields[key].split('x')]
+
+    return list(zip(ints('stride', 1), ints('pad', 0), ints('lhs_dilate', 1),
+                    ints('rhs_dilate', 1), strict=True))
+
+
+@functools.lru_cache(maxsize=4096)
+def _valid_taps(size_in: int, size_out: int, size_kernel: int, stride: int, pad_low: int,
+                lhs_dilate: int, rhs_dilate: int) -> int:
+    """(output position, kernel tap) pairs of one spatial dimension that read a real input."""
+    dilated = (size_in - 1) * lhs_dilate + 1
+    count = 0
+    for tap in range(size_kernel):
+        for out in range(size_out):
+            p = out * stride + tap * rhs_dilate - pad_low
+            count += 0 <= p < dilated and p % lhs_dilate == 0
+    return count
+
+
+def matmul_flops(hlo) -> float:
+    """Dot and convolution FLOPs of one run of the module, loops counted by trip count."""
+    module = _module(hlo)
+    total = 0.0
+    for name, times in executions(module).items():
+        body = module.computations.get(name, ())
+        shapes = {i.name: i.shape for i in body}
+        total += times * sum(instruction_flops(i, shapes) for i in body)
+    return total
