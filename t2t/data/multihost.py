@@ -15,6 +15,7 @@ Several processes means a jax.distributed job (train.py / evaluate.py --coordina
 """
 
 import hashlib
+import os
 import sys
 
 from t2t import workdir as wd
@@ -67,7 +68,7 @@ def share_file(path: str, what: str, timeout_s: float) -> None:
         return
     from t2t import distributed
 
-    name = f'file:{path}'
+    name = f'file:{os.path.basename(path)}'  # the same key on every host, whatever its data_dir
     if process_index() == 0:
         with open(path, 'rb') as f:
             distributed.share_bytes(name, f.read(), what, timeout_s)
@@ -79,7 +80,7 @@ def share_file(path: str, what: str, timeout_s: float) -> None:
 
 def check_same(what: str, value: str, timeout_s: float) -> None:
     """Raises a one-line SyncError naming the processes whose `value` (e.g. a digest) differs
-    from process 0's."""
+    from process 0's. `what` names the agreement on every process alike (no host's own path)."""
     if process_count() > 1:
         from t2t import distributed
 

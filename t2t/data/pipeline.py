@@ -71,7 +71,8 @@ def get_tokenizer(config) -> Tokenizer:
         _load_or_train(config, path)
     wait = config.data_wait_timeout_s
     multihost.share_file(path, f'process 0 loads or trains the vocabulary {path}', wait)
-    multihost.check_same(f'the vocabulary {path}', multihost.file_digest(path), wait)
+    multihost.check_same(f'the vocabulary {os.path.basename(path)} (sha256)',
+                         multihost.file_digest(path), wait)
     return Tokenizer(path)
 
 
