@@ -54,13 +54,15 @@ MIN_VOCAB_SIZE = 300  # 256 byte pieces + PAD/EOS/UNK + room for the corpus's ow
 
 
 def train_tokenizer(sentences: Iterable[str], path: str, vocab_size: int,
-                    max_sentences: int, character_coverage: float = 0.9999) -> Tokenizer:
+                    max_sentences: int, character_coverage: float = 0.9999,
+                    num_threads: int = 0) -> Tokenizer:
     """Trains a unigram model on `sentences` and writes it to `path` atomically (.model + .vocab).
 
     `hard_vocab_limit=False` lets a small corpus give a smaller vocabulary instead of failing;
     callers size embeddings by `Tokenizer.vocab_size`, which is then <= `vocab_size`.
     Characters outside `character_coverage` and unseen ones fall back to UTF-8 byte pieces, so no
     input becomes UNK (sentencepiece's default coverage drops rare letters such as a capital Ü).
+    `num_threads`: sentencepiece's training threads (0 = all cores).
     """
     if vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(f'vocab_size={vocab_size} is too small: at least {MIN_VOCAB_SIZE} (256 '
@@ -82,7 +84,7 @@ def train_tokenizer(sentences: Iterable[str], path: str, vocab_size: int,
             pad_id=PAD_ID, eos_id=EOS_ID, unk_id=UNK_ID, bos_id=-1,
             input_sentence_size=max_sentences,
             shuffle_input_sentence=True,
-            num_threads=2,
+            num_threads=num_threads or len(os.sched_getaffinity(0)),
             minloglevel=2,
         )
         base = path[:-len('.model')] if path.endswith('.model') else path
