@@ -87,9 +87,9 @@ def _load_or_train(config, path: str) -> Tokenizer:
     logging.info('training a %d-piece vocabulary on %d sentences of %s -> %s',
                  config.vocab_size, len(texts), name, path)
     with progress.Stage(f'{config.train_split}: vocabulary training ({len(texts):,} sentences, '
-                        f'{prepare.cores()} threads)') as stage:
+                        f'{prepare.cores()} cores)') as stage:
         tokenizer = train_tokenizer(texts, path, config.vocab_size, config.tokenizer_sentences,
-                                    config.tokenizer_character_coverage, prepare.cores())
+                                    config.tokenizer_character_coverage)
     progress.echo(stage.summary())
     return tokenizer
 

@@ -175,6 +175,8 @@ def build_packed(config, tokenizer: Tokenizer, split: str, out_dir: str, shard_d
     tokens = token_dir(config, tokenizer, split)
     os.makedirs(tokens, exist_ok=True)
     os.makedirs(shard_dir, exist_ok=True)
+    for directory in (tokens, shard_dir):
+        shards.remove_stale(directory)
     todo = [c for c in chunks
             if shards.load(os.path.join(shard_dir, f'chunk-{c.number:05d}.npz')) is None]
     workers = max(1, min(workers, len(todo)))

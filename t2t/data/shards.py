@@ -15,11 +15,13 @@ A chunk's rows depend only on the chunk, so the rows of the split (the shards in
 the same whatever the number of workers.
 """
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import json
 import os
+import socket
 import time
 import zipfile
 from typing import Any
@@ -50,12 +52,30 @@ class Task:
     threads: int  # sentencepiece threads for this chunk
 
 
+_TMP = f'.tmp-{socket.gethostname()}-'  # + pid: a partial shard, renamed when whole
+
+
 def save(path: str, arrays: dict[str, np.ndarray], info: dict) -> None:
     """One shard, written atomically (a reader never sees a partial file)."""
-    tmp = f'{path}.tmp-{os.getpid()}'
+    tmp = f'{path}{_TMP}{os.getpid()}'
     with open(tmp, 'wb') as f:
         np.savez(f, info=np.array(json.dumps(info, sort_keys=True)), **arrays)
     os.replace(tmp, path)
+
+
+def remove_stale(directory: str) -> None:
+    """Removes partial shards of killed writers on this host (their process is gone)."""
+    for name in os.listdir(directory):
+        head, sep, pid = name.rpartition(_TMP)
+        if not sep or not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(directory, name))
+        except OSError:
+            pass  # alive (another user's): not ours to remove
 
 
 def load(path: str) -> tuple[dict[str, np.ndarray], dict] | None:
