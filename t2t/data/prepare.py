@@ -181,7 +181,7 @@ def build_packed(config, tokenizer: Tokenizer, split: str, out_dir: str, shard_d
             if shards.load(os.path.join(shard_dir, f'chunk-{c.number:05d}.npz')) is None]
     workers = max(1, min(workers, len(todo)))
     threads = cores() if workers == 1 else 1  # one worker: sentencepiece's own threads
-    tasks = [shards.Task(config, split, c, tokenizer.path,
+    tasks = [shards.Task(config, split, c, tokenizer,
                          os.path.join(tokens, f'chunk-{c.number:05d}.npz'),
                          os.path.join(shard_dir, f'chunk-{c.number:05d}.npz'),
                          config.max_len, bool(config.pack), threads) for c in chunks]

@@ -17,7 +17,6 @@ the same whatever the number of workers.
 
 import contextlib
 import dataclasses
-import functools
 import hashlib
 import json
 import os
@@ -44,7 +43,7 @@ class Task:
     config: Any  # the ConfigDict: which source, which files
     split: str
     chunk: Chunk
-    vocab: str  # the sentencepiece model's path
+    tokenizer: Any  # a Tokenizer (or the recall toy's): pickled by its path
     tokens_path: str
     packed_path: str
     max_len: int
@@ -92,11 +91,6 @@ def token_dtype(vocab_size: int):
     return np.uint16 if vocab_size <= 2**16 else np.int32
 
 
-@functools.lru_cache(maxsize=2)
-def _tokenizer(path: str) -> Tokenizer:
-    return Tokenizer(path)
-
-
 def encode(tokenizer: Tokenizer, texts: list[str], threads: int) -> tuple[np.ndarray, np.ndarray]:
     """(token ids of all texts end to end, each followed by EOS [T], lengths with EOS [N])."""
     dtype = token_dtype(tokenizer.vocab_size)
@@ -114,7 +108,7 @@ def encode(tokenizer: Tokenizer, texts: list[str], threads: int) -> tuple[np.nda
 def tokenize(task: Task) -> tuple[dict[str, np.ndarray], dict]:
     """The token shard of a chunk: read, tokenized, saved."""
     pairs, skipped, examples = sources.read_chunk(task.config, task.split, task.chunk)
-    tokenizer = _tokenizer(task.vocab)
+    tokenizer = task.tokenizer
     src, src_lens = encode(tokenizer, [s for s, _ in pairs], task.threads)
     tgt, tgt_lens = encode(tokenizer, [t for _, t in pairs], task.threads)
     del pairs
