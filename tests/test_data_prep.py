@@ -251,3 +251,22 @@ def test_sources_chunks_of_an_index_source(tmp_path):
     whole = sources.open_split(config, 'test').read(0, total)
     got = [p for c in chunks for p in sources.read_chunk(config, 'test', c)[0]]
     assert got == whole and len(chunks) == -(-total // 300)
+
+
+def test_bench_data_prep_runs_at_toy_size(tmp_path):
+    ding = tmp_path / 'de-en'  # a stand-in for the trans-de-en file: 300 sentence pairs
+    ding.write_text(''.join(f'Satz {i} ist hier gut. :: Sentence {i} is good here.\n'
+                            for i in range(300)), encoding='utf-8')
+    out = subprocess.run(
+        [sys.executable, 'bench/data_prep.py', '--pairs=500', '--vocab_size=400',
+         '--tokenizer_sentences=400', f'--dir={tmp_path / "bench"}', '--limit_pairs=500'],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, 'T2T_TRANS_DE_EN': str(ding), 'JAX_PLATFORMS': 'cpu'})
+    results = [json.loads(line[len('RESULT '):]) for line in out.stdout.splitlines()
+               if line.startswith('RESULT ')]
+    assert out.returncode == 0 and len(results) == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    r = results[0]
+    assert r['pairs'] == 500 and r['peak_gb'] > 0 and r['limit_pairs'] == 500
+    assert r['tokpack_pairs_s'] > 0 and r['pack_pairs_s'] > 0 and r['limit_pairs_s'] > 0
+    assert '| 500 |' in out.stdout
+    assert not os.path.exists(tmp_path / 'bench' / 'corpus-500.tsv')  # deleted without --keep

@@ -191,7 +191,7 @@ def build_packed(config, tokenizer: Tokenizer, split: str, out_dir: str, shard_d
     with progress.Stage(f'{split}: tokenize+pack', total=total, done=done, echo=echo) as stage:
         for result in _results([t for t in tasks if t.chunk.number in todo_set], workers):
             stage.advance(result['counts']['lines'])
-            work.update(tokenized=result['tokenized'], tokenize_s=result['tokenize_s'],
+            work.update(tokenized=int(result['tokenized']), tokenize_s=result['tokenize_s'],
                         pack_s=result['pack_s'])
     echo(f'{stage.summary()}; {workers} worker(s), {len(todo)} of {len(chunks)} chunks built: '
          f'{work["tokenized"]} read+tokenized ({work["tokenize_s"]:.1f} worker-s), '
