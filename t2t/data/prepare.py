@@ -178,7 +178,7 @@ def build_packed(config, tokenizer: Tokenizer, split: str, out_dir: str, shard_d
     for directory in (tokens, shard_dir):
         shards.remove_stale(directory)
     todo = [c for c in chunks
-            if shards.load(os.path.join(shard_dir, f'chunk-{c.number:05d}.npz')) is None]
+            if shards.load_info(os.path.join(shard_dir, f'chunk-{c.number:05d}.npz')) is None]
     workers = max(1, min(workers, len(todo)))
     threads = cores() if workers == 1 else 1  # one worker: sentencepiece's own threads
     tasks = [shards.Task(config, split, c, tokenizer,

@@ -87,6 +87,15 @@ def load(path: str) -> tuple[dict[str, np.ndarray], dict] | None:
         return None
 
 
+def load_info(path: str) -> dict | None:
+    """The info of a shard (its arrays are not read), or None when missing or unreadable."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return json.loads(str(z['info']))
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError):
+        return None
+
+
 def token_dtype(vocab_size: int):
     return np.uint16 if vocab_size <= 2**16 else np.int32
 
@@ -145,10 +154,9 @@ def run(task: Task) -> dict:
     and this call's work: {'counts', 'tokenized', 'packed', 'tokenize_s', 'pack_s', 'pid'}."""
     out = {'tokenized': False, 'packed': False, 'tokenize_s': 0.0, 'pack_s': 0.0,
            'pid': os.getpid()}
-    if os.path.exists(task.packed_path):
-        shard = load(task.packed_path)
-        if shard is not None:
-            return {**out, 'counts': shard[1]}
+    counts = load_info(task.packed_path)
+    if counts is not None:
+        return {**out, 'counts': counts}
     start = time.perf_counter()
     token_shard = load(task.tokens_path) if os.path.exists(task.tokens_path) else None
     if token_shard is None:
