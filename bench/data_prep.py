@@ -23,6 +23,7 @@ unless --keep.
 import json
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -67,14 +68,22 @@ _STAGES = {
               r'(?P<gb>[\d.]+)',
     'vocab': r'train: vocabulary training .*: (?P<s>[\d.]+) s, peak RSS (?P<gb>[\d.]+)',
     'tokpack': r'train: tokenize\+pack: (?P<n>[\d,]+) pairs in (?P<s>[\d.]+) s .*peak RSS '
-               r'(?P<gb>[\d.]+)',
+               r'(?P<gb>[\d.]+) .*read\+tokenize (?P<tok_s>[\d.]+) s, (?P<tok_cpu>[\d.]+) CPU s; '
+               r'cached ids loaded (?P<load_s>[\d.]+) s, (?P<load_cpu>[\d.]+) CPU s; '
+               r'packing (?P<pack_s>[\d.]+) s, (?P<pack_cpu>[\d.]+) CPU s',
     'assemble': r'train: assemble: (?P<s>[\d.]+) s, peak RSS (?P<gb>[\d.]+)',
 }
 
 
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_prepare(args: list[str]) -> dict:
-    """Runs python -m t2t.data: wall s, peak RSS (GB) of its process tree, stages it printed."""
-    start = time.perf_counter()
+    """Runs python -m t2t.data: wall s, CPU s and peak RSS (GB) of its process tree, and the
+    stages it printed."""
+    start, cpu = time.perf_counter(), _children_cpu()
     proc = subprocess.Popen([sys.executable, '-m', 't2t.data', f'--config={_CONFIG}', *args],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     peak = [0]
@@ -94,7 +103,8 @@ def run_prepare(args: list[str]) -> dict:
     sampler.join()
     if proc.returncode:
         raise RuntimeError(f'python -m t2t.data failed ({proc.returncode})')
-    out = {'wall_s': time.perf_counter() - start, 'peak_gb': peak[0] / 1e9}
+    out = {'wall_s': time.perf_counter() - start, 'cpu_s': _children_cpu() - cpu,
+           'peak_gb': peak[0] / 1e9}
     for name, pattern in _STAGES.items():
         match = next((m for m in map(re.compile(pattern).match, lines) if m), None)
         if match:
@@ -107,7 +117,7 @@ def encode_limit(corpus: str, model: str, pairs: int) -> dict:
     import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor(model_file=model)
-    threads, seconds, done = prepare.cores(), 0.0, 0
+    threads, seconds, cpu, done = prepare.cores(), 0.0, 0.0, 0
     with open(corpus, encoding='utf-8') as f:
         while done < pairs:
             lines = [line for _, line in zip(range(min(_BLOCK, pairs - done)), f, strict=False)]
@@ -115,12 +125,14 @@ def encode_limit(corpus: str, model: str, pairs: int) -> dict:
                 break
             sides = [line.rstrip('\n').split('\t') for line in lines]
             src, tgt = [s for s, _ in sides], [t for _, t in sides]
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             sp.encode(src, num_threads=threads)
             sp.encode(tgt, num_threads=threads)
             seconds += time.perf_counter() - start
+            cpu += time.process_time() - start_cpu  # all of this process's threads
             done += len(lines)
-    return {'pairs': done, 'seconds': seconds, 'pairs_s': done / seconds, 'threads': threads}
+    return {'pairs': done, 'seconds': seconds, 'cpu_s': cpu, 'pairs_s': done / seconds,
+            'pairs_cpu_s': done / cpu, 'threads': threads}
 
 
 def bench(n: int, real: list[tuple[str, str]], held_out: str) -> dict:
@@ -141,20 +153,26 @@ def bench(n: int, real: list[tuple[str, str]], held_out: str) -> dict:
     vocab_dir = os.path.join(data_dir, 'vocab')
     model = os.path.join(vocab_dir, next(f for f in os.listdir(vocab_dir) if f.endswith('.model')))
     limit = encode_limit(corpus, model, min(n, _LIMIT.value))
-    tokpack = full['tokpack']
+    tokpack, pack = full['tokpack'], repack['tokpack']
+    tokpack_cpu = max(tokpack['tok_cpu'] + tokpack['pack_cpu'], 1e-3)  # the workers' CPU s
+    tokpack['s'], pack['s'] = max(tokpack['s'], 1e-3), max(pack['s'], 1e-3)  # toy sizes
     result = {
         'pairs': n, 'corpus_gb': os.path.getsize(corpus) / 1e9, 'vocab_size': _VOCAB.value,
         'tokenizer_sentences': _SENTENCES.value, 'max_len': _MAX_LEN.value,
-        'workers': prepare.default_workers(), 'wall_s': full['wall_s'], 'peak_gb': full['peak_gb'],
-        'sample_s': full['sample']['s'], 'vocab_s': full['vocab']['s'],
-        'vocab_peak_gb': full['vocab']['gb'],
-        'tokpack_s': tokpack['s'], 'tokpack_pairs_s': tokpack['n'] / tokpack['s'],
-        'tokpack_peak_gb': tokpack['gb'], 'assemble_s': full['assemble']['s'],
-        'pack_s': repack['tokpack']['s'], 'pack_pairs_s': n / repack['tokpack']['s'],
-        'pack_peak_gb': repack['tokpack']['gb'], 'repack_wall_s': repack['wall_s'],
-        'limit_pairs_s': limit['pairs_s'], 'limit_pairs': limit['pairs'],
-        'limit_threads': limit['threads'],
-        'ratio': tokpack['n'] / tokpack['s'] / limit['pairs_s'],
+        'workers': prepare.default_workers(), 'wall_s': full['wall_s'], 'cpu_s': full['cpu_s'],
+        'peak_gb': full['peak_gb'], 'sample_s': full['sample']['s'],
+        'vocab_s': full['vocab']['s'], 'vocab_peak_gb': full['vocab']['gb'],
+        'tokpack_s': tokpack['s'], 'tokpack_pairs_s': n / tokpack['s'],
+        'tokpack_cpu_s': tokpack_cpu, 'tokpack_pairs_cpu_s': n / tokpack_cpu,
+        'tokenize_cpu_s': tokpack['tok_cpu'], 'tokpack_peak_gb': tokpack['gb'],
+        'assemble_s': full['assemble']['s'],
+        'pack_s': pack['s'], 'pack_pairs_s': n / pack['s'],
+        'pack_cpu_s': pack['load_cpu'] + pack['pack_cpu'], 'pack_peak_gb': pack['gb'],
+        'repack_tokenize_cpu_s': pack['tok_cpu'], 'repack_wall_s': repack['wall_s'],
+        'limit_pairs_s': limit['pairs_s'], 'limit_pairs_cpu_s': limit['pairs_cpu_s'],
+        'limit_pairs': limit['pairs'], 'limit_threads': limit['threads'],
+        'ratio_wall': n / tokpack['s'] / limit['pairs_s'],
+        'ratio_cpu': n / tokpack_cpu / limit['pairs_cpu_s'],
         'load_avg': os.getloadavg()[0],
     }
     print('RESULT ' + json.dumps(result), flush=True)
@@ -172,18 +190,20 @@ def main(argv):
     with open(held_out, 'w', encoding='utf-8') as f:
         f.write(''.join(f'{en}\t{de}\n' for de, en in splits['validation']))
     results = [bench(int(n), splits['train'], held_out) for n in _PAIRS.value]
-    print('| pairs | wall | peak RSS | vocab sample | vocab training | tokenize+pack | '
-          'pack alone (new max_len) | assemble | sentencepiece encode alone (limit) | ratio |')
-    print('|---|---|---|---|---|---|---|---|---|---|')
+    print('| pairs | wall (CPU) | peak RSS | vocab sample | vocab training | tokenize+pack '
+          '(workers\' CPU) | pack alone, new max_len | sentencepiece encode alone (limit) | '
+          'ratio wall / CPU |')
+    print('|---|---|---|---|---|---|---|---|---|')
     for r in results:
-        print(f'| {r["pairs"]:,} | {r["wall_s"]:.0f} s | {r["peak_gb"]:.2f} GB | '
-              f'{r["sample_s"]:.0f} s | {r["vocab_s"]:.0f} s ({r["vocab_peak_gb"]:.2f} GB) | '
-              f'{r["tokpack_s"]:.0f} s, {r["tokpack_pairs_s"]:,.0f} pairs/s '
-              f'({r["tokpack_peak_gb"]:.2f} GB) | {r["pack_s"]:.0f} s, '
-              f'{r["pack_pairs_s"]:,.0f} pairs/s ({r["pack_peak_gb"]:.2f} GB) | '
-              f'{r["assemble_s"]:.0f} s | {r["limit_pairs_s"]:,.0f} pairs/s '
-              f'({r["limit_threads"]} threads) | {r["ratio"]:.2f} |', flush=True)
-
+        print(f'| {r["pairs"]:,} | {r["wall_s"]:.0f} s ({r["cpu_s"]:.0f} CPU s) | '
+              f'{r["peak_gb"]:.2f} GB | {r["sample_s"]:.1f} s | {r["vocab_s"]:.0f} s '
+              f'({r["vocab_peak_gb"]:.2f} GB) | {r["tokpack_s"]:.0f} s: '
+              f'{r["tokpack_pairs_s"]:,.0f} pairs/s ({r["tokpack_pairs_cpu_s"]:,.0f} per CPU s), '
+              f'{r["tokpack_peak_gb"]:.2f} GB | {r["pack_s"]:.1f} s: '
+              f'{r["pack_pairs_s"]:,.0f} pairs/s, {r["pack_peak_gb"]:.2f} GB | '
+              f'{r["limit_pairs_s"]:,.0f} pairs/s ({r["limit_pairs_cpu_s"]:,.0f} per CPU s, '
+              f'{r["limit_threads"]} threads) | {r["ratio_wall"]:.2f} / {r["ratio_cpu"]:.2f} |',
+              flush=True)
 
 if __name__ == '__main__':
     app.run(main)

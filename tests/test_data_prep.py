@@ -268,5 +268,6 @@ def test_bench_data_prep_runs_at_toy_size(tmp_path):
     r = results[0]
     assert r['pairs'] == 500 and r['peak_gb'] > 0 and r['limit_pairs'] == 500
     assert r['tokpack_pairs_s'] > 0 and r['pack_pairs_s'] > 0 and r['limit_pairs_s'] > 0
+    assert r['tokenize_cpu_s'] > 0 and r['repack_tokenize_cpu_s'] == 0  # the repack: cached ids
     assert '| 500 |' in out.stdout
     assert not os.path.exists(tmp_path / 'bench' / 'corpus-500.tsv')  # deleted without --keep

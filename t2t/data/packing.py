@@ -20,27 +20,30 @@ def first_fit(src_lens: np.ndarray, tgt_lens: np.ndarray, max_len: int,
     target offset, segment id) and the number of rows.
     """
     n = len(src_lens)
-    row, src_off, tgt_off, seg = (np.zeros(n, np.int64) for _ in range(4))
-    bins = []  # open rows: [row, source used, target used, segments]
+    row, src_off, tgt_off, seg = [0] * n, [0] * n, [0] * n, [0] * n
+    bins = []  # open rows: [source used, target used, segments, row]
     num_rows = 0
+    full = max_len - MIN_PAIR_LEN  # a row with more used on a side is closed
     for i, (ls, lt) in enumerate(zip(src_lens.tolist(), tgt_lens.tolist(), strict=True)):
+        room_s, room_t = max_len - ls, max_len - lt  # the most a fitting row may have used
         for b in bins:
-            if b[1] + ls <= max_len and b[2] + lt <= max_len:
+            if b[0] <= room_s and b[1] <= room_t:
                 break
         else:
             if len(bins) == max_open:
-                bins.pop(0)
-            b = [num_rows, 0, 0, 0]
+                del bins[0]
+            b = [0, 0, 0, num_rows]
             bins.append(b)
             num_rows += 1
-        row[i], src_off[i], tgt_off[i] = b[0], b[1], b[2]
-        b[1] += ls
-        b[2] += lt
-        b[3] += 1
-        seg[i] = b[3]
-        if max_len - b[1] < MIN_PAIR_LEN or max_len - b[2] < MIN_PAIR_LEN:
+        row[i], src_off[i], tgt_off[i] = b[3], b[0], b[1]
+        b[0] += ls
+        b[1] += lt
+        b[2] += 1
+        seg[i] = b[2]
+        if b[0] > full or b[1] > full:
             bins.remove(b)
-    return row, src_off, tgt_off, seg, num_rows
+    return (np.array(row, np.int64), np.array(src_off, np.int64), np.array(tgt_off, np.int64),
+            np.array(seg, np.int64), num_rows)
 
 
 def one_per_row(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:

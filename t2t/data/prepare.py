@@ -17,6 +17,7 @@ through `echo` (print by default).
 
 import collections
 import concurrent.futures
+import dataclasses
 import hashlib
 import json
 import multiprocessing
@@ -28,7 +29,7 @@ from absl import logging
 from t2t.data import progress, shards, sources, tsv
 from t2t.data.tokenizer import Tokenizer
 
-CHUNK_PAIRS = 200_000  # lines per chunk: a worker's unit of work, memory and of loss on a kill
+CHUNK_PAIRS = 100_000  # lines per chunk: a worker's unit of work, memory and of loss on a kill
 TOKENS_VERSION = 1  # bump when the token shards' content changes
 WORKERS_ENV = 'T2T_DATA_WORKERS'
 
@@ -83,8 +84,11 @@ def _results(tasks: list[shards.Task], workers: int):
             yield shards.run(task)
         return
     context = multiprocessing.get_context('spawn')
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-        futures = [pool.submit(shards.run, task) for task in tasks]
+    with concurrent.futures.ProcessPoolExecutor(
+            workers, mp_context=context, initializer=shards.init_worker,
+            initargs=(tasks[0].tokenizer,)) as pool:
+        futures = [pool.submit(shards.run, dataclasses.replace(task, tokenizer=None))
+                   for task in tasks]
         try:
             for future in concurrent.futures.as_completed(futures):
                 yield future.result()
@@ -191,12 +195,14 @@ def build_packed(config, tokenizer: Tokenizer, split: str, out_dir: str, shard_d
     with progress.Stage(f'{split}: tokenize+pack', total=total, done=done, echo=echo) as stage:
         for result in _results([t for t in tasks if t.chunk.number in todo_set], workers):
             stage.advance(result['counts']['lines'])
-            work.update(tokenized=int(result['tokenized']), tokenize_s=result['tokenize_s'],
-                        pack_s=result['pack_s'])
-    echo(f'{stage.summary()}; {workers} worker(s), {len(todo)} of {len(chunks)} chunks built: '
-         f'{work["tokenized"]} read+tokenized ({work["tokenize_s"]:.1f} worker-s), '
-         f'{len(todo) - work["tokenized"]} from cached token ids; packing '
-         f'{work["pack_s"]:.1f} worker-s')
+            work.update({k: v for k, v in result.items() if k.endswith('_s')},
+                        tokenized=int(result['tokenized']))
+    phases = '; '.join(f'{label} {work[f"{p}_s"]:.2f} s, {work[f"{p}_cpu_s"]:.2f} CPU s'
+                       for p, label in (('tokenize', 'read+tokenize'),
+                                        ('load', 'cached ids loaded'), ('pack', 'packing')))
+    echo(f'{stage.summary()}; {workers} worker(s), {len(todo)} of {len(chunks)} chunks built '
+         f'({work["tokenized"]} tokenized, {len(todo) - work["tokenized"]} from cached token '
+         f'ids); worker time: {phases}')
     logging.info('%s: token ids cached in %s', name, tokens)
     with progress.Stage(f'{split}: assemble', echo=echo) as stage:
         meta = assemble(tasks, out_dir, split=split, name=name, max_len=config.max_len,

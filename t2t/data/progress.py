@@ -129,7 +129,7 @@ class Stage:
         what = f'{self.done - self.resumed:,} pairs in ' if self.total else ''
         resumed = f' ({self.resumed:,} pairs done before, resumed)' if self.resumed else ''
         rate = f' ({self.rate():,.0f} pairs/s)' if self.total else ''
-        return (f'{self.label}: {what}{self.seconds:.1f} s{rate}{resumed}, '
+        return (f'{self.label}: {what}{self.seconds:.2f} s{rate}{resumed}, '
                 f'peak RSS {gb(self.peak)}')
 
     def _run(self) -> None:

@@ -43,7 +43,7 @@ class Task:
     config: Any  # the ConfigDict: which source, which files
     split: str
     chunk: Chunk
-    tokenizer: Any  # a Tokenizer (or the recall toy's): pickled by its path
+    tokenizer: Any  # a Tokenizer (or the recall toy's); None: the worker's (`init_worker`)
     tokens_path: str
     packed_path: str
     max_len: int
@@ -114,10 +114,18 @@ def encode(tokenizer: Tokenizer, texts: list[str], threads: int) -> tuple[np.nda
     return np.concatenate(flats), np.concatenate(lens)
 
 
+_WORKER_TOKENIZER = None  # a worker process's tokenizer, loaded once (not once per chunk)
+
+
+def init_worker(tokenizer) -> None:
+    global _WORKER_TOKENIZER
+    _WORKER_TOKENIZER = tokenizer
+
+
 def tokenize(task: Task) -> tuple[dict[str, np.ndarray], dict]:
     """The token shard of a chunk: read, tokenized, saved."""
     pairs, skipped, examples = sources.read_chunk(task.config, task.split, task.chunk)
-    tokenizer = task.tokenizer
+    tokenizer = _WORKER_TOKENIZER if task.tokenizer is None else task.tokenizer
     src, src_lens = encode(tokenizer, [s for s, _ in pairs], task.threads)
     tgt, tgt_lens = encode(tokenizer, [t for _, t in pairs], task.threads)
     del pairs
@@ -151,19 +159,22 @@ def pack(task: Task, tokens: dict[str, np.ndarray], info: dict) -> dict:
 
 def run(task: Task) -> dict:
     """Builds what the chunk lacks (token shard, packed shard). Returns the packed shard's counts
-    and this call's work: {'counts', 'tokenized', 'packed', 'tokenize_s', 'pack_s', 'pid'}."""
-    out = {'tokenized': False, 'packed': False, 'tokenize_s': 0.0, 'pack_s': 0.0,
-           'pid': os.getpid()}
+    and this call's work: {'counts', 'tokenized', 'packed', '<phase>_s', '<phase>_cpu_s'} with
+    phases tokenize (read, tokenize, save), load (the cached token ids) and pack (pack, save);
+    _s in seconds of wall time, _cpu_s in CPU seconds of this process (all its threads)."""
+    out = {'tokenized': False, 'packed': False}
     counts = load_info(task.packed_path)
     if counts is not None:
         return {**out, 'counts': counts}
-    start = time.perf_counter()
+    clock = (time.perf_counter(), time.process_time())
     token_shard = load(task.tokens_path) if os.path.exists(task.tokens_path) else None
+    phase = 'load'
     if token_shard is None:
-        token_shard = tokenize(task)
-        out['tokenized'] = True
-    middle = time.perf_counter()
+        token_shard, phase = tokenize(task), 'tokenize'
+    middle = (time.perf_counter(), time.process_time())
     counts = pack(task, *token_shard)
-    out.update(counts=counts, packed=True, tokenize_s=middle - start,
-               pack_s=time.perf_counter() - middle)
+    end = (time.perf_counter(), time.process_time())
+    out.update({'counts': counts, 'tokenized': phase == 'tokenize', 'packed': True,
+                f'{phase}_s': middle[0] - clock[0], f'{phase}_cpu_s': middle[1] - clock[1],
+                'pack_s': end[0] - middle[0], 'pack_cpu_s': end[1] - middle[1]})
     return out

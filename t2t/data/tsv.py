@@ -157,17 +157,43 @@ def index(spec: str, chunk_lines: int) -> tuple[list[Chunk], int]:
     return chunks, total
 
 
-def _lines(path: str, start: int, stop: int, expected: int) -> list[bytes]:
+def _read(path: str, start: int, stop: int) -> bytes:
     with open(path, 'rb') as f:
         f.seek(start)
-        data = f.read(stop - start)
-    lines = data.split(b'\n')
-    if data.endswith(b'\n'):
-        lines.pop()
+        return f.read(stop - start)
+
+
+def _split(data: bytes | str, path: str, expected: int) -> list:
+    """The lines of a chunk's bytes (or text), without their newlines."""
+    lines = data.split(b'\n' if isinstance(data, bytes) else '\n')
+    if lines and not lines[-1]:
+        lines.pop()  # after the last newline
     if len(lines) != expected:
-        raise ValueError(f'{path} changed while it was read: bytes {start}-{stop} hold '
-                         f'{len(lines)} lines, not {expected}')
+        raise ValueError(f'{path} changed while it was read: a chunk of {expected} lines holds '
+                         f'{len(lines)}')
     return lines
+
+
+def _fast(texts: list[list[str]]) -> list[tuple[str, str]] | None:
+    """The pairs of decoded lines when every line is usable, else None (then they are read one
+    by one, counting why): the common case, without a function call per line."""
+    pairs = []
+    if len(texts) == 1:
+        for line in texts[0]:
+            fields = line.rstrip('\r').split('\t')
+            if len(fields) != 2 or len(line) > MAX_LINE_CHARS:
+                return None
+            src, tgt = fields[0].strip(), fields[1].strip()
+            if not src or not tgt:
+                return None
+            pairs.append((src, tgt))
+        return pairs
+    for a, b in zip(*texts, strict=True):
+        src, tgt = a.strip(), b.strip()
+        if not src or not tgt or len(a) > MAX_LINE_CHARS or len(b) > MAX_LINE_CHARS:
+            return None
+        pairs.append((src, tgt))
+    return pairs
 
 
 def read_chunk(spec: str, chunk: Chunk, select: np.ndarray | None = None
@@ -175,8 +201,16 @@ def read_chunk(spec: str, chunk: Chunk, select: np.ndarray | None = None
     """(usable pairs, skip counts, the first few (line number, reason) skipped) of one chunk,
     or of its lines at the chunk-relative positions `select` (sorted) only."""
     paths = paths_of(spec)
-    per_file = [_lines(p, a, b, chunk.lines) for p, (a, b) in zip(paths, chunk.ranges,
-                                                                  strict=True)]
+    data = [_read(p, a, b) for p, (a, b) in zip(paths, chunk.ranges, strict=True)]
+    if select is None:
+        try:
+            pairs = _fast([_split(d.decode('utf-8'), p, chunk.lines)
+                           for d, p in zip(data, paths, strict=True)])
+        except UnicodeDecodeError:
+            pairs = None
+        if pairs is not None:
+            return pairs, collections.Counter(), []
+    per_file = [_split(d, p, chunk.lines) for d, p in zip(data, paths, strict=True)]
     positions = range(chunk.lines) if select is None else select.tolist()
     pairs, skipped, examples = [], collections.Counter(), []
     for i in positions:
