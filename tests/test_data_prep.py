@@ -271,3 +271,37 @@ def test_bench_data_prep_runs_at_toy_size(tmp_path):
     assert r['tokenize_cpu_s'] > 0 and r['repack_tokenize_cpu_s'] == 0  # the repack: cached ids
     assert '| 500 |' in out.stdout
     assert not os.path.exists(tmp_path / 'bench' / 'corpus-500.tsv')  # deleted without --keep
+
+
+_POOL = """
+import concurrent.futures, multiprocessing, os, time
+from t2t.data import shards
+if __name__ == '__main__':
+    pool = concurrent.futures.ProcessPoolExecutor(
+        2, mp_context=multiprocessing.get_context('spawn'), initializer=shards.init_worker,
+        initargs=(None,))
+    pids = {pool.submit(os.getpid).result() for _ in range(8)}
+    print(' '.join(map(str, sorted(pids))), flush=True)
+    time.sleep(60)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f'/proc/{pid}/stat') as f:
+            return f.read().rsplit(')', 1)[1].split()[0] != 'Z'  # a zombie has exited
+    except OSError:
+        return False
+
+
+def test_workers_exit_when_their_preparation_is_killed():
+    proc = subprocess.Popen([sys.executable, '-c', _POOL], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, env={**os.environ, 'PYTHONPATH': ROOT})
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    assert pids and all(map(_alive, pids))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 20
+    while any(map(_alive, pids)) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(map(_alive, pids))

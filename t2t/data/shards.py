@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import socket
+import threading
 import time
 import zipfile
 from typing import Any
@@ -118,8 +119,18 @@ _WORKER_TOKENIZER = None  # a worker process's tokenizer, loaded once (not once 
 
 
 def init_worker(tokenizer) -> None:
+    """A worker process's start: keeps the tokenizer, and exits when the parent is gone (a
+    killed preparation must not leave its workers waiting for work forever)."""
     global _WORKER_TOKENIZER
     _WORKER_TOKENIZER = tokenizer
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name='t2t-parent-watch').start()
 
 
 def tokenize(task: Task) -> tuple[dict[str, np.ndarray], dict]:
