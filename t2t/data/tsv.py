@@ -16,7 +16,6 @@ worker process reads its chunk alone and no step holds the corpus.
 import collections
 import dataclasses
 import itertools
-import os
 from collections.abc import Iterator
 
 import numpy as np
@@ -235,6 +234,3 @@ def warn_skipped(spec: str, examples: list[tuple[int, str]]) -> None:
     for n, why in examples[:_WARN_LINES]:
         logging.warning('%s: line %d skipped: %s', spec, n, why)
 
-
-def file_size(spec: str) -> int:
-    return sum(os.path.getsize(p) for p in paths_of(spec))
