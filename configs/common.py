@@ -31,6 +31,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.vocab_seed = 0  # the vocabulary's sample of sentences (not shuffle_seed: seeds share one)
     c.max_len = 256  # tokens per side of one packed training row; longer pairs are skipped
     c.max_eval_len = 256  # evaluation pairs longer than this are skipped (and counted)
+    # True: validation/test pairs dropped while reading (an empty side, invalid UTF-8, ...) are
+    # counted and left out; False: they are an error (BLEU on fewer references is never silent).
+    c.allow_eval_drops = False
     c.batch_size = 128  # packed rows per global batch (~ batch_size * max_len * fill target tokens)
     c.eval_batch_size = 64  # sentences per evaluation batch (unpacked, last batch padded)
     c.pack = True

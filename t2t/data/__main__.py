@@ -3,11 +3,15 @@
     python -m t2t.data --config=configs/default.py [--config.key=value ...]
 
 Downloads / builds the corpus if needed, trains the tokenizer if missing, builds the packed training
-cache, and reports where they are (the config's data_dir), examples, skips (and why) and token
-lengths (EOS included) of each split. The documented preparation step of a pod run: prepare once,
-then train.py on every host reads the prepared data_dir (a shared, even read-only, file system such
-as NFS or a gcsfuse mount; a host whose data_dir lacks the cache waits for process 0 to build it,
-then builds its own copy, and all hosts compare digests of their rows and vocabulary).
+cache, and reports where they are (the config's data_dir), pairs read, examples, skips (and why)
+and token lengths (EOS included) of each split. The training split is streamed and prepared by
+worker processes (T2T_DATA_WORKERS, default all cores) with a progress line every 20 s; a killed
+preparation resumes from its finished chunks (t2t/data/prepare.py).
+
+The documented preparation step of a pod run: prepare once, then train.py on every host reads the
+prepared data_dir (a shared, even read-only, file system such as NFS or a gcsfuse mount; a host
+whose data_dir lacks the cache waits for process 0 to build it, then builds its own copy, and all
+hosts compare digests of their rows and vocabulary).
 """
 
 import logging
@@ -41,7 +45,8 @@ def report(config) -> list[str]:
     lines.append(f'vocabulary: {tokenizer.path} ({tokenizer.vocab_size} pieces, sha256 '
                  f'{identity.vocab_digest(tokenizer)[:12]})')
     lines.append(f'packed training rows: {packed.directory} (digest {train["digest"][:12]})')
-    lines.append(f'train: split={config.train_split} examples={train["examples"]} '
+    lines.append(f'train: split={config.train_split} pairs_read={train["pairs_read"]} '
+                 f'examples={train["examples"]} '
                  f'{_skips(train["skipped"])} {_stats(train["stats"])} packed_rows={train["rows"]} '
                  f'fill={train["fill"]:.3f} vocab={tokenizer.vocab_size}')
     for label, split in (('validation', config.eval_split), ('test', config.test_split)):
@@ -51,7 +56,9 @@ def report(config) -> list[str]:
             skips[f'longer_than_max_eval_len_{config.max_eval_len}'] = len(ev.skipped)
         stats = cache.length_stats(np.array([len(x) for x in ev.inputs]),
                                    np.array([len(x) for x in ev.targets]))
-        lines.append(f'{label}: split={split} examples={len(ev.sources) - len(ev.skipped)} '
+        read = len(ev.sources) + sum(ev.read_skipped.values())
+        lines.append(f'{label}: split={split} pairs_read={read} '
+                     f'examples={len(ev.sources) - len(ev.skipped)} '
                      f'{_skips(skips)} {_stats(stats)}')
     return lines
 

@@ -2,11 +2,14 @@
 
 Tokenizing and packing on the fly gives ~4k pairs/s per core; the pipeline instead reads packed rows
 from memory-mapped files here, so a batch is one fancy-index per array. The packing is epoch
-independent: the rows are shuffled per epoch by the grain pipeline, not re-packed.
+independent: the rows are shuffled per epoch by the grain pipeline, not re-packed. The rows are
+built by t2t/data/prepare.py: streamed in chunks, tokenized and packed by worker processes into
+shards (resumable), then concatenated here in chunk order.
 
 Layout of `<data_dir>/packed/<split>-<key>/`: `<name>.bin` raw row-major [R, L] arrays for inputs,
-targets and their segment ids, and `meta.json` (dtypes, shape, counts, length statistics). The key
-hashes everything that changes the rows, so a stale cache is never read.
+targets and their segment ids, and `meta.json` (dtypes, shape, counts, length statistics, the
+sha256 `digest` of the rows). The key hashes everything that changes the rows, so a stale cache is
+never read. While it is built, the shards live in `<data_dir>/packed/.shards-<split>-<key>/`.
 """
 
 import collections
@@ -19,13 +22,11 @@ import tempfile
 
 import numpy as np
 
-from t2t.data import multihost, packing, sources
+from t2t.data import multihost, packing, prepare, shards, sources
 from t2t.data.tokenizer import EOS_ID, Tokenizer
 
-CACHE_VERSION = 2
-MIX_SEED = 0  # the fixed mix of each chunk before packing (the cache is seed independent)
-CHUNK_PAIRS = 200_000  # pairs tokenized and packed at a time: bounds memory for WMT-sized splits
-ARRAYS = ('inputs', 'targets', 'inputs_segment_ids', 'targets_segment_ids')
+CACHE_VERSION = 3
+ARRAYS = shards.ARRAYS
 
 
 def length_stats(src_lens: np.ndarray, tgt_lens: np.ndarray) -> dict[str, float]:
@@ -76,7 +77,8 @@ def cache_key(config, tokenizer: Tokenizer, split: str) -> str:
         vocab_hash = hashlib.sha256(f.read()).hexdigest()
     # Not shuffle_seed: the rows are mixed by a fixed seed; the pipeline shuffles them per epoch.
     parts = [CACHE_VERSION, sources.split_fingerprint(config, split), config.source_lang,
-             config.target_lang, config.max_len, bool(config.pack), vocab_hash]
+             config.target_lang, config.max_len, bool(config.pack), vocab_hash,
+             prepare.CHUNK_PAIRS]
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
 
 
@@ -87,60 +89,6 @@ def _load(directory: str) -> PackedSplit:
     arrays = {name: np.memmap(os.path.join(directory, name + '.bin'), dtype=meta['dtypes'][name],
                               mode='r', shape=shape) for name in ARRAYS}
     return PackedSplit(directory, arrays, meta)
-
-
-def _build(config, tokenizer: Tokenizer, split: str, out_dir: str) -> None:
-    pairs = sources.open_split(config, split)
-    max_len = config.max_len
-    token_dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.int32
-    dtypes = {'inputs': token_dtype, 'targets': token_dtype,
-              'inputs_segment_ids': np.uint16, 'targets_segment_ids': np.uint16}
-    files = {name: open(os.path.join(out_dir, name + '.bin'), 'wb') for name in ARRAYS}
-    digests = {name: hashlib.sha256() for name in ARRAYS}  # the rows' identity across hosts
-    skipped = collections.Counter(pairs.skipped)
-    src_lens, tgt_lens = [], []
-    rows = examples = real_tokens = 0
-    try:
-        for chunk, start in enumerate(range(0, len(pairs), CHUNK_PAIRS)):
-            texts = usable(pairs.read(start, min(start + CHUNK_PAIRS, len(pairs))), skipped)
-            # the corpus may be sorted (trans-de-en is, by headword): mix it before packing
-            order = np.random.default_rng([MIX_SEED, chunk]).permutation(len(texts))
-            texts = [texts[i] for i in order]
-            src = tokenize(tokenizer, [s for s, _ in texts])
-            tgt = tokenize(tokenizer, [t for _, t in texts])
-            ls = np.fromiter(map(len, src), np.int32, len(src))
-            lt = np.fromiter(map(len, tgt), np.int32, len(tgt))
-            src_lens.append(ls)
-            tgt_lens.append(lt)
-            fits = (ls <= max_len) & (lt <= max_len)
-            skipped[f'longer_than_max_len_{max_len}'] += int((~fits).sum())
-            keep = np.flatnonzero(fits)
-            if not len(keep):
-                continue
-            examples += len(keep)
-            real_tokens += int(lt[keep].sum())
-            rows_chunk = packing.pack([src[i] for i in keep], [tgt[i] for i in keep], max_len,
-                                      packed=config.pack, dtype=token_dtype)
-            rows += len(rows_chunk['inputs'])
-            for name in ARRAYS:
-                data = rows_chunk[name].astype(dtypes[name]).tobytes()
-                files[name].write(data)
-                digests[name].update(data)
-    finally:
-        for f in files.values():
-            f.close()
-    if not examples:
-        raise ValueError(f'{pairs.name}: no pair fits max_len={max_len} '
-                         f'(skipped: {dict(skipped)}); raise --config.max_len')
-    stats = length_stats(np.concatenate(src_lens), np.concatenate(tgt_lens))
-    meta = {'split': split, 'source': pairs.name, 'rows': rows, 'max_len': max_len,
-            'examples': examples, 'skipped': {k: v for k, v in skipped.items() if v},
-            'target_tokens': real_tokens, 'fill': real_tokens / (rows * max_len),
-            'stats': stats, 'dtypes': {k: np.dtype(v).name for k, v in dtypes.items()},
-            'digest': hashlib.sha256(''.join(digests[n].hexdigest() for n in ARRAYS)
-                                     .encode()).hexdigest()}
-    with open(os.path.join(out_dir, 'meta.json'), 'w') as f:
-        json.dump(meta, f, indent=1)
 
 
 def packed_split(config, tokenizer: Tokenizer, split: str) -> PackedSplit:
@@ -169,16 +117,20 @@ def packed_split(config, tokenizer: Tokenizer, split: str) -> PackedSplit:
 
 def _build_once(config, tokenizer: Tokenizer, split: str, directory: str) -> None:
     """Builds into a unique temporary directory renamed into place: concurrent builders (or a
-    crash) never leave a half-written cache."""
+    crash) never leave a half-written cache. The shards stay until the rename, so a killed build
+    resumes from them."""
     root = os.path.dirname(directory)
-    if not os.path.exists(os.path.join(directory, 'meta.json')):
-        os.makedirs(root, exist_ok=True)
-        tmp = tempfile.mkdtemp(dir=root, prefix='.building-')
-        try:
-            _build(config, tokenizer, split, tmp)
-            os.replace(tmp, directory)
-        except OSError:
-            if not os.path.exists(os.path.join(directory, 'meta.json')):
-                raise  # not a concurrent build by another process that won the rename
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    if os.path.exists(os.path.join(directory, 'meta.json')):
+        return
+    os.makedirs(root, exist_ok=True)
+    shard_dir = os.path.join(root, '.shards-' + os.path.basename(directory))
+    tmp = tempfile.mkdtemp(dir=root, prefix='.building-')
+    try:
+        prepare.build_packed(config, tokenizer, split, tmp, shard_dir)
+        os.replace(tmp, directory)
+        shutil.rmtree(shard_dir, ignore_errors=True)
+    except OSError:
+        if not os.path.exists(os.path.join(directory, 'meta.json')):
+            raise  # not a concurrent build by another process that won the rename
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

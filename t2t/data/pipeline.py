@@ -30,11 +30,11 @@ from collections.abc import Iterator
 import numpy as np
 from absl import logging
 
-from t2t.data import cache, multihost, sources
+from t2t.data import cache, multihost, prepare, progress, sources
 from t2t.data.tokenizer import Tokenizer, train_tokenizer
 
 MIN_BUCKET = 8
-TOKENIZER_VERSION = 2  # bump when train_tokenizer's fixed settings change
+TOKENIZER_VERSION = 3  # bump when train_tokenizer's fixed settings or the sample change
 
 
 def split_names(config) -> dict[str, str]:
@@ -79,15 +79,21 @@ def get_tokenizer(config) -> Tokenizer:
 def _load_or_train(config, path: str) -> Tokenizer:
     if os.path.exists(path):
         return Tokenizer(path)
-    pairs = sources.open_split(config, config.train_split)
-    n = min(len(pairs), max(1, config.tokenizer_sentences // 2))
-    # a seeded sample, not a prefix: WMT's training split is a concatenation of corpora
-    rows = np.sort(np.random.default_rng(config.vocab_seed).choice(len(pairs), n, replace=False))
-    texts = [t for i in rows.tolist() for t in pairs[i] if t]
+    # A seeded uniform sample of the whole split, not a prefix (WMT's training split is a
+    # concatenation of corpora), streamed: the corpus is never held.
+    texts = prepare.sample_sentences(config, config.train_split, config.tokenizer_sentences,
+                                     config.vocab_seed)
+    name = sources.split_name(config, config.train_split)
+    if not texts:
+        raise ValueError(f'{name}: no usable sentence pairs for the vocabulary')
     logging.info('training a %d-piece vocabulary on %d sentences of %s -> %s',
-                 config.vocab_size, len(texts), pairs.name, path)
-    return train_tokenizer(texts, path, config.vocab_size, config.tokenizer_sentences,
-                           config.tokenizer_character_coverage)
+                 config.vocab_size, len(texts), name, path)
+    with progress.Stage(f'{config.train_split}: vocabulary training ({len(texts):,} sentences, '
+                        f'{prepare.cores()} cores)') as stage:
+        tokenizer = train_tokenizer(texts, path, config.vocab_size, config.tokenizer_sentences,
+                                    config.tokenizer_character_coverage)
+    progress.echo(stage.summary())
+    return tokenizer
 
 
 def train_iterator(config, tokenizer: Tokenizer, *, rows=None, num_threads: int = 2,
@@ -115,10 +121,27 @@ def train_iterator(config, tokenizer: Tokenizer, *, rows=None, num_threads: int 
     return iter(ds.to_iter_dataset(options))
 
 
+def _read_eval(config, split: str) -> tuple[str, list[tuple[str, str]], collections.Counter]:
+    """(name, usable pairs, read-time skips) of an evaluation split, held in memory.
+
+    A pair dropped while reading (empty side, invalid UTF-8, ...) is an error unless
+    config.allow_eval_drops: a score over fewer references must never be silent.
+    """
+    pairs = sources.open_split(config, split)
+    skipped = collections.Counter(pairs.skipped)
+    kept = cache.usable(pairs.read(0, len(pairs)), skipped)
+    skipped = +skipped
+    if skipped and not config.allow_eval_drops:
+        detail = ', '.join(f'{k}={v}' for k, v in sorted(skipped.items()))
+        raise ValueError(f'{pairs.name}: {skipped.total()} pairs of evaluation split {split!r} '
+                         f'were dropped while reading ({detail}): scores would cover fewer '
+                         'references; fix the data or set --config.allow_eval_drops=True')
+    return pairs.name, kept, skipped
+
+
 def split_texts(config, split: str) -> tuple[list[str], list[str]]:
     """(sources, references) of a split in its original order: what eval `index` points into."""
-    pairs = sources.open_split(config, split)
-    kept = cache.usable(pairs.read(0, len(pairs)), collections.Counter())
+    _, kept, _ = _read_eval(config, split)
     return [s for s, _ in kept], [t for _, t in kept]
 
 
@@ -204,11 +227,9 @@ def sample_batches(batches: list, num: int, seed: int) -> list:
 
 
 def eval_split(config, tokenizer: Tokenizer, split: str) -> EvalSplit:
-    pairs = sources.open_split(config, split)
-    read_skipped = collections.Counter(pairs.skipped)
-    kept = cache.usable(pairs.read(0, len(pairs)), read_skipped)
+    name, kept, read_skipped = _read_eval(config, split)
     if not kept:
-        raise ValueError(f'{pairs.name}: no usable sentence pairs')
+        raise ValueError(f'{name}: no usable sentence pairs')
     srcs, refs = [s for s, _ in kept], [t for _, t in kept]
     inputs, targets = cache.tokenize(tokenizer, srcs), cache.tokenize(tokenizer, refs)
     limit = config.max_eval_len
@@ -216,8 +237,8 @@ def eval_split(config, tokenizer: Tokenizer, split: str) -> EvalSplit:
                     if len(s) > limit or len(t) > limit)
     if skipped:
         logging.warning('%s: %d of %d examples are longer than max_eval_len=%d and are skipped',
-                        pairs.name, len(skipped), len(kept), limit)
-    return EvalSplit(pairs.name, srcs, refs, inputs, targets, skipped,
+                        name, len(skipped), len(kept), limit)
+    return EvalSplit(name, srcs, refs, inputs, targets, skipped,
                      {k: v for k, v in read_skipped.items() if v}, limit)
 
 

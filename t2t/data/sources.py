@@ -7,13 +7,21 @@
 
 `open_split` gives a random-access `Pairs`: len(), [i] -> (source, target) in the configured
 direction, `read(start, stop)`, a `name` for messages, and `skipped` (lines dropped while reading).
+It holds a TSV split in memory: fine for evaluation splits. Training splits are streamed instead:
+`chunks` cuts a split into chunks of lines (byte ranges of TSV files, index ranges of the others)
+and `read_chunk` reads one, in whichever process asks.
 """
 
 import collections
+import functools
 import hashlib
+import os
 from typing import Protocol
 
+import numpy as np
+
 from t2t.data import embedded, recall, tfds_wmt, tsv
+from t2t.data.tsv import Chunk
 
 DATASETS = ('embedded', 'tfds', 'tsv', 'recall')
 
@@ -106,3 +114,61 @@ def split_fingerprint(config, split: str) -> str:
     if config.dataset == 'tsv':
         return 'tsv-' + _files_digest(config, split)
     return f'{dataset_id(config)}|{split}'
+
+
+def split_name(config, split: str) -> str:
+    """The split's name in messages (as `open_split(...).name`), without reading it."""
+    if config.dataset == 'tsv':
+        return f'tsv:{_tsv_spec(config, split)}'
+    if config.dataset == 'recall':
+        return f'{recall.dataset_id(config)}/{split}'
+    if config.dataset == 'tfds':
+        return f'{config.tfds_name}/{split}'
+    return f'trans_de_en/{split}'
+
+
+@functools.lru_cache(maxsize=8)
+def _tsv_index(spec: str, stamps: tuple, chunk_lines: int) -> tuple[tuple[Chunk, ...], int]:
+    del stamps  # part of the memo key only: a changed file is indexed again
+    chunks, total = tsv.index(spec, chunk_lines)
+    return tuple(chunks), total
+
+
+def chunks(config, split: str, chunk_lines: int) -> tuple[tuple[Chunk, ...], int]:
+    """The split cut into chunks of `chunk_lines` lines (pairs), and its number of lines."""
+    _check_dataset(config)
+    if config.dataset == 'tsv':
+        spec = _tsv_spec(config, split)
+        stamps = tuple((os.path.abspath(p), os.stat(p).st_size, os.stat(p).st_mtime_ns)
+                       for p in tsv.paths_of(spec))
+        return _tsv_index(spec, stamps, chunk_lines)
+    total = len(_opened(config, split))
+    return tuple(Chunk(k, first, min(chunk_lines, total - first))
+                 for k, first in enumerate(range(0, total, chunk_lines))), total
+
+
+_OPEN: dict = {}  # this process's opened (non-TSV) splits, for the chunks it reads
+
+
+def _opened(config, split: str) -> Pairs:
+    key = (split_fingerprint(config, split), config.data_dir, config.source_lang,
+           config.target_lang)
+    if key not in _OPEN:
+        _OPEN[key] = open_split(config, split)
+    return _OPEN[key]
+
+
+def read_chunk(config, split: str, chunk: Chunk, select: np.ndarray | None = None
+               ) -> tuple[list[tuple[str, str]], collections.Counter, list[tuple[int, str]]]:
+    """(usable pairs, skip counts by reason, the first few (line, reason) skipped) of one chunk,
+    or of its lines at the chunk-relative positions `select` only."""
+    if config.dataset == 'tsv':
+        return tsv.read_chunk(_tsv_spec(config, split), chunk, select)
+    pairs = _opened(config, split)
+    if select is None:
+        raw = pairs.read(chunk.first, chunk.first + chunk.lines)
+    else:
+        raw = [pairs[chunk.first + int(j)] for j in select]
+    kept = [(s, t) for s, t in raw if s and t]
+    skipped = collections.Counter({'empty': len(raw) - len(kept)} if len(raw) > len(kept) else {})
+    return kept, skipped, []

@@ -51,16 +51,35 @@ class Tokenizer:
 
 
 MIN_VOCAB_SIZE = 300  # 256 byte pieces + PAD/EOS/UNK + room for the corpus's own characters
+# sentencepiece splits the sentences among its training threads and sums their float counts, so
+# the vocabulary depends on the thread count: fixed here (not the machine's cores) so that the
+# same sentences give the same vocabulary bytes everywhere; 16 threads use every core of machines
+# up to 16 cores (more threads than cores cost nothing measurable: bench/RESULTS.md).
+TRAIN_THREADS = 16
+
+
+def _drop_prefix(model_path: str) -> None:
+    """Clears the training's model_prefix (a temporary directory) recorded in the model."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    model = sentencepiece_model_pb2.ModelProto()
+    with open(model_path, 'rb') as f:
+        model.ParseFromString(f.read())
+    model.trainer_spec.model_prefix = ''
+    with open(model_path, 'wb') as f:
+        f.write(model.SerializeToString())
 
 
 def train_tokenizer(sentences: Iterable[str], path: str, vocab_size: int,
-                    max_sentences: int, character_coverage: float = 0.9999) -> Tokenizer:
+                    max_sentences: int, character_coverage: float = 0.9999,
+                    num_threads: int = TRAIN_THREADS) -> Tokenizer:
     """Trains a unigram model on `sentences` and writes it to `path` atomically (.model + .vocab).
 
     `hard_vocab_limit=False` lets a small corpus give a smaller vocabulary instead of failing;
     callers size embeddings by `Tokenizer.vocab_size`, which is then <= `vocab_size`.
     Characters outside `character_coverage` and unseen ones fall back to UTF-8 byte pieces, so no
     input becomes UNK (sentencepiece's default coverage drops rare letters such as a capital Ü).
+    The same sentences and settings (`num_threads` included) give the same bytes.
     """
     if vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(f'vocab_size={vocab_size} is too small: at least {MIN_VOCAB_SIZE} (256 '
@@ -82,10 +101,11 @@ def train_tokenizer(sentences: Iterable[str], path: str, vocab_size: int,
             pad_id=PAD_ID, eos_id=EOS_ID, unk_id=UNK_ID, bos_id=-1,
             input_sentence_size=max_sentences,
             shuffle_input_sentence=True,
-            num_threads=2,
+            num_threads=num_threads,
             minloglevel=2,
         )
         base = path[:-len('.model')] if path.endswith('.model') else path
         os.replace(prefix + '.vocab', base + '.vocab')
+        _drop_prefix(prefix + '.model')  # the temporary path would make every model differ
         os.replace(prefix + '.model', path)
     return Tokenizer(path)
