@@ -23,14 +23,13 @@ t2t.data.tokenizer.Tokenizer, so training, evaluation and decoding run unchanged
 
 import hashlib
 import os
-import tempfile
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from t2t import workdir as wd
 from t2t import ids as ids_lib
-from t2t.ids import EOS_ID, PAD_ID, UNK_ID
+from t2t import workdir as wd
+from t2t.ids import UNK_ID
 
 VERSION = 1  # bump when the generated pairs change
 FIRST_SYMBOLS = ('0', '1')  # the two reserved answers, only ever at position 0
