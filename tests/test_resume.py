@@ -186,7 +186,7 @@ def test_writer_drops_records_after_the_resumed_step_in_jsonl_and_events(tmp_pat
     from tensorboardX.proto.event_pb2 import SessionLog
 
     starts = [metrics._event(r) for p in sorted(os.listdir(tmp_path)) if p.startswith('events')
-              for r in metrics._records(str(tmp_path / p))]
+              for r in metrics._records((tmp_path / p).read_bytes())]
     assert [e.step for e in starts if e.session_log.status == SessionLog.START] == [4]
 
 
