@@ -105,6 +105,9 @@ def base_config() -> ml_collections.ConfigDict:
     # --- decoding
     c.beam_size = 4
     c.length_penalty_alpha = 0.6
+    # A hypothesis cut at its length limit without EOS: 'fallback' (tensor2tensor) counts it only
+    # when no hypothesis of that sentence ended in EOS; 'compete' ranks it with the EOS ones.
+    c.beam_unfinished = 'fallback'
     c.max_decode_extra = 50  # max output length = source length + this
     c.max_decode_len = 256  # static length bound of the decode buffers
 

@@ -239,6 +239,8 @@ class Compiled:
     matmul_flops_per_device: float = math.nan
     unknown_loops: int = 0  # while loops whose trip count hlo.py could not find (counted once)
     hlo_text: str = dataclasses.field(default='', repr=False)  # compiled.as_text()
+    # {kind: hlo.Collectives}: count and operand bytes per device per run, outside / in loops
+    collectives: dict = dataclasses.field(default_factory=dict)
 
     def fits(self, hbm_bytes: int, margin: float = HBM_MARGIN) -> bool:
         if self.memory is None:
@@ -265,7 +267,7 @@ def _compile(jitted, *abstract_args) -> Compiled:
     unknown = sum(n is None for n in hlo.while_trip_counts(module).values())
     return Compiled(Memory.of(compiled), float(costs.get('flops', math.nan)), seconds,
                     matmul_flops_per_device=hlo.matmul_flops(module), unknown_loops=unknown,
-                    hlo_text=text)
+                    hlo_text=text, collectives=hlo.collectives(module))
 
 
 def abstract_batch(config, mesh, rows: int | None = None) -> dict:

@@ -47,6 +47,9 @@ from t2t.ids import PAD_ID
 
 NEG_INF = float('-inf')
 
+# What a hypothesis cut at its length limit without EOS counts for (see `beam_search`).
+UNFINISHED_RULES = ('fallback', 'compete')
+
 TokensToLogits = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
 
 
@@ -124,6 +127,7 @@ def beam_search(
     eos_id: int,
     max_decode_len: int,
     max_lengths=None,
+    unfinished: str = 'fallback',
 ):
     """Beam search with the GNMT length penalty (alive / finished, 2K top-k per step).
 
@@ -136,10 +140,14 @@ def beam_search(
       alpha: length-penalty exponent (0.6 in the paper); a float or a traced scalar.
       max_lengths: optional int32[B], each example's own token limit (the paper: source length
         + 50), clipped to [1, max_decode_len].
+      unfinished: static, what a hypothesis cut at its example's limit without EOS counts for.
+        'fallback' (tensor2tensor's rule, the default): it is finished only if no hypothesis of
+        that example ended in EOS, so the best EOS hypothesis always wins when there is one.
+        'compete': it is finished like one that emitted EOS there and competes on score.
 
     A hypothesis ends when it emits EOS or reaches its example's limit; one cut at the limit is
-    scored like one that emitted EOS there (|Y| = limit), so no hypothesis is dropped: if no beam
-    emits EOS the best sequences at the limit are returned. The loop stops as soon as, for every
+    scored like one that emitted EOS there (|Y| = limit), so if no beam emits EOS the best
+    sequences at the limit are returned (under either rule). The loop stops as soon as, for every
     example, no alive beam can still beat the worst of its K finished hypotheses (log-probs only
     fall, so the best an alive beam can reach is its log-prob over the largest penalty ahead), or
     when every example is at its limit. Early stopping never changes the result.
@@ -147,8 +155,11 @@ def beam_search(
     Returns:
       sequences int32[B, K, max_decode_len]: generated tokens (BOS excluded), EOS, then 0s;
       scores float32[B, K]: sum log-prob / length_penalty(|Y|, alpha), sorted best first.
-      A slot is -inf only when fewer than K hypotheses exist at all (a tiny vocabulary).
+      A slot is -inf only when fewer than K hypotheses exist at all (a tiny vocabulary) or, under
+      'fallback', when fewer than K hypotheses ending in EOS were found (its sequence is 0s).
     """
+    if unfinished not in UNFINISHED_RULES:
+        raise ValueError(f'unfinished={unfinished!r}, expected one of {UNFINISHED_RULES}')
     B, K, L = batch_size, beam_size, max_decode_len
     T = L + 1
     limit_B = _length_limits(B, L, max_lengths)
@@ -209,6 +220,13 @@ def beam_search(
         # Finished: the best K of the old finished and the candidates that ended now. Old ones
         # come first so ties keep them (top_k prefers the lower index).
         new_flags_BC = ended_BC & (top_log_probs_BC > NEG_INF)
+        if unfinished == 'fallback':
+            # Cut hypotheses arrive only at the example's last step, when the finished pool holds
+            # EOS ones only: they join only if neither the pool nor this step has one. A few
+            # [B, 3K] booleans per step; the model and the cache see no extra work.
+            eos_BC = new_flags_BC & (token_BC == eos_id)
+            has_eos_B = jnp.any(state.finished_flags_BK, axis=1) | jnp.any(eos_BC, axis=1)
+            new_flags_BC = eos_BC | (new_flags_BC & ~has_eos_B[:, None])
         new_scores_BC = jnp.where(
             new_flags_BC, top_log_probs_BC / length_penalty(length, alpha), NEG_INF
         )

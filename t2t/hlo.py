@@ -4,6 +4,7 @@
     hlo.matmul_flops(text)                   # dot + convolution FLOPs of one run, per device
     hlo.while_trip_counts(text)              # {while instruction: trip count, None if unknown}
     runs = hlo.executions(hlo.parse(text))   # {computation: times it runs per run of the entry}
+    hlo.collectives(text)                    # {'all-reduce': Collectives(count, bytes, ...), ...}
 
 Why: XLA's cost_analysis() counts a while loop's body once, whatever its trip count, so the FLOPs
 of scanned layers (one body for all the layers of a stack) and of the fused loss's chunk loop are
@@ -353,3 +354,83 @@ def matmul_flops(hlo) -> float:
         shapes = {i.name: i.shape for i in body}
         total += times * sum(instruction_flops(i, shapes) for i in body)
     return total
+
+
+COLLECTIVE_KINDS = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all',
+                    'collective-permute')
+# Bytes per element of the HLO element types (sub-byte types rounded up to a byte).
+_DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 's4': 1, 'u4': 1, 's16': 2, 'u16': 2, 'f16': 2,
+                'bf16': 2, 's32': 4, 'u32': 4, 'f32': 4, 's64': 8, 'u64': 8, 'f64': 8, 'c64': 8,
+                'c128': 16}
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of every array in a type ('bf16[8,256]{1,0}' or a tuple of them); f8 types: 1."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape):
+        size = _DTYPE_BYTES.get(dtype, 1 if dtype.startswith('f8') else None)
+        if size is None:
+            raise ValueError(f'unknown element type {dtype!r} in {shape!r}')
+        total += size * math.prod(int(d.lstrip('<=')) for d in dims.split(',') if d.strip())
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class Collectives:
+    """One kind of collective in one run of a module, per device. bytes: the sizes of the
+    operands (what each device hands to the collective: the full buffer of an all-reduce or
+    reduce-scatter, the shard of an all-gather). count / bytes: those outside any while loop;
+    in_loops_*: those inside loops, each counted as often as it runs (times the trip counts)."""
+
+    count: int = 0
+    bytes: int = 0
+    in_loops_count: int = 0
+    in_loops_bytes: int = 0
+
+
+def _runs_by_loop(module: Module) -> dict[tuple[str, bool], float]:
+    """{(computation, inside a while loop): times it runs per run of the entry}: `executions`
+    split by whether the call path goes through a while body or condition. An async-done
+    (or -update) names the computation its async-start already ran: not counted again."""
+    runs: dict[tuple[str, bool], float] = {}
+
+    def visit(name: str, times: float, in_loop: bool):
+        runs[name, in_loop] = runs.get((name, in_loop), 0.0) + times
+        for instruction in module.computations.get(name, ()):
+            if instruction.opcode in ('async-done', 'async-update'):
+                continue
+            loop = (trip_count(instruction, module, name) if instruction.opcode == 'while'
+                    else None)
+            for role, callee in instruction.called:
+                if role == 'body':
+                    visit(callee, times * (1 if loop is None else loop), True)
+                elif role == 'condition':
+                    visit(callee, times * (1 if loop is None else loop + 1), True)
+                else:
+                    visit(callee, times, in_loop)
+
+    visit(module.entry, 1.0, False)
+    return runs
+
+
+def collectives(hlo) -> dict[str, Collectives]:
+    """{kind: Collectives} for each of COLLECTIVE_KINDS, per device per run of the module.
+
+    Synchronous ops and the async '-start' halves count (never the '-done' halves); a
+    collective wrapped in an async-start's computation counts there. Loops of unknown trip
+    count count once (see `while_trip_counts`).
+    """
+    module = _module(hlo)
+    found = {kind: [0.0, 0.0, 0.0, 0.0] for kind in COLLECTIVE_KINDS}
+    for (name, in_loop), times in _runs_by_loop(module).items():
+        body = module.computations.get(name, ())
+        shapes = {i.name: i.shape for i in body}
+        for i in body:
+            kind = i.opcode.removesuffix('-start')
+            if kind not in found:
+                continue
+            size = sum(shape_bytes(shapes[o]) for o in i.operands)
+            counts = found[kind]
+            counts[2 * in_loop] += times
+            counts[2 * in_loop + 1] += times * size
+    return {kind: Collectives(*(int(round(v)) for v in c)) for kind, c in found.items()}

@@ -61,7 +61,7 @@ Predict = Callable[[object, object], Prediction]
 def make_predict_fn(model_config: TransformerConfig, *, beam_size: int, alpha: float,
                     max_decode_len: int, max_decode_extra: int, greedy: bool = False,
                     num_valid_ids: int | None = None, eos_id: int = EOS_ID,
-                    mesh=None) -> Predict:
+                    beam_unfinished: str = 'fallback', mesh=None) -> Predict:
     """A jitted predict(params, inputs_BS) -> Prediction with the best beam (or greedy output).
 
     mesh: decode on every device of it, the batch split over all its axes (inputs_BS: a global
@@ -73,12 +73,17 @@ def make_predict_fn(model_config: TransformerConfig, *, beam_size: int, alpha: f
     plain argmax decoding and ignores beam_size and alpha. num_valid_ids: the tokenizer's size
     when the embedding has more rows (a vocabulary that came out smaller than vocab_size); ids
     from it up are never generated. eos_id=-1 disables EOS (benchmarks force full-length
-    output). Cached, so every caller with the same settings shares one
+    output). beam_unfinished: `decode.beam_search`'s `unfinished` rule for a hypothesis cut at
+    its length limit without EOS ('fallback': only when no hypothesis ended in EOS, as
+    tensor2tensor; 'compete'). Cached, so every caller with the same settings shares one
     function and its compiled buckets.
     """
     if beam_size < 1 or max_decode_len < 1 or max_decode_extra < 0:
         raise ValueError(f'beam_size={beam_size}, max_decode_len={max_decode_len} must be >= 1 '
                          f'and max_decode_extra={max_decode_extra} >= 0')
+    if beam_unfinished not in decode.UNFINISHED_RULES:
+        raise ValueError(f'beam_unfinished={beam_unfinished!r}, expected one of '
+                         f'{decode.UNFINISHED_RULES}')
     if max_decode_len > model_config.max_position:  # positions beyond the table would clamp
         raise ValueError(f'max_decode_len={max_decode_len} exceeds the model\'s max_position='
                          f'{model_config.max_position}')
@@ -126,7 +131,8 @@ def make_predict_fn(model_config: TransformerConfig, *, beam_size: int, alpha: f
         else:
             seqs_BKL, _ = decode.beam_search(
                 tokens_to_logits, variables['cache'], batch_size=B, beam_size=beam_size,
-                alpha=alpha, eos_id=eos_id, max_decode_len=L, max_lengths=limit_B)
+                alpha=alpha, eos_id=eos_id, max_decode_len=L, max_lengths=limit_B,
+                unfinished=beam_unfinished)
             ids_BL = seqs_BKL[:, 0]
         hit_limit_B = ~jnp.any(ids_BL == eos_id, axis=1)
         return Prediction(ids_BL=ids_BL, hit_limit_B=hit_limit_B,
@@ -145,7 +151,7 @@ def config_predict_fn(config, model_config: TransformerConfig, *, num_valid_ids:
     return make_predict_fn(
         model_config, beam_size=config.beam_size, alpha=config.length_penalty_alpha,
         max_decode_len=config.max_decode_len, max_decode_extra=config.max_decode_extra,
-        num_valid_ids=num_valid_ids, mesh=mesh)
+        num_valid_ids=num_valid_ids, beam_unfinished=config.beam_unfinished, mesh=mesh)
 
 
 def feed(inputs_BS, mesh=None):

@@ -112,6 +112,28 @@ def flops_lines(compiled, devices: int, config_flops: float) -> list[str]:
     return lines
 
 
+def _bytes(num_bytes: float) -> str:
+    for unit, scale in (('GiB', 1 << 30), ('MiB', 1 << 20), ('KiB', 1 << 10)):
+        if num_bytes >= scale:
+            return f'{num_bytes / scale:.1f} {unit}'
+    return f'{num_bytes:.0f} B'
+
+
+def collective_lines(compiled, run: str = 'step') -> list[str]:
+    """Each kind of collective of the compiled per-device program (t2t/hlo.py): how many run
+    and the bytes of their operands, outside loops and inside them (times the trip counts)."""
+    parts = []
+    for kind, c in compiled.collectives.items():
+        if c.count or c.in_loops_count:
+            parts.append(f'{kind} {c.count} ({_bytes(c.bytes)}) + {c.in_loops_count} in loops '
+                         f'({_bytes(c.in_loops_bytes)})')
+    line = (f'  collectives per device per {run} (compiled HLO; bytes: their operands; in '
+            f'loops: times the trip counts): {"; ".join(parts) or "none"}')
+    if compiled.unknown_loops:
+        line += f' ({compiled.unknown_loops} loop(s) of unknown trip count counted once)'
+    return [line]
+
+
 def tpu_dry_run(config, plan, *, find_max_batch: bool = False, max_tries: int = 8,
                 margin: float | None = None, out=print) -> int:
     """Prints the TPU report of `plan` (t2t.aot.plan); returns the exit status: 0 fits, 1 not.
@@ -190,7 +212,7 @@ def tpu_dry_run(config, plan, *, find_max_batch: bool = False, max_tries: int = 
     for line in _memory_lines(train, hbm, margin):
         out(line)
     if train.memory is not None:
-        for line in flops_lines(train, mesh.size, config_flops):
+        for line in flops_lines(train, mesh.size, config_flops) + collective_lines(train):
             out(line)
     if not train.fits(hbm, margin):
         out('predict: not compiled (the train step does not fit)')
@@ -204,6 +226,8 @@ def tpu_dry_run(config, plan, *, find_max_batch: bool = False, max_tries: int = 
         out(line)
     if predict.memory is None:
         return 1
+    for line in collective_lines(predict, run='batch'):
+        out(line)
     # In-training BLEU decodes while the training state (the train step's arguments) is resident.
     p = predict.memory
     during_training = train.memory.arguments + p.temporaries + p.outputs + p.code

@@ -213,11 +213,16 @@ def length_penalty(length: int, alpha: float) -> float:
 
 
 def exhaustive_search(ref, source, spec: Spec, *, limit: int, alpha: float, eos_id: int,
-                      pad_id: int, num_valid: int):
+                      pad_id: int, num_valid: int, unfinished: str = 'fallback'):
     """(best sequence, its score): every sequence of at most `limit` tokens that ends with EOS
     or at the limit, scored sum(log p) / length_penalty(|Y|, alpha). Tokens are the ids below
-    num_valid except PAD (never generated)."""
-    best = (None, -np.inf)
+    num_valid except PAD (never generated). unfinished: t2t.decode.beam_search's rule for the
+    sequences cut at the limit without EOS: 'fallback' (the default there) counts them only
+    when no sequence ends with EOS (always, unless EOS is not a valid id); 'compete' counts
+    them with the rest."""
+    if unfinished not in ('fallback', 'compete'):
+        raise ValueError(f'unfinished={unfinished!r}')
+    best_eos, best_cut = (None, -np.inf), (None, -np.inf)
     stack = [((), 0.0)]  # (prefix, its sum of log p)
     while stack:
         prefix, prefix_lp = stack.pop()
@@ -229,8 +234,12 @@ def exhaustive_search(ref, source, spec: Spec, *, limit: int, alpha: float, eos_
             seq, lp = prefix + (token,), prefix_lp + float(logp[token])
             if token == eos_id or len(seq) == limit:
                 score = lp / length_penalty(len(seq), alpha)
-                if score > best[1]:
-                    best = (list(seq), score)
+                if token == eos_id and score > best_eos[1]:
+                    best_eos = (list(seq), score)
+                elif token != eos_id and score > best_cut[1]:
+                    best_cut = (list(seq), score)
             else:
                 stack.append((seq, lp))
-    return best
+    if unfinished == 'fallback' and best_eos[0] is not None:
+        return best_eos
+    return max(best_eos, best_cut, key=lambda b: b[1])

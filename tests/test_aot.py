@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from t2t import aot, flops, sharding, summary
+from t2t.model import TransformerConfig
 from tests.conftest import ROOT
 
 LIBTPU_LOCK = '/tmp/t2t-libtpu.lock'
@@ -185,6 +186,8 @@ def _report(stdout: str) -> dict:
             current['flops_line'] = line
         elif line.startswith('  XLA cost_analysis: '):
             current['cost_line'] = line
+        elif line.startswith('  collectives per device per '):
+            current['collectives_line'] = line
     return sections
 
 
@@ -217,6 +220,16 @@ def test_tiny_fits_a_v5e_2x2_and_a_huge_batch_does_not():
     assert f't2t/flops.py {ours:.4g} (matmuls and attention' in line
     assert float(total) == pytest.approx(ours, rel=0.10)  # tiny_tpu_flops has the exact checks
     assert 'each loop body counted once' in train['cost_line']
+    # Data-parallel over 4 chips: the gradients are summed across them (all-reduce, or a
+    # reduce-scatter the compiler made of it), at least the f32 parameters' bytes.
+    summed = [(int(n), float(b) * {'B': 1, 'KiB': 1 << 10, 'MiB': 1 << 20}[u])
+              for n, b, u in re.findall(r'(?:all-reduce|reduce-scatter) (\d+) \(([\d.]+) '
+                                        r'(B|KiB|MiB)\)', train['collectives_line'])]
+    params = summary.count_params(summary.abstract_params(
+        TransformerConfig.from_config(_tiny())))
+    assert summed and sum(n for n, _ in summed) > 0, train['collectives_line']
+    assert sum(b for _, b in summed) >= 0.95 * 4 * params, (train['collectives_line'], params)
+    assert 'collectives_line' in predict
 
     # 65536 rows per device: the TPU compiler itself finds no room for the temporaries.
     huge = _train_py('--topology=v5e:2x2', '--config.batch_size=262144')

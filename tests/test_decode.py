@@ -47,8 +47,9 @@ def tokens_to_logits(table_RV, ids_N1, cache):
     return table_RV[h_N], new_cache
 
 
-@functools.partial(jax.jit, static_argnames=('beam_size', 'max_decode_len'))
-def run_beam(table_RV, offset_B, max_lengths_B, alpha, *, beam_size, max_decode_len):
+@functools.partial(jax.jit, static_argnames=('beam_size', 'max_decode_len', 'unfinished'))
+def run_beam(table_RV, offset_B, max_lengths_B, alpha, *, beam_size, max_decode_len,
+             unfinished='fallback'):
     return decode.beam_search(
         functools.partial(tokens_to_logits, table_RV),
         init_cache(offset_B, max_decode_len),
@@ -58,6 +59,7 @@ def run_beam(table_RV, offset_B, max_lengths_B, alpha, *, beam_size, max_decode_
         eos_id=EOS,
         max_decode_len=max_decode_len,
         max_lengths=max_lengths_B,
+        unfinished=unfinished,
     )
 
 
@@ -83,9 +85,11 @@ def _pen(length, alpha):
     return ((5.0 + length) / 6.0) ** alpha
 
 
-def exhaustive(table, offset, limit, alpha):
-    """All hypotheses (ended by EOS, or cut at `limit`; PAD is never generated), best first:
-    [(score, tokens)]."""
+def exhaustive(table, offset, limit, alpha, unfinished='compete'):
+    """All finished hypotheses (PAD is never generated), best first: [(score, tokens)].
+
+    'compete': those ended by EOS and those cut at `limit`. 'fallback' (tensor2tensor): those
+    ended by EOS, or the cut ones only when none ended by EOS."""
     table = np.asarray(table)
     results = []
 
@@ -99,6 +103,8 @@ def exhaustive(table, offset, limit, alpha):
                 expand(seq, lp)
 
     expand([], 0.0)
+    if unfinished == 'fallback' and any(seq[-1] == EOS for _, seq in results):
+        results = [(score, seq) for score, seq in results if seq[-1] == EOS]
     return sorted(results, key=lambda r: -r[0])
 
 
@@ -136,22 +142,24 @@ def test_length_penalty_is_gnmt_formula(length, alpha):
     np.testing.assert_allclose(decode.length_penalty(length, alpha), expected, rtol=1e-6)
 
 
-def test_wide_beam_equals_exhaustive_search_per_example_limits():
+@pytest.mark.parametrize('unfinished', ['fallback', 'compete'])
+def test_wide_beam_equals_exhaustive_search_per_example_limits(unfinished):
     # K = 64 > (V - 2) ** 3 keeps every unfinished prefix (no EOS, no PAD) alive up to length 4,
-    # so beam search is exact. Example 1 (limit 2) has only 1 + 3 * 4 = 13 hypotheses: the rest
-    # stay -inf.
+    # so beam search is exact. Example 1 (limit 2) has only 1 + 3 * 4 = 13 hypotheses ('compete';
+    # 4 ending in EOS, 'fallback'): the rest stay -inf.
     L, K = 4, 64
     table = _table(0)
     offset_B = jnp.array([0, 1, 2], jnp.int32)
     limits = [4, 2, 3]
     for alpha in [0.0, 0.6, -0.5]:
         seqs_BKL, scores_BK = run_beam(
-            table, offset_B, jnp.array(limits, jnp.int32), alpha, beam_size=K, max_decode_len=L
+            table, offset_B, jnp.array(limits, jnp.int32), alpha, beam_size=K, max_decode_len=L,
+            unfinished=unfinished,
         )
         seqs_BKL, scores_BK = np.asarray(seqs_BKL), np.asarray(scores_BK)
         assert seqs_BKL.shape == (3, K, L) and scores_BK.shape == (3, K)
         for b, limit in enumerate(limits):
-            expected = exhaustive(table, int(offset_B[b]), limit, alpha)[:K]
+            expected = exhaustive(table, int(offset_B[b]), limit, alpha, unfinished)[:K]
             n = len(expected)
             np.testing.assert_allclose(
                 scores_BK[b, :n], [s for s, _ in expected], rtol=1e-5, atol=1e-5
@@ -159,6 +167,30 @@ def test_wide_beam_equals_exhaustive_search_per_example_limits():
             np.testing.assert_array_equal(seqs_BKL[b, :n], [_pad(q, L) for _, q in expected])
             assert np.all(scores_BK[b, n:] == -np.inf)
             assert np.all(seqs_BKL[b, :, limit:] == 0)  # nothing past the example's limit
+
+
+def test_the_two_rules_each_match_their_exhaustive_search_and_differ():
+    # Eight random models (the offset changes every logit) with limits 2..4, a beam wide enough
+    # to be exact: each rule's best hypothesis is its own exhaustive search's, and on some
+    # models a hypothesis cut at the limit beats every EOS one, so the rules disagree.
+    L, K, alpha = 4, 64, 0.6
+    table = _table(7)
+    offset_B = jnp.arange(8, dtype=jnp.int32)
+    limits = [2, 3, 4, 2, 3, 4, 3, 4]
+    best = {}
+    for rule in ('fallback', 'compete'):
+        seqs_BKL, scores_BK = run_beam(table, offset_B, jnp.array(limits, jnp.int32), alpha,
+                                       beam_size=K, max_decode_len=L, unfinished=rule)
+        best[rule] = []
+        for b, limit in enumerate(limits):
+            score, seq = exhaustive(table, b, limit, alpha, rule)[0]
+            np.testing.assert_array_equal(seqs_BKL[b, 0], _pad(seq, L))
+            np.testing.assert_allclose(scores_BK[b, 0], score, rtol=1e-5, atol=1e-5)
+            best[rule].append(seq)
+    differ = [b for b in range(8) if best['fallback'][b] != best['compete'][b]]
+    assert differ, 'no model where the rules disagree: the test checks nothing'
+    for b in differ:  # where they disagree, 'compete' chose a cut hypothesis
+        assert best['fallback'][b][-1] == EOS and best['compete'][b][-1] != EOS
 
 
 def test_cache_history_matches_returned_sequences():
@@ -213,10 +245,12 @@ def test_beam_one_equals_greedy():
             expected = score_of(table, int(offset_B[b]), seq, 0.6)
             np.testing.assert_allclose(scores_BK[b, 0], expected, rtol=1e-5)
 
-    # In general beam 1 is at least as good as greedy.
+    # In general beam 1 is at least as good as greedy when cut hypotheses compete ('fallback'
+    # prefers any EOS hypothesis to greedy's cut one).
     table = _table(30)
     greedy_BL = run_greedy(table, offset_B, max_lengths_B, max_decode_len=L)
-    _, scores_BK = run_beam(table, offset_B, max_lengths_B, 0.6, beam_size=1, max_decode_len=L)
+    _, scores_BK = run_beam(table, offset_B, max_lengths_B, 0.6, beam_size=1, max_decode_len=L,
+                            unfinished='compete')
     for b in range(3):
         seq = _trim(greedy_BL[b], int(max_lengths_B[b]))
         greedy_score = score_of(table, int(offset_B[b]), seq, 0.6)
@@ -226,7 +260,8 @@ def test_beam_one_equals_greedy():
 def test_no_eos_ever_returns_best_sequences_cut_at_each_limit():
     L, K = 6, 3
     table = np.array(_table(40))
-    table[:, [0, EOS]] = -1e9  # never PAD, never EOS
+    table[:, 0] = -1e9  # never PAD
+    table[:, EOS] = -np.inf  # never EOS, not even improbably: so 'fallback' takes the cut ones
     table = jnp.asarray(table)
     offset_B = jnp.array([0, 1, 2], jnp.int32)
     limits = [6, 2, 4]
@@ -266,6 +301,8 @@ def _scripted_model(target_B, steps):
 
 
 def test_eos_per_example_and_early_stop():
+    # 'compete': example 2's scripted path, cut at its limit, beats the EOS hypotheses its
+    # deviations (log-prob ~ -50) found. 'fallback' is checked below.
     L, K = 16, 2
     target_B = jnp.array([3, 1, 7, 6], jnp.int32)
     max_lengths_B = jnp.array([16, 16, 4, 16], jnp.int32)  # example 2 is cut before its EOS
@@ -274,10 +311,11 @@ def test_eos_per_example_and_early_stop():
     steps = []
     tokens_to_logits, cache = _scripted_model(target_B, steps)
     beam = jax.jit(
-        lambda cache, max_lengths: decode.beam_search(
+        lambda cache, max_lengths, unfinished='compete': decode.beam_search(
             tokens_to_logits, cache, batch_size=4, beam_size=K, alpha=0.6, eos_id=EOS,
-            max_decode_len=L, max_lengths=max_lengths,
-        )
+            max_decode_len=L, max_lengths=max_lengths, unfinished=unfinished,
+        ),
+        static_argnames='unfinished',
     )
     seqs_BKL, scores_BK = jax.block_until_ready(beam(cache, max_lengths_B))
     jax.effects_barrier()
@@ -286,6 +324,17 @@ def test_eos_per_example_and_early_stop():
     assert np.all(np.asarray(scores_BK[:, 0]) > -1e-3)  # the scripted path has log-prob ~0
     # Once each example has K finished hypotheses that no alive beam (log-prob ~ -50 per
     # deviation) can beat, the loop stops: example 3 needs 6 steps plus one to fill K = 2.
+    assert len(steps) == 7, len(steps)
+
+    # 'fallback': example 2 returns an EOS hypothesis, however bad; the others are unchanged.
+    steps.clear()
+    seqs_BKL, scores_BK = jax.block_until_ready(
+        beam(cache, max_lengths_B, unfinished='fallback'))
+    jax.effects_barrier()
+    for b in (0, 1, 3):
+        np.testing.assert_array_equal(seqs_BKL[b, 0], _pad(expected[b], L))
+    np.testing.assert_array_equal(seqs_BKL[2, 0], _pad([2, 3, 4, EOS], L))  # EOS at -50
+    np.testing.assert_allclose(scores_BK[2, 0], -50 / _pen(4, 0.6), rtol=1e-4)
     assert len(steps) == 7, len(steps)
 
     steps.clear()
@@ -300,6 +349,14 @@ def test_eos_per_example_and_early_stop():
     for b in range(4):
         np.testing.assert_array_equal(seqs_BL[b], _pad(expected[b], L))
     assert len(steps) == 6  # all examples have stopped after example 3's EOS
+
+
+def test_unknown_unfinished_rule_is_an_error():
+    with pytest.raises(ValueError, match="unfinished='first'"):
+        decode.beam_search(
+            lambda ids, c: (jnp.zeros((ids.shape[0], V)), c), {}, batch_size=1,
+            beam_size=2, alpha=0.6, eos_id=EOS, max_decode_len=4, unfinished='first',
+        )
 
 
 def test_cache_leaf_with_wrong_leading_dim_is_an_error():

@@ -92,3 +92,39 @@ def test_train_step_flops_match_the_analytic_count(scan_layers):
     assert matmul == pytest.approx(analytic + causal_rest, rel=0.02)
     if scan_layers:
         assert compiled.flops_per_device * mesh.size < 0.6 * analytic
+
+
+def test_collectives_counted_per_kind_inside_and_outside_loops():
+    """8 CPU devices: an all-reduce of f32[1, 16] in each of 5 scan steps, then one of each kind
+    outside the loop; bytes are the operands' sizes per device."""
+    mesh = jax.sharding.Mesh(jax.devices(), ('x',))
+    P = jax.sharding.PartitionSpec
+
+    def fn(x_16, w_516):
+        def body(c, w_i):
+            return jax.lax.psum(jnp.tanh(c * w_i), 'x'), None
+
+        c, _ = jax.lax.scan(body, x_16, w_516)  # c: f32[1, 16] per device, 64 bytes
+        return (jax.lax.psum(c, 'x'),
+                jax.lax.all_gather(c[0, :2], 'x'),  # operand f32[2]: 8 bytes
+                jax.lax.psum_scatter(c + 1, 'x', scatter_dimension=1, tiled=True),
+                jax.lax.all_to_all(c.reshape(8, 2) * 2, 'x', 0, 0, tiled=True),
+                jax.lax.ppermute(c * 3, 'x', [(i, (i + 1) % 8) for i in range(8)]))
+
+    program = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P('x'), P()),
+                                    out_specs=(P(), P(), P('x'), P('x'), P('x')),
+                                    check_vma=False))
+    text = program.lower(jnp.ones((8, 16)), jnp.ones((5, 16))).compile().as_text()
+    got = hlo.collectives(text)
+    assert got['all-reduce'] == hlo.Collectives(count=1, bytes=64, in_loops_count=5,
+                                                in_loops_bytes=5 * 64)
+    assert got['all-gather'] == hlo.Collectives(count=1, bytes=8)
+    for kind in ('reduce-scatter', 'all-to-all', 'collective-permute'):
+        assert got[kind] == hlo.Collectives(count=1, bytes=64), kind
+    # A 3-step loop around it all multiplies and moves everything into loops.
+    looped = jax.jit(jax.shard_map(
+        lambda x, w: jax.lax.fori_loop(0, 3, lambda i, c: fn(c, w)[0], x), mesh=mesh,
+        in_specs=(P('x'), P()), out_specs=P(), check_vma=False))
+    text = looped.lower(jnp.ones((8, 16)), jnp.ones((5, 16))).compile().as_text()
+    assert hlo.collectives(text)['all-reduce'] == hlo.Collectives(
+        in_loops_count=3 * 6, in_loops_bytes=3 * 6 * 64)

@@ -2,8 +2,9 @@
 computed here (tests/reference_np.py, NumPy formulas): not only "a different setting gives a
 different number".
 
-- beam_size, length_penalty_alpha, max_decode_extra: inference.config_predict_fn (what training's
-  BLEU and evaluate.py decode with) against exhaustive search of the reference model;
+- beam_size, length_penalty_alpha, max_decode_extra, beam_unfinished: inference.config_predict_fn
+  (what training's BLEU and evaluate.py decode with) against exhaustive search of the reference
+  model;
 - label_smoothing: StepConfig.from_config -> the loss value and its gradient;
 - dropout_rate, relu_dropout_rate, attention_dropout_rate: the fraction of zeros and the scale of
   what each dropout site of the model does;
@@ -60,14 +61,14 @@ def _decode_config(**settings):
     return c
 
 
-def _best(ref, spec, inputs, alpha, extra):
+def _best(ref, spec, inputs, alpha, extra, unfinished='fallback'):
     """Exhaustive-search output of every row and its score."""
     out = []
     for row in inputs:
         source = [int(i) for i in row if i != PAD_ID]
         out.append(ref_np.exhaustive_search(
             ref, source, spec, limit=min(len(source) + extra, MAX_LEN), alpha=alpha,
-            eos_id=EOS_ID, pad_id=PAD_ID, num_valid=NUM_VALID))
+            eos_id=EOS_ID, pad_id=PAD_ID, num_valid=NUM_VALID, unfinished=unfinished))
     return out
 
 
@@ -85,23 +86,27 @@ def _ids(row):
 def decode_case():
     config = _decode_config()
     model_config = TransformerConfig.from_config(config)
-    params = random_params(model_config, seed=22)  # alpha and extra change 2 rows each
+    params = random_params(model_config, seed=29)  # alpha, extra, the rule change every row
     inputs = np.concatenate([_sources(seed) for seed in range(3)])  # 12 rows
     return model_config, params, inputs, reference(params, model_config), spec_of(model_config)
 
 
-@pytest.mark.parametrize('setting', ['paper', 'length_penalty_alpha', 'max_decode_extra'])
+@pytest.mark.parametrize('setting', ['paper', 'length_penalty_alpha', 'max_decode_extra',
+                                     'beam_unfinished'])
 def test_decoding_settings_reach_the_search(decode_case, setting):
     model_config, params, inputs, ref, spec = decode_case
-    alpha, extra = 0.6, EXTRA
+    alpha, extra, unfinished = 0.6, EXTRA, 'fallback'
     if setting == 'length_penalty_alpha':
         alpha = 0.0
     if setting == 'max_decode_extra':
         extra = 1
-    config = _decode_config(length_penalty_alpha=alpha, max_decode_extra=extra)
+    if setting == 'beam_unfinished':
+        unfinished = 'compete'
+    config = _decode_config(length_penalty_alpha=alpha, max_decode_extra=extra,
+                            beam_unfinished=unfinished)
     predict = inference.config_predict_fn(config, model_config, num_valid_ids=NUM_VALID)
     got = np.asarray(predict(params, inputs).ids_BL)
-    want = _best(ref, spec, inputs, alpha, extra)
+    want = _best(ref, spec, inputs, alpha, extra, unfinished)
     for r, (seq, _) in enumerate(want):
         assert _ids(got[r]) == seq, (setting, r)
     if setting != 'paper':  # the setting changes the answer of at least one row here
