@@ -268,7 +268,10 @@ def test_bench_data_prep_runs_at_toy_size(tmp_path):
     r = results[0]
     assert r['pairs'] == 500 and r['peak_gb'] > 0 and r['limit_pairs'] == 500
     assert r['tokpack_pairs_s'] > 0 and r['pack_pairs_s'] > 0 and r['limit_pairs_s'] > 0
-    assert r['tokenize_cpu_s'] > 0 and r['repack_tokenize_cpu_s'] == 0  # the repack: cached ids
+    # The repack reads cached ids: no tokenizing time at all (500 pairs may tokenize in under
+    # the CPU clock's resolution, so the first pass's time is not asserted; the tokenizer-call
+    # count is: test_a_new_max_len_repacks_without_tokenizing).
+    assert r['tokenize_cpu_s'] >= 0 and r['repack_tokenize_cpu_s'] == 0
     assert '| 500 |' in out.stdout
     assert not os.path.exists(tmp_path / 'bench' / 'corpus-500.tsv')  # deleted without --keep
 

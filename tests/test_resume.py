@@ -150,7 +150,7 @@ def test_sigterm_in_the_final_evaluation_of_a_time_budget_stop_leaves_it_pending
     workdir = tmp_path / 'budget'
     # The budget is spent at the first log step (2), which is no scheduled evaluation: the stop's
     # final evaluation starts there, and a SIGTERM arrives in it.
-    budget = {**SETTINGS, 'train_time_budget_s': 1e-3, 'eval_every_steps': 100}
+    budget = {**SETTINGS, 'train_time_budget_s': 0.3, 'eval_every_steps': 100}
     preempted = _drive(corpus, workdir, 'sigterm_in_eval', at=1, overrides=budget)
     assert preempted.returncode == 0, preempted.stderr[-2000:]
     assert json.loads(preempted.stdout.splitlines()[-1]) == {'step': 2, 'stopped_by': 'preemption'}
