@@ -19,8 +19,6 @@ import hashlib
 import json
 import os
 
-from absl import logging
-
 from t2t import workdir as wd
 from t2t.startup import ConfigError
 
@@ -106,12 +104,9 @@ def check_resume(saved: dict | None, current: dict, iterator_state: dict | None,
     # position; a new cache can only be continued approximately).
     rows = int(iterator_state['next_index']) * saved['batch_size']
     mapped = dict(iterator_state, next_index=rows // current['batch_size'])
-    logging.warning('%s: data changed (%s); allow_data_change: continuing at global batch %d '
-                    '(%d rows consumed) instead of %d', where, ', '.join(changes),
-                    mapped['next_index'], rows, iterator_state['next_index'])
-    print(f'data changed ({", ".join(changes)}): continuing at global batch '
-          f'{mapped["next_index"]} of {current["batch_size"]} rows ({rows} rows consumed)',
-          flush=True)
+    print(f'{where}: data changed ({", ".join(changes)}), allow_data_change: continuing at '
+          f'global batch {mapped["next_index"]} of {current["batch_size"]} rows ({rows} rows '
+          f'consumed) instead of {iterator_state["next_index"]}', flush=True)
     return mapped
 
 
