@@ -155,9 +155,9 @@ MUTANTS = (
            'bleu.score_all(head.references, hypotheses,',
            ('tests/test_train.py::test_train_leaves_checkpoints_events_and_metrics',),
            "training's BLEU/chrF scores references against hypotheses"),
-    Mutant('translate_order_reversed', 't2t/inference.py',
-           'hypotheses[i] = result.hypotheses[j]',
-           'hypotheses[i] = result.hypotheses[len(todo) - 1 - j]',
+    Mutant('translate_order_reversed', 't2t/translate.py',
+           'for h in result.hypotheses)',
+           'for h in result.hypotheses[::-1])',
            ('tests/test_evaluate.py::test_translate_keeps_line_order',),
            'translated lines written in reverse order'),
 )

@@ -32,6 +32,7 @@ import numpy as np
 from tqdm import tqdm
 
 from t2t import inference
+from t2t import workdir as wd
 from t2t.ids import EOS_ID, PAD_ID
 
 MIN_BUCKET = 8
@@ -119,12 +120,8 @@ def _read_progress(path: str, input_path: str) -> tuple[int, int]:
 
 
 def _write_progress(path: str, input_path: str, lines: int, size: int) -> None:
-    tmp = path + '.tmp'
-    with open(tmp, 'w', encoding='utf-8') as f:
-        json.dump({'input': os.path.abspath(input_path), 'lines': lines, 'bytes': size}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    wd.write_atomic(path, json.dumps({'input': os.path.abspath(input_path), 'lines': lines,
+                                      'bytes': size}))
 
 
 def translate_stream(predict: inference.Predict, params, tokenizer, input_path: str,
