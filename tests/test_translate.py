@@ -4,19 +4,7 @@ import numpy as np
 import pytest
 
 from t2t import inference, translate
-from t2t.ids import EOS_ID, PAD_ID
-
-
-class _EchoTokenizer:
-    """Text '3 4 5' <-> ids [3, 4, 5]; decode stops at EOS like the real tokenizer."""
-
-    def encode(self, text):
-        return [int(w) for w in text.split()]
-
-    def decode(self, ids):
-        ids = list(ids)
-        ids = ids[:ids.index(EOS_ID)] if EOS_ID in ids else ids
-        return ' '.join(str(i) for i in ids if i != PAD_ID)
+from tests.test_inference import _EchoTokenizer  # text '3 4 5' <-> ids [3, 4, 5]
 
 
 class _EchoPredict:
