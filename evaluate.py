@@ -14,7 +14,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from t2t import distributed
+from t2t import cli, distributed
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Experiment config.')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'The training workdir (holds checkpoints/).')
@@ -37,10 +37,14 @@ _TIMEOUT = flags.DEFINE_float('timeout', 3600.0, 'With --watch: give up after th
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+    cli.check_values(_CONFIG.value, 'evaluate.py')
     try:
         distributed.initialize()
     except distributed.StartupError as e:  # one line naming the processes that did not join
         sys.exit(f'evaluate.py: {e}')
+    import jax
+
+    cli.check_platform(_CONFIG.value, jax.default_backend(), 'evaluate.py')
     if not flags.FLAGS['verbosity'].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
     from t2t import checkpoint, evaluation, startup, watch  # after flag parsing: fast --help
@@ -60,4 +64,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-    app.run(main)
+    cli.run(main, 'evaluate.py')

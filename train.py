@@ -28,7 +28,7 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from t2t import distributed
+from t2t import cli, distributed
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Experiment config.')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Checkpoints, metrics and logs go here.')
@@ -39,6 +39,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f'unexpected arguments: {argv[1:]}')
     config = _CONFIG.value
+    cli.check_values(config, 'train.py')
     if (_TOPOLOGY.value and not _DRY_RUN.value) or (_FIND_MAX_BATCH.value and not _TOPOLOGY.value):
         raise app.UsageError('--topology needs --dry_run, --find_max_batch needs --topology')
     if _DRY_RUN.value:
@@ -54,6 +55,9 @@ def main(argv):
         distributed.initialize()
     except distributed.StartupError as e:  # one line naming the processes that did not join
         sys.exit(f'train.py: {e}')
+    import jax
+
+    cli.check_platform(config, jax.default_backend(), 'train.py')
     if not flags.FLAGS['verbosity'].present:
         absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save at INFO
 
@@ -97,4 +101,4 @@ def _tpu_dry_run(config, summary) -> int:
 
 
 if __name__ == '__main__':
-    app.run(main)
+    cli.run(main, 'train.py')

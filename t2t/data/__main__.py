@@ -20,6 +20,7 @@ import numpy as np
 from absl import app
 from ml_collections import config_flags
 
+from t2t import cli
 from t2t.data import cache, identity, pipeline
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'experiment config file',
@@ -73,9 +74,10 @@ def main(argv):
     # TFDS logs 'Load dataset info from ...' at INFO at every read of a prepared split; t2t's own
     # INFO lines (training a vocabulary, packing) and every warning stay.
     logging.getLogger('absl').addFilter(_not_tfds_info)
+    cli.check_values(_CONFIG.value, 't2t.data')
     for line in report(_CONFIG.value):
         print(line, flush=True)
 
 
 if __name__ == '__main__':
-    app.run(main)
+    cli.run(main, 't2t.data')

@@ -22,7 +22,9 @@ def main(argv):
         raise app.UsageError(f'unexpected arguments: {argv[1:]}')
     if not flags.FLAGS['verbosity'].present:
         logging.set_verbosity(logging.WARNING)
-    from t2t import checkpoint, export, startup
+    from t2t import checkpoint, cli, export, startup
+
+    cli.check_values(_CONFIG.value, 't2t.export')
 
     if not _WORKDIR.value or not _FORMAT.value or not _OUTPUT.value:
         sys.exit('t2t.export: --workdir, --format and --output are required')
@@ -36,4 +38,6 @@ def main(argv):
 
 
 if __name__ == '__main__':
-    app.run(main)
+    from t2t import cli
+
+    cli.run(main, 't2t.export')

@@ -1,0 +1,125 @@
+"""What every entry point does before any work: parse the flags, check the config's values.
+
+A bad `--config.key=value` is one line on stderr naming the key and what it needs, exit status 1,
+before data is read or anything compiles (not absl's or ml_collections' traceback):
+
+    train.py: --config.foo: no such config key in configs/tiny.py
+    train.py: --config.num_layers: no such config key in configs/tiny.py (did you mean scan_layers?)
+    train.py: --config.dropout_rate=abc: could not convert string to float: 'abc'
+    train.py: --config.dropout_rate=1.5: dropout_rate=1.5 is not in [0, 1)
+    train.py: --config.attention_impl=splash: splash attention runs on TPU only, this process has
+        cpu devices (use xla or dot_product)
+
+    from t2t import cli
+    if __name__ == '__main__':
+        cli.run(main, 'train.py')      # and in main: cli.check_values(config, 'train.py') ...
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import sys
+
+from absl import app, flags
+
+# attention_impl -> the jax platforms whose kernels it calls
+_KERNEL_PLATFORMS = {'cudnn': ('gpu', 'cuda'), 'splash': ('tpu',)}
+_KERNEL_NAMES = {'cudnn': 'cuDNN flash attention runs on NVIDIA GPUs only',
+                 'splash': 'splash attention runs on TPU only'}
+
+
+def _overrides(argv) -> list[tuple[str, str]]:
+    """(dotted key, value) of each --config.key=value in argv, in order."""
+    out = []
+    for arg in argv:
+        m = re.match(r'--?config\.([\w.]+)(?:=(.*))?$', arg, re.S)
+        if m:
+            out.append((m.group(1), m.group(2) or ''))
+    return out
+
+
+def _config_file(argv) -> str:
+    for arg in reversed(argv):  # the last one wins, as in absl
+        m = re.match(r'--?config=(.*)$', arg, re.S)
+        if m:
+            return m.group(1)
+    return str(flags.FLAGS['config'].default_as_str or 'the default config').strip("'")
+
+
+def _missing_key(error: Exception, argv) -> str:
+    """One line for an override whose key the config does not have."""
+    text = str(error).replace('\\n', '\n').replace("\\'", "'")
+    name = re.search(r"'(\w+)'", text)
+    hint = re.search(r'Did you mean "(\w+)"', text)
+    override = next((key for key, _ in _overrides(argv)
+                     if name and name.group(1) in key.split('.')), name and name.group(1))
+    return (f'--config.{override}: no such config key in {_config_file(argv)}'
+            + (f' (did you mean {hint.group(1)}?)' if hint else ''))
+
+
+def parse_flags(argv, prog: str):
+    """absl's flag parsing with one-line errors (flags_parser of app.run)."""
+    try:
+        rest = flags.FLAGS(argv)
+        if 'config' in flags.FLAGS:  # a config file that failed to load raises on first use
+            flags.FLAGS['config'].value.keys()
+        return rest
+    except (KeyError, AttributeError) as e:  # ml_collections: an override of a missing key
+        print(f'{prog}: {_missing_key(e, argv)}', file=sys.stderr)
+    except OSError as e:  # the config file itself: missing, or it raises
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        print(f'{prog}: --config={_config_file(argv)}: {lines[-1] if lines else e}',
+              file=sys.stderr)
+    except (flags.Error, ValueError, TypeError) as e:  # a value the flag cannot parse
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        if 'parsing config file' in str(e):  # the config file raised: its last line says what
+            print(f'{prog}: --config={_config_file(argv)}: {lines[-1]}', file=sys.stderr)
+        else:
+            print(f'{prog}: {lines[0] if lines else type(e).__name__}', file=sys.stderr)
+    sys.exit(1)
+
+
+def run(main, prog: str) -> None:
+    """app.run(main) with parse_flags."""
+    app.run(main, flags_parser=functools.partial(parse_flags, prog=prog))
+
+
+def _flag_for(message: str, argv) -> str:
+    """The --config.key=value a value error is about (the key its message starts with)."""
+    for key, value in reversed(_overrides(argv)):
+        if message.startswith(key.split('.')[-1]):
+            return f'--config.{key}={value}: '
+    return ''
+
+
+def check_values(config, prog: str, argv=None) -> None:
+    """The config's values a model and a mesh can be built from; one line and exit 1 if not.
+
+    Runs the model config's own checks (t2t/model.py: dropout rates, head split, known
+    implementations) and the mesh shapes' form, before any data or compile.
+    """
+    from t2t.model import TransformerConfig
+
+    argv = sys.argv if argv is None else argv
+    try:
+        TransformerConfig.from_config(config)
+        for key in ('mesh_shape', 'dcn_mesh_shape'):
+            shape = config.get(key)
+            if shape is not None and not all(isinstance(n, int) and (n >= 1 or n == -1)
+                                          for n in shape):
+                raise ValueError(f'{key}={shape!r} is not a tuple of positive integers (or one '
+                                 f'-1: the devices left), e.g. --config.{key}=1,-1,1')
+    except ValueError as e:
+        message = str(e).splitlines()[0]
+        sys.exit(f'{prog}: {_flag_for(message, argv)}{message}')
+
+
+def check_platform(config, platform: str, prog: str, argv=None) -> None:
+    """attention_impl's kernel exists on this process's devices (platform: jax.default_backend());
+    one line and exit 1 if not. Not for ahead-of-time TPU compiles, which run on the CPU."""
+    argv = sys.argv if argv is None else argv
+    impl = config.get('attention_impl', 'xla')
+    if impl in _KERNEL_PLATFORMS and platform not in _KERNEL_PLATFORMS[impl]:
+        sys.exit(f'{prog}: --config.attention_impl={impl}: {_KERNEL_NAMES[impl]}, this process '
+                 f'has {platform} devices (use xla or dot_product)')
