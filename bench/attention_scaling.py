@@ -35,7 +35,8 @@ import numpy as np  # noqa: E402
 from flax import linen as nn  # noqa: E402
 from train_speed import device_fields, emit, versions  # noqa: E402  (bench/ is on sys.path)
 
-from t2t.model import MultiHeadAttention, TransformerConfig, attention_mask  # noqa: E402
+from t2t.attention import attention_mask  # noqa: E402
+from t2t.model import MultiHeadAttention, TransformerConfig  # noqa: E402
 
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 

@@ -33,7 +33,7 @@ from absl import logging
 from t2t import bleu, checkpoint, inference, layers_convert, sharding, startup
 from t2t import workdir as wd
 from t2t.model import TransformerConfig
-from t2t.summary import abstract_params
+from t2t.params import abstract_params
 
 NUM_SHOWN = 3  # source / reference / hypothesis triples printed per evaluation
 

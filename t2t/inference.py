@@ -42,7 +42,8 @@ from jax.sharding import PartitionSpec
 from tqdm import tqdm
 
 from t2t import decode, sharding
-from t2t.model import EOS_ID, PAD_ID, Transformer, TransformerConfig
+from t2t.ids import EOS_ID, PAD_ID
+from t2t.model import Transformer, TransformerConfig
 
 
 @struct.dataclass

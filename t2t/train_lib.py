@@ -23,7 +23,8 @@ from flax import linen as nn
 from flax import struct
 
 from t2t import loss, optim, sharding
-from t2t.model import PAD_ID, Transformer, TransformerConfig, batch_forward_args
+from t2t.ids import PAD_ID
+from t2t.model import Transformer, TransformerConfig, batch_forward_args
 
 BATCH_KEYS = ('inputs', 'targets', 'inputs_segment_ids', 'targets_segment_ids',
               'inputs_positions', 'targets_positions')

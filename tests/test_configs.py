@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from t2t import summary
 from t2t.model import TransformerConfig
+from t2t.params import abstract_params, count_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILES = sorted(
@@ -37,7 +37,7 @@ def test_config_builds_and_is_locked(path):
         config.learning_rte = 1.0
     config.learning_rate_scale = 0.5  # known keys stay writable
     model_config = TransformerConfig.from_config(config)
-    assert summary.count_params(summary.abstract_params(model_config)) > 0
+    assert count_params(abstract_params(model_config)) > 0
 
 
 def test_paper_configs_have_the_papers_sizes():
@@ -45,7 +45,7 @@ def test_paper_configs_have_the_papers_sizes():
     big = load(os.path.join(ROOT, 'configs', 'wmt14_ende_big.py'))
 
     def count(c):
-        return summary.count_params(summary.abstract_params(TransformerConfig.from_config(c)))
+        return count_params(abstract_params(TransformerConfig.from_config(c)))
 
     assert count(base) == 63_082_496
     assert count(big) == 214_245_376

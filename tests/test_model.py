@@ -6,16 +6,10 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from t2t import summary
-from t2t.model import (
-    PAD_ID,
-    Transformer,
-    TransformerConfig,
-    attention_mask,
-    dot_product_attention,
-    shift_right,
-    sinusoidal_table,
-)
+from t2t.attention import attention_mask, dot_product_attention
+from t2t.ids import PAD_ID
+from t2t.model import Transformer, TransformerConfig, shift_right, sinusoidal_table
+from t2t.params import abstract_params, count_params
 
 SMALL = dict(vocab_size=40, d_model=32, d_ff=64, num_heads=4, num_encoder_layers=2,
              num_decoder_layers=2, deterministic=True)
@@ -182,22 +176,27 @@ def test_bfloat16_compute_keeps_float32_params_and_logits():
     assert float(jnp.sqrt(jnp.mean(err ** 2))) < 0.02 * float(jnp.sqrt(jnp.mean(ref ** 2)))
 
 
-@pytest.mark.parametrize('name,d,ff,heads,want', [
-    ('base', 512, 2048, 8, 63_082_496), ('big', 1024, 4096, 16, 214_245_376)])
-def test_parameter_counts_equal_the_papers_architecture(name, d, ff, heads, want):
+@pytest.mark.parametrize('name,d,ff,heads,want,with_bias', [
+    ('base', 512, 2048, 8, 63_045_632, 63_082_496),
+    ('big', 1024, 4096, 16, 214_171_648, 214_245_376)])
+def test_parameter_counts_equal_the_papers_architecture(name, d, ff, heads, want, with_bias):
     cfg = TransformerConfig(vocab_size=37000, d_model=d, d_ff=ff, num_heads=heads)
-    assert summary.count_params(summary.abstract_params(cfg)) == want, name
+    assert count_params(abstract_params(cfg)) == want, name
+    # attention_bias=True: the counts of checkpoints written with biases; exactly q/k/v/o biases
+    # (4 x d_model) in each of the 6 + 2 x 6 attentions more.
+    biased = count_params(abstract_params(cfg.replace(attention_bias=True)))
+    assert biased == with_bias == want + 18 * 4 * d, name
 
 
 def test_variants_change_parameter_counts_as_expected():
     base = TransformerConfig(vocab_size=1000, d_model=64, d_ff=128, num_heads=4)
-    n = summary.count_params(summary.abstract_params(base))
-    pre = summary.count_params(summary.abstract_params(base.replace(pre_ln=True)))
+    n = count_params(abstract_params(base))
+    pre = count_params(abstract_params(base.replace(pre_ln=True)))
     assert pre == n + 2 * 2 * 64  # one final LayerNorm (scale + bias) per stack
-    untied = summary.count_params(summary.abstract_params(
+    untied = count_params(abstract_params(
         base.replace(share_embeddings=False, tie_output=False)))
     assert untied == n + 2 * 1000 * 64
-    learned = summary.count_params(summary.abstract_params(
+    learned = count_params(abstract_params(
         base.replace(position_embedding='learned')))
     assert learned == n + base.max_position * 64
 

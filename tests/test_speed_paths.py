@@ -14,16 +14,15 @@ import pytest
 from flax import linen as nn
 
 from t2t import layers_convert, loss, train_lib
-from t2t.model import (
-    PAD_ID,
-    Transformer,
-    TransformerConfig,
+from t2t.attention import (
     attention_mask,
     cudnn_arguments,
     dot_product_attention,
     make_attention_mask,
     splash_attention,
 )
+from t2t.ids import PAD_ID
+from t2t.model import Transformer, TransformerConfig
 
 SMALL = dict(vocab_size=40, d_model=32, d_ff=64, num_heads=4, num_encoder_layers=2,
              num_decoder_layers=3, deterministic=True)
