@@ -180,19 +180,30 @@ def _zeros(names):
 def _head_projection(cfg: TransformerConfig, direction: str, name: str) -> nn.DenseGeneral:
     """x W (+ b) between [.., D] and [.., H, K] ('in': q/k/v; 'out': the output projection).
 
-    The kernel is stored in its 3-D shape with one logical name per dimension (flax initializes
-    it as the flattened [fan_in, fan_out] matrix: Glorot uniform as for a plain Dense layer).
-    Biases only with cfg.attention_bias.
+    Glorot uniform over the flattened [fan_in, fan_out] matrix, as for a plain Dense layer; kernel
+    and bias are stored in their true shapes with one logical name per dimension. flax draws both
+    flat and reshapes them after applying the names (a sharding constraint under a mesh, which
+    fails on the flat draw), so the inits reshape first. Biases only with cfg.attention_bias.
     """
+    d, h, k = cfg.d_model, cfg.num_heads, cfg.head_dim
     if direction == 'in':
-        features, axis, names, bias_names = (cfg.num_heads, cfg.head_dim), -1, \
-            ('embed', 'heads', 'kv'), ('heads', 'kv')
+        features, axis = (h, k), -1
+        kernel = (d, h, k), ('embed', 'heads', 'kv')
+        bias = (h, k), ('heads', 'kv')
     else:
-        features, axis, names, bias_names = cfg.d_model, (-2, -1), ('heads', 'kv', 'embed'), \
-            ('embed',)
-    return nn.DenseGeneral(features, axis=axis, use_bias=cfg.attention_bias, dtype=cfg.dtype,
-                           kernel_init=_dense_init(names), bias_init=_zeros(bias_names),
-                           name=name)
+        features, axis = d, (-2, -1)
+        kernel = (h, k, d), ('heads', 'kv', 'embed')
+        bias = (d,), ('embed',)
+
+    def shaped(init, shape_names):
+        shape, names = shape_names
+        return nn.with_logical_partitioning(
+            lambda key, flat, dtype=jnp.float32: init(key, flat, dtype).reshape(shape), names)
+
+    return nn.DenseGeneral(
+        features, axis=axis, use_bias=cfg.attention_bias, dtype=cfg.dtype, name=name,
+        kernel_init=shaped(nn.initializers.xavier_uniform(), kernel),
+        bias_init=shaped(nn.initializers.zeros_init(), bias))
 
 
 class MultiHeadAttention(nn.Module):
