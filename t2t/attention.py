@@ -1,14 +1,20 @@
-"""Attention masks and kernels: who may attend to whom, and softmax(q k^T * scale + mask) v.
+"""Attention: masks, kernels and the multi-head attention layer of the Transformer (t2t/model.py).
 
 A mask is built once at the top of the model's encode()/decode() (`make_attention_mask`) in the
 form its kernel takes (`AttentionMask`): a dense boolean [B, 1, Q, K] for the einsum ('xla') and
 jax.nn.dot_product_attention ('dot_product'), sequence lengths for cuDNN flash attention
-('cudnn', GPU), segment ids for the Pallas splash attention kernel ('splash', TPU).
+('cudnn', GPU), segment ids for the Pallas splash attention kernel ('splash', TPU). The kernels
+compute softmax(q k^T * scale + mask) v; `MultiHeadAttention` projects q, k, v (rotary positions
+applied to q and k with position_embedding='rope'), runs the kernel and projects the heads back,
+and in decode mode keeps the keys/values of earlier steps in its caches.
 
-Shape letters: B batch, Q queries, K keys (or, last, the head dim), S key length, H heads.
+Shape letters: B batch, Q queries, K keys (or, last, the head dim), S key length, H heads,
+D d_model, L any length.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +22,9 @@ from flax import linen as nn
 from flax import struct
 
 from t2t.dropout import dropout
+
+if TYPE_CHECKING:  # the layer reads the model's config; t2t.model imports this module
+    from t2t.model import TransformerConfig
 
 Array = jax.Array
 
@@ -164,3 +173,150 @@ def splash_attention(q_BQHK: Array, k_BKHK: Array, v_BKHK: Array, mask: Attentio
     seg = nn.logical_to_mesh_axes(('batch', 'length'))
     return jax.shard_map(per_shard, mesh=mesh, in_specs=(qkv, qkv, qkv, seg, seg),
                          out_specs=qkv, check_vma=False)(*args)
+
+
+# ----------------------------------------------------------------------------------------------
+# The layer
+
+
+def apply_rope(x_BLHK: Array, positions_BL: Array) -> Array:
+    """Rotary position embedding (Su et al. 2021) on the last axis, pairs (i, i + K/2)."""
+    k = x_BLHK.shape[-1]
+    inv_freq = 1.0 / (10000.0 ** (jnp.arange(0, k, 2, dtype=jnp.float32) / k))
+    angle_BLK2 = positions_BL[..., None].astype(jnp.float32) * inv_freq
+    sin, cos = jnp.sin(angle_BLK2)[:, :, None, :], jnp.cos(angle_BLK2)[:, :, None, :]
+    x1, x2 = jnp.split(x_BLHK.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BLHK.dtype)
+
+
+def _head_projection(cfg: TransformerConfig, direction: str, name: str) -> nn.DenseGeneral:
+    """x W (+ b) between [.., D] and [.., H, K] ('in': q/k/v; 'out': the output projection).
+
+    Glorot uniform over the flattened [fan_in, fan_out] matrix, as for a plain Dense layer; kernel
+    and bias are stored in their true shapes with one logical name per dimension. flax draws both
+    flat and reshapes them after applying the names (a sharding constraint under a mesh, which
+    fails on the flat draw), so the inits reshape first. Biases only with cfg.attention_bias.
+    """
+    d, h, k = cfg.d_model, cfg.num_heads, cfg.head_dim
+    if direction == 'in':
+        features, axis = (h, k), -1
+        kernel = (d, h, k), ('embed', 'heads', 'kv')
+        bias = (h, k), ('heads', 'kv')
+    else:
+        features, axis = d, (-2, -1)
+        kernel = (h, k, d), ('heads', 'kv', 'embed')
+        bias = (d,), ('embed',)
+
+    def shaped(init, shape_names):
+        shape, names = shape_names
+        return nn.with_logical_partitioning(
+            lambda key, flat, dtype=jnp.float32: init(key, flat, dtype).reshape(shape), names)
+
+    return nn.DenseGeneral(
+        features, axis=axis, use_bias=cfg.attention_bias, dtype=cfg.dtype, name=name,
+        kernel_init=shaped(nn.initializers.xavier_uniform(), kernel),
+        bias_init=shaped(nn.initializers.zeros_init(), bias))
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention with q, k, v, o projections (biases only with config.attention_bias).
+
+    kind: 'self' (keys from x itself, a growing cache in decode mode; causality is in the mask)
+    or 'cross' (keys from the encoder output, projected once and cached in decode mode).
+    """
+
+    config: TransformerConfig
+    kind: str = 'self'
+
+    @nn.compact
+    def __call__(self, x_BQD, kv_BSD, mask_B1QS, q_positions_BQ=None, kv_positions_BS=None,
+                 cache_index=None):
+        cfg = self.config
+        rope = cfg.position_embedding == 'rope' and self.kind == 'self'
+        q_BQHK = _head_projection(cfg, 'in', 'query')(x_BQD)
+        if rope:
+            q_BQHK = apply_rope(q_BQHK, q_positions_BQ)
+
+        scale = cfg.head_dim ** -0.5 if cfg.scale_attention else 1.0
+        if cfg.decode:
+            out_BQHK = self._decode_attention(q_BQHK, kv_BSD, mask_B1QS, kv_positions_BS,
+                                              cache_index, scale)
+            return _head_projection(cfg, 'out', 'out')(out_BQHK)
+
+        k_BSHK = _head_projection(cfg, 'in', 'key')(kv_BSD)
+        v_BSHK = _head_projection(cfg, 'in', 'value')(kv_BSD)
+        if rope:
+            k_BSHK = apply_rope(k_BSHK, kv_positions_BS)
+        q_BQHK = nn.with_logical_constraint(q_BQHK, ('batch', 'length', 'heads', 'kv'))
+        if cfg.sow_attention:  # the weights this layer uses (before attention dropout)
+            dense_B1QS = mask_B1QS.dense_B1QK if isinstance(mask_B1QS, AttentionMask) \
+                else mask_B1QS
+            self.sow('intermediates', 'attention_weights',
+                     attention_weights(q_BQHK, k_BSHK, dense_B1QS, scale))
+        dropout_rng = None
+        if not cfg.deterministic and cfg.attention_dropout_rate > 0:
+            dropout_rng = self.make_rng('dropout')
+        out_BQHK = dot_product_attention(
+            q_BQHK, k_BSHK, v_BSHK, mask_B1QS, scale=scale,
+            dropout_rate=cfg.attention_dropout_rate, dropout_rng=dropout_rng,
+            impl=cfg.attention_impl,
+        )
+        out_BQD = _head_projection(cfg, 'out', 'out')(out_BQHK)
+        return nn.with_logical_constraint(out_BQD, ('batch', 'length', 'embed'))
+
+    def _decode_attention(self, q_B1HK, kv_BSD, mask, kv_positions_BS, cache_index, scale):
+        """Decode mode: one query per row over the cached keys/values.
+
+        The caches are kept head-major, [B, H, L, K], the layout a batched matmul over (B, H)
+        reads as it is: stored as [B, L, H, K] they were transposed in full at every step.
+        One query gains nothing from a fused kernel, so every attention_impl takes this path.
+        """
+        cfg = self.config
+        if self.kind == 'cross':
+            k_BHSK, v_BHSK = self._cross_cache(kv_BSD)
+        else:
+            k_B1HK = _head_projection(cfg, 'in', 'key')(kv_BSD)
+            if cfg.position_embedding == 'rope':
+                k_B1HK = apply_rope(k_B1HK, kv_positions_BS)
+            k_BHSK, v_BHSK, mask = self._self_cache(
+                k_B1HK, _head_projection(cfg, 'in', 'value')(kv_BSD), cache_index)
+        mask_B11S = mask.dense_B1QK if isinstance(mask, AttentionMask) else mask
+        weights_BH1S = attention_weights(q_B1HK, k_BHSK, mask_B11S, scale, keys='bhsk')
+        if cfg.sow_attention:
+            self.sow('intermediates', 'attention_weights', weights_BH1S)
+        return jnp.einsum('bhqs,bhsk->bqhk', weights_BH1S.astype(v_BHSK.dtype), v_BHSK)
+
+    def _self_cache(self, k_B1HK, v_B1HK, cache_index):
+        """Writes this step's key/value at cache_index; attends to positions <= cache_index.
+
+        Returns the head-major buffers [B, H, decode_len, K] and the mask [B, 1, 1, decode_len].
+        """
+        cfg = self.config
+        b, _, h, k = k_B1HK.shape
+        initialized = self.has_variable('cache', 'cached_key')
+        shape = (b, h, cfg.decode_len, k)
+        ck = self.variable('cache', 'cached_key', jnp.zeros, shape, k_B1HK.dtype)
+        cv = self.variable('cache', 'cached_value', jnp.zeros, shape, v_B1HK.dtype)
+        if not initialized:  # the call that creates the cache does not decode a token
+            return (k_B1HK.swapaxes(1, 2), v_B1HK.swapaxes(1, 2),
+                    jnp.ones((b, 1, 1, 1), bool))
+        at = (0, 0, cache_index, 0)
+        ck.value = jax.lax.dynamic_update_slice(ck.value, k_B1HK.swapaxes(1, 2), at)
+        cv.value = jax.lax.dynamic_update_slice(cv.value, v_B1HK.swapaxes(1, 2), at)
+        mask_B11L = (jnp.arange(cfg.decode_len) <= cache_index)[None, None, None, :]
+        return ck.value, cv.value, jnp.broadcast_to(mask_B11L, (b, 1, 1, cfg.decode_len))
+
+    def _cross_cache(self, encoded_BSD):
+        """Head-major keys/values [B, H, S, K] of the encoder output, projected once when the
+        cache is created.
+
+        They live in their own collection, 'cross_cache': they never change while decoding, so a
+        beam search need not reorder them with the growing self-attention 'cache'.
+        """
+        def project(name):
+            return lambda: _head_projection(self.config, 'in', name)(encoded_BSD).swapaxes(1, 2)
+
+        ck = self.variable('cross_cache', 'cross_key', project('key'))
+        cv = self.variable('cross_cache', 'cross_value', project('value'))
+        return ck.value, cv.value

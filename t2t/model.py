@@ -17,7 +17,8 @@ Shape letters: B batch, S source length, T target length, L any length, D d_mode
 K head dim (d_k = d_v = D / H), F d_ff, V vocabulary.
 
 Masks (padding, causality, packed segments) are built once at the top of encode()/decode(), in
-the form the attention kernel wants (`AttentionMask`), and passed down. decode() is the
+the form the attention kernel wants (`AttentionMask`), and passed down (t2t/attention.py holds
+masks, kernels and the attention layer). decode() is the
 teacher-forced decoder (gold targets, shifted right here); features() stops before the output
 projection (the loss applies it chunk by chunk, t2t/loss.py). In decode mode (config.decode)
 decode_step() runs one token per call and the decoder keeps its self-attention keys/values
@@ -37,12 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from t2t.attention import (
-    AttentionMask,
-    attention_weights,
-    dot_product_attention,
-    make_attention_mask,
-)
+from t2t.attention import MultiHeadAttention, make_attention_mask
 from t2t.dropout import Dropout
 from t2t.ids import PAD_ID
 
@@ -130,7 +126,7 @@ class TransformerConfig:
 
 
 # ----------------------------------------------------------------------------------------------
-# Positions and the decoder's inputs
+# Positions and the decoder's inputs (rotary positions: t2t/attention.py)
 
 
 def sinusoidal_table(num_positions: int, d_model: int) -> np.ndarray:
@@ -144,17 +140,6 @@ def sinusoidal_table(num_positions: int, d_model: int) -> np.ndarray:
     return table.astype(np.float32)
 
 
-def apply_rope(x_BLHK: Array, positions_BL: Array) -> Array:
-    """Rotary position embedding (Su et al. 2021) on the last axis, pairs (i, i + K/2)."""
-    k = x_BLHK.shape[-1]
-    inv_freq = 1.0 / (10000.0 ** (jnp.arange(0, k, 2, dtype=jnp.float32) / k))
-    angle_BLK2 = positions_BL[..., None].astype(jnp.float32) * inv_freq
-    sin, cos = jnp.sin(angle_BLK2)[:, :, None, :], jnp.cos(angle_BLK2)[:, :, None, :]
-    x1, x2 = jnp.split(x_BLHK.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BLHK.dtype)
-
-
 def shift_right(targets_BT: Array, segment_ids_BT=None) -> Array:
     """Decoder inputs: targets moved right by one, PAD_ID as start token, per packed segment."""
     shifted = jnp.pad(targets_BT, ((0, 0), (1, 0)), constant_values=PAD_ID)[:, :-1]
@@ -166,7 +151,7 @@ def shift_right(targets_BT: Array, segment_ids_BT=None) -> Array:
 
 
 # ----------------------------------------------------------------------------------------------
-# Attention (masks and kernels: t2t/attention.py)
+# Blocks
 
 
 def _dense_init(names):
@@ -175,142 +160,6 @@ def _dense_init(names):
 
 def _zeros(names):
     return nn.with_logical_partitioning(nn.initializers.zeros_init(), names)
-
-
-def _head_projection(cfg: TransformerConfig, direction: str, name: str) -> nn.DenseGeneral:
-    """x W (+ b) between [.., D] and [.., H, K] ('in': q/k/v; 'out': the output projection).
-
-    Glorot uniform over the flattened [fan_in, fan_out] matrix, as for a plain Dense layer; kernel
-    and bias are stored in their true shapes with one logical name per dimension. flax draws both
-    flat and reshapes them after applying the names (a sharding constraint under a mesh, which
-    fails on the flat draw), so the inits reshape first. Biases only with cfg.attention_bias.
-    """
-    d, h, k = cfg.d_model, cfg.num_heads, cfg.head_dim
-    if direction == 'in':
-        features, axis = (h, k), -1
-        kernel = (d, h, k), ('embed', 'heads', 'kv')
-        bias = (h, k), ('heads', 'kv')
-    else:
-        features, axis = d, (-2, -1)
-        kernel = (h, k, d), ('heads', 'kv', 'embed')
-        bias = (d,), ('embed',)
-
-    def shaped(init, shape_names):
-        shape, names = shape_names
-        return nn.with_logical_partitioning(
-            lambda key, flat, dtype=jnp.float32: init(key, flat, dtype).reshape(shape), names)
-
-    return nn.DenseGeneral(
-        features, axis=axis, use_bias=cfg.attention_bias, dtype=cfg.dtype, name=name,
-        kernel_init=shaped(nn.initializers.xavier_uniform(), kernel),
-        bias_init=shaped(nn.initializers.zeros_init(), bias))
-
-
-class MultiHeadAttention(nn.Module):
-    """Multi-head attention with q, k, v, o projections (biases only with config.attention_bias).
-
-    kind: 'self' (keys from x itself, a growing cache in decode mode; causality is in the mask)
-    or 'cross' (keys from the encoder output, projected once and cached in decode mode).
-    """
-
-    config: TransformerConfig
-    kind: str = 'self'
-
-    @nn.compact
-    def __call__(self, x_BQD, kv_BSD, mask_B1QS, q_positions_BQ=None, kv_positions_BS=None,
-                 cache_index=None):
-        cfg = self.config
-        rope = cfg.position_embedding == 'rope' and self.kind == 'self'
-        q_BQHK = _head_projection(cfg, 'in', 'query')(x_BQD)
-        if rope:
-            q_BQHK = apply_rope(q_BQHK, q_positions_BQ)
-
-        scale = cfg.head_dim ** -0.5 if cfg.scale_attention else 1.0
-        if cfg.decode:
-            out_BQHK = self._decode_attention(q_BQHK, kv_BSD, mask_B1QS, kv_positions_BS,
-                                              cache_index, scale)
-            return _head_projection(cfg, 'out', 'out')(out_BQHK)
-
-        k_BSHK = _head_projection(cfg, 'in', 'key')(kv_BSD)
-        v_BSHK = _head_projection(cfg, 'in', 'value')(kv_BSD)
-        if rope:
-            k_BSHK = apply_rope(k_BSHK, kv_positions_BS)
-        q_BQHK = nn.with_logical_constraint(q_BQHK, ('batch', 'length', 'heads', 'kv'))
-        if cfg.sow_attention:  # the weights this layer uses (before attention dropout)
-            dense_B1QS = mask_B1QS.dense_B1QK if isinstance(mask_B1QS, AttentionMask) \
-                else mask_B1QS
-            self.sow('intermediates', 'attention_weights',
-                     attention_weights(q_BQHK, k_BSHK, dense_B1QS, scale))
-        dropout_rng = None
-        if not cfg.deterministic and cfg.attention_dropout_rate > 0:
-            dropout_rng = self.make_rng('dropout')
-        out_BQHK = dot_product_attention(
-            q_BQHK, k_BSHK, v_BSHK, mask_B1QS, scale=scale,
-            dropout_rate=cfg.attention_dropout_rate, dropout_rng=dropout_rng,
-            impl=cfg.attention_impl,
-        )
-        out_BQD = _head_projection(cfg, 'out', 'out')(out_BQHK)
-        return nn.with_logical_constraint(out_BQD, ('batch', 'length', 'embed'))
-
-    def _decode_attention(self, q_B1HK, kv_BSD, mask, kv_positions_BS, cache_index, scale):
-        """Decode mode: one query per row over the cached keys/values.
-
-        The caches are kept head-major, [B, H, L, K], the layout a batched matmul over (B, H)
-        reads as it is: stored as [B, L, H, K] they were transposed in full at every step.
-        One query gains nothing from a fused kernel, so every attention_impl takes this path.
-        """
-        cfg = self.config
-        if self.kind == 'cross':
-            k_BHSK, v_BHSK = self._cross_cache(kv_BSD)
-        else:
-            k_B1HK = _head_projection(cfg, 'in', 'key')(kv_BSD)
-            if cfg.position_embedding == 'rope':
-                k_B1HK = apply_rope(k_B1HK, kv_positions_BS)
-            k_BHSK, v_BHSK, mask = self._self_cache(
-                k_B1HK, _head_projection(cfg, 'in', 'value')(kv_BSD), cache_index)
-        mask_B11S = mask.dense_B1QK if isinstance(mask, AttentionMask) else mask
-        weights_BH1S = attention_weights(q_B1HK, k_BHSK, mask_B11S, scale, keys='bhsk')
-        if cfg.sow_attention:
-            self.sow('intermediates', 'attention_weights', weights_BH1S)
-        return jnp.einsum('bhqs,bhsk->bqhk', weights_BH1S.astype(v_BHSK.dtype), v_BHSK)
-
-    def _self_cache(self, k_B1HK, v_B1HK, cache_index):
-        """Writes this step's key/value at cache_index; attends to positions <= cache_index.
-
-        Returns the head-major buffers [B, H, decode_len, K] and the mask [B, 1, 1, decode_len].
-        """
-        cfg = self.config
-        b, _, h, k = k_B1HK.shape
-        initialized = self.has_variable('cache', 'cached_key')
-        shape = (b, h, cfg.decode_len, k)
-        ck = self.variable('cache', 'cached_key', jnp.zeros, shape, k_B1HK.dtype)
-        cv = self.variable('cache', 'cached_value', jnp.zeros, shape, v_B1HK.dtype)
-        if not initialized:  # the call that creates the cache does not decode a token
-            return (k_B1HK.swapaxes(1, 2), v_B1HK.swapaxes(1, 2),
-                    jnp.ones((b, 1, 1, 1), bool))
-        at = (0, 0, cache_index, 0)
-        ck.value = jax.lax.dynamic_update_slice(ck.value, k_B1HK.swapaxes(1, 2), at)
-        cv.value = jax.lax.dynamic_update_slice(cv.value, v_B1HK.swapaxes(1, 2), at)
-        mask_B11L = (jnp.arange(cfg.decode_len) <= cache_index)[None, None, None, :]
-        return ck.value, cv.value, jnp.broadcast_to(mask_B11L, (b, 1, 1, cfg.decode_len))
-
-    def _cross_cache(self, encoded_BSD):
-        """Head-major keys/values [B, H, S, K] of the encoder output, projected once when the
-        cache is created.
-
-        They live in their own collection, 'cross_cache': they never change while decoding, so a
-        beam search need not reorder them with the growing self-attention 'cache'.
-        """
-        def project(name):
-            return lambda: _head_projection(self.config, 'in', name)(encoded_BSD).swapaxes(1, 2)
-
-        ck = self.variable('cross_cache', 'cross_key', project('key'))
-        cv = self.variable('cross_cache', 'cross_value', project('value'))
-        return ck.value, cv.value
-
-
-# ----------------------------------------------------------------------------------------------
-# Blocks
 
 
 class FeedForward(nn.Module):
