@@ -43,7 +43,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from t2t.params import attention_bias_mismatch, has_attention_bias
+from t2t.model import attention_bias_mismatch, has_attention_bias
 
 STATE, META = 'state', 'meta'
 ITERATOR_KEY = 'data_iterator'  # the grain iterator's get_state(), inside META

@@ -32,8 +32,7 @@ from absl import logging
 
 from t2t import bleu, checkpoint, inference, layers_convert, sharding, startup
 from t2t import workdir as wd
-from t2t.model import TransformerConfig
-from t2t.params import abstract_params, attention_bias_mismatch
+from t2t.model import TransformerConfig, abstract_params, attention_bias_mismatch
 
 NUM_SHOWN = 3  # source / reference / hypothesis triples printed per evaluation
 

@@ -7,8 +7,7 @@ import os
 import jax
 
 from t2t import flops
-from t2t.model import TransformerConfig
-from t2t.params import abstract_params, count_params
+from t2t.model import TransformerConfig, abstract_params, count_params
 
 
 def summarize(config) -> str:

@@ -15,8 +15,7 @@ import sys
 import pytest
 
 from t2t import aot, flops, sharding, summary
-from t2t.model import TransformerConfig
-from t2t.params import abstract_params, count_params
+from t2t.model import TransformerConfig, abstract_params, count_params
 from tests.conftest import ROOT
 
 LIBTPU_LOCK = '/tmp/t2t-libtpu.lock'

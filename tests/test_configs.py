@@ -8,8 +8,7 @@ import sys
 
 import pytest
 
-from t2t.model import TransformerConfig
-from t2t.params import abstract_params, count_params
+from t2t.model import TransformerConfig, abstract_params, count_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILES = sorted(

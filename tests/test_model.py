@@ -8,8 +8,14 @@ from flax import linen as nn
 
 from t2t.attention import attention_mask, dot_product_attention
 from t2t.ids import PAD_ID
-from t2t.model import Transformer, TransformerConfig, shift_right, sinusoidal_table
-from t2t.params import abstract_params, count_params
+from t2t.model import (
+    Transformer,
+    TransformerConfig,
+    abstract_params,
+    count_params,
+    shift_right,
+    sinusoidal_table,
+)
 
 SMALL = dict(vocab_size=40, d_model=32, d_ff=64, num_heads=4, num_encoder_layers=2,
              num_decoder_layers=2, deterministic=True)
