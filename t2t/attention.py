@@ -28,6 +28,11 @@ if TYPE_CHECKING:  # the layer reads the model's config; t2t.model imports this 
 
 Array = jax.Array
 
+
+# ----------------------------------------------------------------------------------------------
+# Masks, built once at the top of the model's encode()/decode()
+
+
 def attention_mask(q_valid_BQ: Array, k_valid_BK: Array, q_segment_BQ=None, k_segment_BK=None,
                    causal: bool = False) -> Array:
     """Boolean [B, 1, Q, K]: True where query q may attend to key k."""
@@ -38,7 +43,6 @@ def attention_mask(q_valid_BQ: Array, k_valid_BK: Array, q_segment_BQ=None, k_se
         q, k = mask.shape[1], mask.shape[2]
         mask &= jnp.arange(q)[:, None] >= jnp.arange(k)[None, :]
     return mask[:, None, :, :]
-
 
 
 @struct.dataclass
@@ -80,6 +84,10 @@ def make_attention_mask(impl: str, q_valid_BQ: Array, k_valid_BK: Array, q_segme
                              k_segment_BK=segments(k_valid_BK, k_segment_BK), causal=causal)
     return AttentionMask(dense_B1QK=attention_mask(q_valid_BQ, k_valid_BK, q_segment_BQ,
                                                    k_segment_BK, causal=causal))
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels: softmax(q k^T * scale + mask) v
 
 
 def cudnn_arguments(mask: AttentionMask) -> dict:

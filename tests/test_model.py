@@ -212,3 +212,24 @@ def test_bad_model_configs_are_rejected():
         TransformerConfig(vocab_size=10, d_model=30, num_heads=4)
     with pytest.raises(ValueError, match='position_embedding'):
         TransformerConfig(vocab_size=10, position_embedding='alibi')
+
+
+@pytest.mark.parametrize('attention_bias', [True, False])
+def test_attention_parameters_keep_the_names_shapes_and_axes_of_earlier_checkpoints(
+        attention_bias):
+    # Checkpoints written before attention_bias have q/k/v kernels [D, H, K] with biases [H, K]
+    # and an output kernel [H, K, D] with a bias [D]: attention_bias=True restores them as they are.
+    cfg = TransformerConfig(**SMALL, attention_bias=attention_bias)
+    ids = jnp.ones((1, 4), jnp.int32)
+    boxed = jax.eval_shape(lambda: Transformer(cfg).init(jax.random.key(0), ids, ids))['params']
+    for layer, kind in (('encoder_0', 'self_attention'), ('decoder_1', 'cross_attention')):
+        got = {f'{proj}/{name}': (tuple(p.value.shape), p.names)
+               for proj, leaves in boxed[layer][kind].items() for name, p in leaves.items()}
+        want = {f'{proj}/kernel': ((32, 4, 8), ('embed', 'heads', 'kv'))
+                for proj in ('query', 'key', 'value')}
+        want['out/kernel'] = ((4, 8, 32), ('heads', 'kv', 'embed'))
+        if attention_bias:
+            want.update({f'{proj}/bias': ((4, 8), ('heads', 'kv'))
+                         for proj in ('query', 'key', 'value')})
+            want['out/bias'] = ((32,), ('embed',))
+        assert got == want, (layer, kind)
