@@ -4,9 +4,10 @@
     python bench/attention_scaling.py --heads=8 --d_model=512 --batch=4 --out=docs/x.png
                                                # GPU: also cudnn (fused flash attention), bf16
 
-The layer is t2t's own MultiHeadAttention (q/k/v/o projections with biases, the padding mask the
-encoder builds, softmax in float32) as self-attention over [batch, T, d_model]; the step is
-jax.value_and_grad of sum(output^2) with respect to the parameters and the input, jitted. Per
+The layer is t2t's own MultiHeadAttention (q/k/v/o projections with biases, as when the
+published numbers were measured; the padding mask the encoder builds, softmax in float32) as
+self-attention over [batch, T, d_model]; the step is jax.value_and_grad of sum(output^2) with
+respect to the parameters and the input, jitted. Per
 implementation ('xla': t2t's einsum + softmax; 'dot_product': jax.nn.dot_product_attention, which
 jax 0.10 lowers to the same XLA ops; 'cudnn': the same function forced to cuDNN's fused kernel,
 GPU + bfloat16 only) and T it reports the median step time (--repeats synced runs after one
@@ -35,7 +36,8 @@ import numpy as np  # noqa: E402
 from flax import linen as nn  # noqa: E402
 from train_speed import device_fields, emit, versions  # noqa: E402  (bench/ is on sys.path)
 
-from t2t.model import MultiHeadAttention, TransformerConfig, attention_mask  # noqa: E402
+from t2t.attention import MultiHeadAttention, attention_mask  # noqa: E402
+from t2t.model import TransformerConfig  # noqa: E402
 
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 
@@ -44,7 +46,8 @@ def make_step(impl: str, length: int, args):
     """(jitted step, params, x_BTD) for one implementation and sequence length."""
     config = TransformerConfig(vocab_size=8, d_model=args.d_model, d_ff=4 * args.d_model,
                                num_heads=args.heads, dropout_rate=0.0, attention_impl=impl,
-                               dtype=DTYPES[args.dtype], max_position=length, deterministic=True)
+                               dtype=DTYPES[args.dtype], max_position=length, deterministic=True,
+                               attention_bias=True)
     layer = MultiHeadAttention(config, 'self')
     x_BTD = jax.random.normal(jax.random.key(1), (args.batch, length, args.d_model), jnp.float32)
 

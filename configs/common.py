@@ -60,6 +60,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.position_embedding = 'sinusoidal'  # 'sinusoidal', 'learned', 'rope' or 'none'
     c.max_position = 1024  # size of the position table (learned / sinusoidal)
     c.scale_attention = True  # divide logits by sqrt(d_k)
+    # Biases in the attention's q/k/v/o projections: none in the paper's equations, tensor2tensor
+    # or flax's wmt example (the key bias would get an exactly zero gradient). Checkpoints written
+    # with them restore with --config.attention_bias=True.
+    c.attention_bias = False
     c.scale_embeddings = True  # multiply embeddings by sqrt(d_model)
     c.share_embeddings = True  # one embedding for source and target
     c.tie_output = True  # the output projection is the (target) embedding transposed

@@ -1,309 +1,330 @@
-"""Attention maps of a trained model, read from the model itself, as pictures and as numbers.
+"""Attention: masks, kernels and the multi-head attention layer of the Transformer (t2t/model.py).
 
-    python -m t2t.attention --config=configs/default.py --workdir=workdirs/default \
-        --sentence="The house is small." --output=attention.png
-    python -m t2t.attention --config=configs/recall_toy.py --workdir=DIR --recall_report
+A mask is built once at the top of the model's encode()/decode() (`make_attention_mask`) in the
+form its kernel takes (`AttentionMask`): a dense boolean [B, 1, Q, K] for the einsum ('xla') and
+jax.nn.dot_product_attention ('dot_product'), sequence lengths for cuDNN flash attention
+('cudnn', GPU), segment ids for the Pallas splash attention kernel ('splash', TPU). The kernels
+compute softmax(q k^T * scale + mask) v; `MultiHeadAttention` projects q, k, v (rotary positions
+applied to q and k with position_embedding='rope'), runs the kernel and projects the heads back,
+and in decode mode keeps the keys/values of earlier steps in its caches.
 
-A picture: the sentence is decoded as evaluate.py decodes it (beam search with the config's beam
-size), then one teacher-forced pass over (sentence, output) with `sow_attention` on stores every
-attention's softmax weights (t2t/model.py sows them into the 'intermediates' collection). The PNG
-has three blocks, encoder self-attention, decoder self-attention and cross-attention, each a grid
-of layers (rows) x heads (columns). In a panel rows are queries and columns keys, labelled with
-the tokenizer's pieces: source pieces for the encoder's queries and for every key of the
-cross-attention, output pieces for the decoder's queries (the token each position emits), and
-decoder-input pieces (`<start>`, then the output shifted right) for the decoder's own keys.
-
-The recall report (configs/recall_toy.py): greedy-decoded accuracy on held-out sequences, the
-cross-attention weight from the position that emits the answer (the first output position) to
-source position 0, averaged over the examples, per decoder layer and head, and the encoder
-self-attention weight from the other source positions to position 0 (a head that copies the first
-symbol everywhere lets the decoder read it at any position).
-
-Shape letters: B batch, H heads, Q queries, K keys, S source length, T target length, L layers.
+Shape letters: B batch, Q queries, K keys (or, last, the head dim), S key length, H heads,
+D d_model, L any length.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import sys
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+from flax import linen as nn
+from flax import struct
 
-from t2t import checkpoint, evaluation, inference
-from t2t.model import EOS_ID, PAD_ID, Transformer, TransformerConfig
+from t2t.dropout import dropout
 
-KINDS = ('encoder self-attention', 'decoder self-attention', 'cross-attention')
-START_PIECE = '<start>'  # the decoder's first input (PAD_ID serves as the start token)
+if TYPE_CHECKING:  # the layer reads the model's config; t2t.model imports this module
+    from t2t.model import TransformerConfig
 
-
-@functools.lru_cache(maxsize=8)
-def _weights_fn(model_config: TransformerConfig):
-    # The same weights from the plain XLA path, whatever kernel the config trains with.
-    config = model_config.replace(deterministic=True, decode=False, sow_attention=True,
-                                  attention_impl='xla')
-    model = Transformer(config)
-
-    def weights(params, inputs_BS, targets_BT):
-        _, state = model.apply({'params': params}, inputs_BS, targets_BT,
-                               mutable=['intermediates'])
-        found = state['intermediates']
-
-        def get(layer, name):
-            return found[layer][name]['attention_weights'][0]
-
-        encoder = [f'encoder_{i}' for i in range(config.num_encoder_layers)]
-        decoder = [f'decoder_{i}' for i in range(config.num_decoder_layers)]
-        return {KINDS[0]: [get(n, 'self_attention') for n in encoder],
-                KINDS[1]: [get(n, 'self_attention') for n in decoder],
-                KINDS[2]: [get(n, 'cross_attention') for n in decoder]}
-
-    return jax.jit(weights)
-
-
-def attention_weights(model_config: TransformerConfig, params, inputs_BS, targets_BT
-                      ) -> dict[str, list[np.ndarray]]:
-    """{kind: [weights_BHQK of each layer]} of the teacher-forced pass over (inputs, targets)."""
-    found = _weights_fn(model_config)(params, jnp.asarray(inputs_BS), jnp.asarray(targets_BT))
-    return {kind: [np.asarray(w) for w in layers] for kind, layers in found.items()}
-
-
-def _restore(config, workdir, step):
-    """(label, params, tokenizer, model config), checked against each other as evaluate.py does."""
-    from t2t import data
-
-    label, steps = evaluation.select(workdir, step=step)[0]
-    try:
-        tokenizer = data.get_tokenizer(config)
-    except (ValueError, OSError) as e:
-        raise evaluation.EvalError(f'cannot load the tokenizer: {e}') from e
-    # Unrolled layers whatever the config trains with: one sown entry per layer.
-    params = evaluation.load_params(workdir, steps, scan_layers=False)
-    model_config = TransformerConfig.from_config(config, scan_layers=False)
-    evaluation.check_params(params, model_config, tokenizer, label)
-    return label, params, tokenizer, model_config
+Array = jax.Array
 
 
 # ----------------------------------------------------------------------------------------------
-# One sentence -> a picture
+# Masks, built once at the top of the model's encode()/decode()
 
 
-@dataclasses.dataclass(frozen=True)
-class SentenceMaps:
-    """The attention of one decoded sentence: weights and the pieces that label them."""
-
-    label: str  # the checkpoint, e.g. step-950
-    translation: str
-    source_pieces: list[str]  # S, EOS included
-    output_pieces: list[str]  # T: what each decoder position emits (EOS included if emitted)
-    decoder_input_pieces: list[str]  # T: <start>, then the output shifted right
-    weights: dict[str, list[np.ndarray]]  # kind -> per layer [H, Q, K]
-
-
-def sentence_maps(config, workdir, sentence: str, *, step: int | None = None) -> SentenceMaps:
-    """Decodes `sentence` with the config's beam search and reads the attention of that output."""
-    label, params, tokenizer, model_config = _restore(config, workdir, step)
-    source = tokenizer.encode(sentence) + [EOS_ID]
-    if not sentence.strip() or len(source) > config.max_eval_len:
-        raise evaluation.EvalError(f'--sentence has {len(source)} tokens (EOS included); it must '
-                                   f'be non-empty and at most max_eval_len={config.max_eval_len}')
-    predict = inference.config_predict_fn(config, model_config,
-                                         num_valid_ids=tokenizer.vocab_size)
-    ids = np.asarray(jax.device_get(predict(params, np.asarray([source], np.int32)).ids_BL))[0]
-    ends = np.flatnonzero(ids == EOS_ID)
-    output = ids[:ends[0] + 1] if len(ends) else ids[ids != PAD_ID]
-    weights = attention_weights(model_config, params, np.asarray([source], np.int32),
-                                np.asarray([output], np.int32))
-    out_pieces = [tokenizer.piece(i) for i in output]
-    return SentenceMaps(
-        label=label, translation=tokenizer.decode(output),
-        source_pieces=[tokenizer.piece(i) for i in source], output_pieces=out_pieces,
-        decoder_input_pieces=[START_PIECE] + out_pieces[:-1],
-        weights={kind: [w[0] for w in layers] for kind, layers in weights.items()})
+def attention_mask(q_valid_BQ: Array, k_valid_BK: Array, q_segment_BQ=None, k_segment_BK=None,
+                   causal: bool = False) -> Array:
+    """Boolean [B, 1, Q, K]: True where query q may attend to key k."""
+    mask = q_valid_BQ[:, :, None] & k_valid_BK[:, None, :]
+    if q_segment_BQ is not None:
+        mask &= q_segment_BQ[:, :, None] == k_segment_BK[:, None, :]
+    if causal:
+        q, k = mask.shape[1], mask.shape[2]
+        mask &= jnp.arange(q)[:, None] >= jnp.arange(k)[None, :]
+    return mask[:, None, :, :]
 
 
-def plot(maps: SentenceMaps, path: str, title: str = ''):
-    """Writes the PNG; returns the matplotlib figure (one axes per layer x head x kind)."""
-    import matplotlib
+@struct.dataclass
+class AttentionMask:
+    """Who may attend to whom, in the form the attention implementation takes.
 
-    matplotlib.use('Agg')  # no display needed
-    import matplotlib.pyplot as plt
-
-    labels = {  # (query labels, key labels) of each kind
-        KINDS[0]: (maps.source_pieces, maps.source_pieces),
-        KINDS[1]: (maps.output_pieces, maps.decoder_input_pieces),
-        KINDS[2]: (maps.output_pieces, maps.source_pieces),
-    }
-    heads = maps.weights[KINDS[0]][0].shape[0]
-    rows = max(len(layers) for layers in maps.weights.values())
-    longest = max(len(maps.source_pieces), len(maps.output_pieces))
-    panel = 0.9 + 0.13 * longest  # inches: room for the pieces as tick labels
-    fig = plt.figure(figsize=(3 * heads * panel + 1, rows * panel + 1.2), layout='constrained')
-    blocks = fig.subfigures(1, len(KINDS), wspace=0.02)
-    font = max(4.0, min(8.0, 220 / longest / heads))
-    for block, kind in zip(blocks, KINDS, strict=True):
-        layers = maps.weights[kind]
-        block.suptitle(kind, fontsize=10)
-        grid = block.subplots(len(layers), heads, squeeze=False)
-        queries, keys = labels[kind]
-        for layer, row in enumerate(grid):
-            for head, ax in enumerate(row):
-                ax.imshow(layers[layer][head], cmap='viridis', vmin=0.0, vmax=1.0,
-                          aspect='auto', interpolation='nearest')
-                ax.set_title(f'layer {layer + 1} head {head + 1}', fontsize=7)
-                ax.set_xticks(range(len(keys)))
-                ax.set_yticks(range(len(queries)))
-                bottom, first = layer == len(layers) - 1, head == 0
-                ax.set_xticklabels(keys if bottom else [], rotation=90, fontsize=font)
-                ax.set_yticklabels(queries if first else [], fontsize=font)
-                ax.tick_params(length=0)
-    fig.suptitle(title or f'{maps.label}: {maps.translation}', fontsize=11)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return fig
-
-
-# ----------------------------------------------------------------------------------------------
-# The recall toy's report
-
-
-def _best(weights_LH: np.ndarray) -> tuple[int, int, float]:
-    """(layer, head, weight) of the largest entry, 1-based."""
-    layer, head = np.unravel_index(np.argmax(weights_LH), weights_LH.shape)
-    return int(layer) + 1, int(head) + 1, float(weights_LH[layer, head])
-
-
-def _table(weights_LH: np.ndarray) -> list[str]:
-    layers, heads = weights_LH.shape
-    lines = ['         ' + ''.join(f'  head {h + 1:<3}' for h in range(heads))]
-    for layer in range(layers):
-        lines.append(f'layer {layer + 1:<3}'
-                     + ''.join(f'  {weights_LH[layer, h]:8.3f}' for h in range(heads)))
-    return lines
-
-
-@dataclasses.dataclass(frozen=True)
-class RecallReport:
-    """What a recall-toy model does with source position 0 (weights: means over examples).
-
-    The answer can reach the decoder two ways: its cross-attention reads position 0 directly
-    (first_weights_LH high), or an encoder self-attention head first copies position 0 to every
-    position (encoder_weights_LH high) and the decoder reads it anywhere.
+    dense_B1QK: boolean [B, 1, Q, K] ('xla', 'dot_product'; 'cudnn' on packed rows).
+    q_lengths_B / k_lengths_B: int32 numbers of leading valid tokens ('cudnn' on right-padded
+      rows: cuDNN skips the padding itself, no [Q, K] mask is ever materialized).
+    q_segment_BQ / k_segment_BK: int32 segment ids, 0 on padding ('splash'; unpacked rows are
+      segment 1).
+    causal: key k is visible to query q only if k <= q (with the lengths or segments).
     """
 
-    label: str  # the checkpoint
-    split: str
-    examples: int
-    accuracy: float  # greedy output == the first symbol, over every example of the split
-    first_weights_LH: np.ndarray  # cross-attention, first output position -> source position 0
-    by_answer: dict[str, np.ndarray]  # the same, over the examples of each answer
-    encoder_weights_LH: np.ndarray  # encoder self-attention, source positions 1.. -> position 0
-
-    @property
-    def best(self) -> tuple[int, int, float]:
-        """(layer, head, weight) of the decoder head that reads source position 0 most."""
-        return _best(self.first_weights_LH)
-
-    @property
-    def encoder_best(self) -> tuple[int, int, float]:
-        """(layer, head, weight) of the encoder head that copies position 0 most."""
-        return _best(self.encoder_weights_LH)
-
-    def format(self) -> str:
-        layer, head, weight = self.best
-        split = ', '.join(f'{w[layer - 1, head - 1]:.3f} when the answer is {a}'
-                          for a, w in sorted(self.by_answer.items()))
-        e_layer, e_head, e_weight = self.encoder_best
-        return '\n'.join([
-            f'{self.label} on {self.split}: {self.examples} held-out sequences, greedy '
-            f'accuracy {self.accuracy:.4f}',
-            'cross-attention weight from the first output position (the answer) to source '
-            'position 0, mean over the examples:',
-            *_table(self.first_weights_LH),
-            f'best: layer {layer} head {head}: {weight:.3f} ({split})',
-            'encoder self-attention weight from source positions 1.. to position 0, mean over '
-            'positions and examples:',
-            *_table(self.encoder_weights_LH),
-            f'best: layer {e_layer} head {e_head}: {e_weight:.3f}'])
+    dense_B1QK: Array | None = None
+    q_lengths_B: Array | None = None
+    k_lengths_B: Array | None = None
+    q_segment_BQ: Array | None = None
+    k_segment_BK: Array | None = None
+    causal: bool = struct.field(pytree_node=False, default=False)
 
 
-def recall_report(config, workdir, *, split: str = '', step: int | None = None) -> RecallReport:
-    """Accuracy and first-position attention of a recall-toy checkpoint on a held-out split."""
-    from t2t import data
+def make_attention_mask(impl: str, q_valid_BQ: Array, k_valid_BK: Array, q_segment_BQ=None,
+                        k_segment_BK=None, causal: bool = False) -> AttentionMask:
+    """The mask of `attention_mask` in the form that attention implementation `impl` takes.
 
-    if config.dataset != 'recall':
-        raise evaluation.EvalError(f'--recall_report needs dataset=recall, not {config.dataset!r}')
-    label, params, tokenizer, model_config = _restore(config, workdir, step)
-    split = split or config.test_split
-    eval_split = data.eval_split(config, tokenizer, split)
-    predict = inference.make_predict_fn(
-        model_config, beam_size=1, alpha=0.0, max_decode_len=config.max_decode_len,
-        max_decode_extra=config.max_decode_extra, greedy=True,
-        num_valid_ids=tokenizer.vocab_size)
-    n = len(eval_split.sources)
-    result = inference.translate_batches(predict, params, eval_split.batches(
-        config.eval_batch_size), tokenizer, n, progress=False)
-    correct = sum(h == r for h, r in zip(result.hypotheses, eval_split.references, strict=True))
-    sums, counts = {}, {}  # per answer id: [L, H] sums of the weight of query 0 on key 0
-    encoder_sum, rows = 0.0, 0
-    for batch in eval_split.batches(config.eval_batch_size):
-        maps = attention_weights(model_config, params, batch['inputs'], batch['targets'])
-        real_N = batch['index'] >= 0
-        first_NLH = np.stack([w[:, :, 0, 0] for w in maps[KINDS[2]]], axis=1)
-        for answer in np.unique(batch['targets'][real_N, 0]).tolist():
-            rows_N = real_N & (batch['targets'][:, 0] == answer)
-            sums[answer] = sums.get(answer, 0.0) + first_NLH[rows_N].sum(axis=0)
-            counts[answer] = counts.get(answer, 0) + int(rows_N.sum())
-        # queries 1 .. last real token of each row, onto key 0; averaged over them per row
-        later_NS = (batch['inputs'] != PAD_ID) & (np.arange(batch['inputs'].shape[1]) > 0)
-        share_N = later_NS / np.maximum(later_NS.sum(axis=1, keepdims=True), 1)
-        encoder_NLH = np.stack([np.einsum('nhs,ns->nh', w[:, :, :, 0], share_N)
-                                for w in maps[KINDS[0]]], axis=1)
-        encoder_sum = encoder_sum + encoder_NLH[real_N].sum(axis=0)
-        rows += int(real_N.sum())
-    by_answer = {tokenizer.piece(a): sums[a] / counts[a] for a in sorted(sums)}
-    return RecallReport(label=label, split=eval_split.name, examples=n, accuracy=correct / n,
-                        first_weights_LH=sum(sums.values()) / max(rows, 1), by_answer=by_answer,
-                        encoder_weights_LH=encoder_sum / max(rows, 1))
+    'cudnn' uses sequence lengths, so it assumes right padding (valid tokens first), as every
+    t2t batch has. Packed rows (segment ids given) fall back to the dense mask with cuDNN:
+    jax.nn.dot_product_attention takes no segment ids; jax turns the mask into a bias.
+    """
+    if impl == 'cudnn' and q_segment_BQ is None:
+        return AttentionMask(q_lengths_B=q_valid_BQ.sum(-1, dtype=jnp.int32),
+                             k_lengths_B=k_valid_BK.sum(-1, dtype=jnp.int32), causal=causal)
+    if impl == 'splash':
+        def segments(valid, segment):
+            ids = valid.astype(jnp.int32) if segment is None else segment.astype(jnp.int32)
+            return jnp.where(valid, ids, 0)
+        return AttentionMask(q_segment_BQ=segments(q_valid_BQ, q_segment_BQ),
+                             k_segment_BK=segments(k_valid_BK, k_segment_BK), causal=causal)
+    return AttentionMask(dense_B1QK=attention_mask(q_valid_BQ, k_valid_BK, q_segment_BQ,
+                                                   k_segment_BK, causal=causal))
 
 
 # ----------------------------------------------------------------------------------------------
-# Entry
+# Kernels: softmax(q k^T * scale + mask) v
 
 
-def main(argv):
-    from absl import app, flags
-
-    if len(argv) > 1:
-        raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-    f = flags.FLAGS
-    try:
-        if f.recall_report:
-            print(recall_report(f.config, f.workdir, split=f.split, step=f.step).format())
-            return
-        if not f.sentence:
-            raise app.UsageError('give --sentence="..." (a picture) or --recall_report')
-        maps = sentence_maps(f.config, f.workdir, f.sentence, step=f.step)
-        output = f.output or f'{f.workdir}/attention.png'
-        plot(maps, output)
-        print(f'{maps.label}: {f.sentence!r} -> {maps.translation!r}\nattention maps -> {output}')
-    except (evaluation.EvalError, checkpoint.CheckpointError) as e:
-        sys.exit(f't2t.attention: {e}')
+def cudnn_arguments(mask: AttentionMask) -> dict:
+    """Keyword arguments of jax.nn.dot_product_attention that express `mask`."""
+    if mask.dense_B1QK is not None:
+        return dict(mask=mask.dense_B1QK)
+    return dict(is_causal=mask.causal, query_seq_lengths=mask.q_lengths_B,
+                key_value_seq_lengths=mask.k_lengths_B)
 
 
-if __name__ == '__main__':
-    from absl import app, flags, logging
-    from ml_collections import config_flags
+def attention_weights(q_BQHK: Array, k_BKHK: Array, mask_B1QK: Array, scale: float,
+                      keys: str = 'bshk') -> Array:
+    """softmax(q k^T * scale + mask) in float32: [B, H, Q, K] (mask: boolean [B, 1, Q, K]).
 
-    config_flags.DEFINE_config_file('config', None, 'Experiment config.')
-    flags.DEFINE_string('workdir', None, 'The training workdir (holds checkpoints/).')
-    flags.DEFINE_integer('step', None, 'Use this checkpoint step (default: the latest).')
-    flags.DEFINE_string('sentence', '', 'A source sentence to decode and picture.')
-    flags.DEFINE_string('output', '', 'The PNG (default: WORKDIR/attention.png).')
-    flags.DEFINE_bool('recall_report', False, 'Print the recall toy\'s accuracy and attention.')
-    flags.DEFINE_string('split', '', 'With --recall_report: the split (default: test_split).')
-    flags.mark_flags_as_required(['config', 'workdir'])
-    logging.set_verbosity(logging.WARNING)
-    app.run(main)
+    keys: the layout of k, 'bshk' ([B, K, H, head dim], as projected) or 'bhsk' (head-major,
+    as the decode caches keep them).
+    """
+    logits_BHQK = jnp.einsum(f'bqhk,{keys}->bhqs', q_BQHK, k_BKHK) * jnp.asarray(
+        scale, q_BQHK.dtype)
+    logits_BHQK = jnp.where(mask_B1QK, logits_BHQK.astype(jnp.float32), -1e10)
+    return jax.nn.softmax(logits_BHQK, axis=-1)
+
+
+def dot_product_attention(q_BQHK: Array, k_BKHK: Array, v_BKHK: Array, mask, *,
+                          scale: float, dropout_rate: float = 0.0, dropout_rng=None,
+                          impl: str = 'xla') -> Array:
+    """softmax(q k^T * scale + mask) v with the softmax in float32; returns [B, Q, H, K].
+
+    mask: an AttentionMask built for `impl`, or a boolean [B, 1, Q, K] array.
+    impl: 'xla' (written out here), 'dot_product' (jax.nn.dot_product_attention, which lets jax
+    pick the kernel: XLA's today), 'cudnn' (the same function forced to cuDNN's fused flash
+    attention, with sequence lengths and the causal flag: GPU only, bfloat16/float16 inputs) or
+    'splash' (the Pallas splash attention kernel with segment ids: TPU only).
+    """
+    if not isinstance(mask, AttentionMask):
+        mask = AttentionMask(dense_B1QK=mask)
+    if impl == 'dot_product':
+        return jax.nn.dot_product_attention(q_BQHK, k_BKHK, v_BKHK, mask=mask.dense_B1QK,
+                                            scale=scale)
+    if impl == 'cudnn':
+        return jax.nn.dot_product_attention(q_BQHK, k_BKHK, v_BKHK, scale=scale,
+                                            implementation='cudnn', **cudnn_arguments(mask))
+    if impl == 'splash':
+        return splash_attention(q_BQHK, k_BKHK, v_BKHK, mask, scale=scale)
+    weights_BHQK = attention_weights(q_BQHK, k_BKHK, mask.dense_B1QK, scale)
+    if dropout_rate > 0.0 and dropout_rng is not None:
+        weights_BHQK = dropout(weights_BHQK, dropout_rate, dropout_rng)
+    return jnp.einsum('bhqs,bshk->bqhk', weights_BHQK.astype(v_BKHK.dtype), v_BKHK)
+
+
+_SPLASH_BLOCK = 128  # the kernel's tile; lengths are padded up to a multiple of it
+
+
+def splash_attention(q_BQHK: Array, k_BKHK: Array, v_BKHK: Array, mask: AttentionMask, *,
+                     scale: float, interpret: bool = False) -> Array:
+    """Attention through jax's Pallas splash attention kernel for TPU (segment ids + causal).
+
+    Lengths are padded to a multiple of 128 (the padding gets segment ids no real token has,
+    and is cut off again). Under a mesh the kernel runs per shard (shard_map): batch split as
+    'batch', heads as 'heads', lengths whole. interpret=True runs the kernel's Python
+    interpretation on any backend (tests).
+    """
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    q_len, k_len = q_BQHK.shape[1], k_BKHK.shape[1]
+    pad_q, pad_k = -q_len % _SPLASH_BLOCK, -k_len % _SPLASH_BLOCK
+
+    def per_shard(q_BQHK, k_BKHK, v_BKHK, q_seg_BQ, k_seg_BK):
+        heads = q_BQHK.shape[2]
+        q_BQHK = q_BQHK * jnp.asarray(scale, q_BQHK.dtype)
+        q_BHQK, k_BHKK, v_BHKK = (
+            jnp.pad(x, ((0, 0), (0, p), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+            for x, p in ((q_BQHK, pad_q), (k_BKHK, pad_k), (v_BKHK, pad_k)))
+        # Padded queries (-1) and keys (-2) match nothing; a fully masked row stays finite.
+        q_seg_BQ = jnp.pad(q_seg_BQ, ((0, 0), (0, pad_q)), constant_values=-1)
+        k_seg_BK = jnp.pad(k_seg_BK, ((0, 0), (0, pad_k)), constant_values=-2)
+        shape = (q_len + pad_q, k_len + pad_k)
+        head_mask = splash.CausalMask(shape) if mask.causal else splash.FullMask(shape)
+        kernel = splash.make_splash_mha(
+            splash.MultiHeadMask([head_mask] * heads), head_shards=1, q_seq_shards=1,
+            interpret=interpret)
+        out_BHQK = jax.vmap(kernel)(q_BHQK, k_BHKK, v_BHKK,
+                                    segment_ids=splash.SegmentIds(q_seg_BQ, k_seg_BK))
+        return out_BHQK.transpose(0, 2, 1, 3)[:, :q_len]
+
+    args = (q_BQHK, k_BKHK, v_BKHK, mask.q_segment_BQ, mask.k_segment_BK)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return per_shard(*args)
+    qkv = nn.logical_to_mesh_axes(('batch', 'length', 'heads', 'kv'))
+    seg = nn.logical_to_mesh_axes(('batch', 'length'))
+    return jax.shard_map(per_shard, mesh=mesh, in_specs=(qkv, qkv, qkv, seg, seg),
+                         out_specs=qkv, check_vma=False)(*args)
+
+
+# ----------------------------------------------------------------------------------------------
+# The layer
+
+
+def apply_rope(x_BLHK: Array, positions_BL: Array) -> Array:
+    """Rotary position embedding (Su et al. 2021) on the last axis, pairs (i, i + K/2)."""
+    k = x_BLHK.shape[-1]
+    inv_freq = 1.0 / (10000.0 ** (jnp.arange(0, k, 2, dtype=jnp.float32) / k))
+    angle_BLK2 = positions_BL[..., None].astype(jnp.float32) * inv_freq
+    sin, cos = jnp.sin(angle_BLK2)[:, :, None, :], jnp.cos(angle_BLK2)[:, :, None, :]
+    x1, x2 = jnp.split(x_BLHK.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BLHK.dtype)
+
+
+def _head_projection(cfg: TransformerConfig, direction: str, name: str) -> nn.DenseGeneral:
+    """x W (+ b) between [.., D] and [.., H, K] ('in': q/k/v; 'out': the output projection).
+
+    Glorot uniform over the flattened [fan_in, fan_out] matrix, as for a plain Dense layer; kernel
+    and bias are stored in their true shapes with one logical name per dimension. flax draws both
+    flat and reshapes them after applying the names (a sharding constraint under a mesh, which
+    fails on the flat draw), so the inits reshape first. Biases only with cfg.attention_bias.
+    """
+    d, h, k = cfg.d_model, cfg.num_heads, cfg.head_dim
+    if direction == 'in':
+        features, axis = (h, k), -1
+        kernel = (d, h, k), ('embed', 'heads', 'kv')
+        bias = (h, k), ('heads', 'kv')
+    else:
+        features, axis = d, (-2, -1)
+        kernel = (h, k, d), ('heads', 'kv', 'embed')
+        bias = (d,), ('embed',)
+
+    def shaped(init, shape_names):
+        shape, names = shape_names
+        return nn.with_logical_partitioning(
+            lambda key, flat, dtype=jnp.float32: init(key, flat, dtype).reshape(shape), names)
+
+    return nn.DenseGeneral(
+        features, axis=axis, use_bias=cfg.attention_bias, dtype=cfg.dtype, name=name,
+        kernel_init=shaped(nn.initializers.xavier_uniform(), kernel),
+        bias_init=shaped(nn.initializers.zeros_init(), bias))
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention with q, k, v, o projections (biases only with config.attention_bias).
+
+    kind: 'self' (keys from x itself, a growing cache in decode mode; causality is in the mask)
+    or 'cross' (keys from the encoder output, projected once and cached in decode mode).
+    """
+
+    config: TransformerConfig
+    kind: str = 'self'
+
+    @nn.compact
+    def __call__(self, x_BQD, kv_BSD, mask_B1QS, q_positions_BQ=None, kv_positions_BS=None,
+                 cache_index=None):
+        cfg = self.config
+        rope = cfg.position_embedding == 'rope' and self.kind == 'self'
+        q_BQHK = _head_projection(cfg, 'in', 'query')(x_BQD)
+        if rope:
+            q_BQHK = apply_rope(q_BQHK, q_positions_BQ)
+
+        scale = cfg.head_dim ** -0.5 if cfg.scale_attention else 1.0
+        if cfg.decode:
+            out_BQHK = self._decode_attention(q_BQHK, kv_BSD, mask_B1QS, kv_positions_BS,
+                                              cache_index, scale)
+            return _head_projection(cfg, 'out', 'out')(out_BQHK)
+
+        k_BSHK = _head_projection(cfg, 'in', 'key')(kv_BSD)
+        v_BSHK = _head_projection(cfg, 'in', 'value')(kv_BSD)
+        if rope:
+            k_BSHK = apply_rope(k_BSHK, kv_positions_BS)
+        q_BQHK = nn.with_logical_constraint(q_BQHK, ('batch', 'length', 'heads', 'kv'))
+        if cfg.sow_attention:  # the weights this layer uses (before attention dropout)
+            dense_B1QS = mask_B1QS.dense_B1QK if isinstance(mask_B1QS, AttentionMask) \
+                else mask_B1QS
+            self.sow('intermediates', 'attention_weights',
+                     attention_weights(q_BQHK, k_BSHK, dense_B1QS, scale))
+        dropout_rng = None
+        if not cfg.deterministic and cfg.attention_dropout_rate > 0:
+            dropout_rng = self.make_rng('dropout')
+        out_BQHK = dot_product_attention(
+            q_BQHK, k_BSHK, v_BSHK, mask_B1QS, scale=scale,
+            dropout_rate=cfg.attention_dropout_rate, dropout_rng=dropout_rng,
+            impl=cfg.attention_impl,
+        )
+        out_BQD = _head_projection(cfg, 'out', 'out')(out_BQHK)
+        return nn.with_logical_constraint(out_BQD, ('batch', 'length', 'embed'))
+
+    def _decode_attention(self, q_B1HK, kv_BSD, mask, kv_positions_BS, cache_index, scale):
+        """Decode mode: one query per row over the cached keys/values.
+
+        The caches are kept head-major, [B, H, L, K], the layout a batched matmul over (B, H)
+        reads as it is: stored as [B, L, H, K] they were transposed in full at every step.
+        One query gains nothing from a fused kernel, so every attention_impl takes this path.
+        """
+        cfg = self.config
+        if self.kind == 'cross':
+            k_BHSK, v_BHSK = self._cross_cache(kv_BSD)
+        else:
+            k_B1HK = _head_projection(cfg, 'in', 'key')(kv_BSD)
+            if cfg.position_embedding == 'rope':
+                k_B1HK = apply_rope(k_B1HK, kv_positions_BS)
+            k_BHSK, v_BHSK, mask = self._self_cache(
+                k_B1HK, _head_projection(cfg, 'in', 'value')(kv_BSD), cache_index)
+        mask_B11S = mask.dense_B1QK if isinstance(mask, AttentionMask) else mask
+        weights_BH1S = attention_weights(q_B1HK, k_BHSK, mask_B11S, scale, keys='bhsk')
+        if cfg.sow_attention:
+            self.sow('intermediates', 'attention_weights', weights_BH1S)
+        return jnp.einsum('bhqs,bhsk->bqhk', weights_BH1S.astype(v_BHSK.dtype), v_BHSK)
+
+    def _self_cache(self, k_B1HK, v_B1HK, cache_index):
+        """Writes this step's key/value at cache_index; attends to positions <= cache_index.
+
+        Returns the head-major buffers [B, H, decode_len, K] and the mask [B, 1, 1, decode_len].
+        """
+        cfg = self.config
+        b, _, h, k = k_B1HK.shape
+        initialized = self.has_variable('cache', 'cached_key')
+        shape = (b, h, cfg.decode_len, k)
+        ck = self.variable('cache', 'cached_key', jnp.zeros, shape, k_B1HK.dtype)
+        cv = self.variable('cache', 'cached_value', jnp.zeros, shape, v_B1HK.dtype)
+        if not initialized:  # the call that creates the cache does not decode a token
+            return (k_B1HK.swapaxes(1, 2), v_B1HK.swapaxes(1, 2),
+                    jnp.ones((b, 1, 1, 1), bool))
+        at = (0, 0, cache_index, 0)
+        ck.value = jax.lax.dynamic_update_slice(ck.value, k_B1HK.swapaxes(1, 2), at)
+        cv.value = jax.lax.dynamic_update_slice(cv.value, v_B1HK.swapaxes(1, 2), at)
+        mask_B11L = (jnp.arange(cfg.decode_len) <= cache_index)[None, None, None, :]
+        return ck.value, cv.value, jnp.broadcast_to(mask_B11L, (b, 1, 1, cfg.decode_len))
+
+    def _cross_cache(self, encoded_BSD):
+        """Head-major keys/values [B, H, S, K] of the encoder output, projected once when the
+        cache is created.
+
+        They live in their own collection, 'cross_cache': they never change while decoding, so a
+        beam search need not reorder them with the growing self-attention 'cache'.
+        """
+        def project(name):
+            return lambda: _head_projection(self.config, 'in', name)(encoded_BSD).swapaxes(1, 2)
+
+        ck = self.variable('cross_cache', 'cross_key', project('key'))
+        cv = self.variable('cross_cache', 'cross_value', project('value'))
+        return ck.value, cv.value

@@ -43,6 +43,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from t2t.model import attention_bias_mismatch, has_attention_bias
+
 STATE, META = 'state', 'meta'
 ITERATOR_KEY = 'data_iterator'  # the grain iterator's get_state(), inside META
 TRASH = '.deleted'  # old steps are renamed here (atomic), then removed
@@ -383,6 +385,10 @@ def _check_fits(mgr: ocp.CheckpointManager, step: int, abstract_state, step_dir)
     if not have:
         raise CorruptCheckpointError(f'checkpoint {step_dir} is unreadable (incomplete or '
                                      'corrupt): no state metadata')
+    bias = attention_bias_mismatch(f'checkpoint {step_dir}', stored,
+                                   has_attention_bias(abstract_state))
+    if bias:
+        raise CheckpointError(bias)
     for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]:
         name = _path_name(path)
         if name not in have:

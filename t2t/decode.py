@@ -168,10 +168,10 @@ def beam_search(
     init_log_probs_BK = jnp.tile(jnp.array([0.0] + [NEG_INF] * (K - 1), jnp.float32), (B, 1))
     state = BeamState(
         step=jnp.array(0, jnp.int32),
-        alive_seqs_BKT=jnp.zeros((B, K, T), jnp.int32),
+        alive_seqs_BKT=jnp.full((B, K, T), PAD_ID, jnp.int32),
         alive_log_probs_BK=init_log_probs_BK,
         alive_cache=_tile_beams(cache, B, K),
-        finished_seqs_BKT=jnp.zeros((B, K, T), jnp.int32),
+        finished_seqs_BKT=jnp.full((B, K, T), PAD_ID, jnp.int32),
         finished_scores_BK=jnp.full((B, K), NEG_INF, jnp.float32),
         finished_flags_BK=jnp.zeros((B, K), jnp.bool_),
     )
@@ -281,7 +281,7 @@ def greedy_search(
     limit_B = _length_limits(B, L, max_lengths)
     state = GreedyState(
         step=jnp.array(0, jnp.int32),
-        seqs_BT=jnp.zeros((B, L + 1), jnp.int32),
+        seqs_BT=jnp.full((B, L + 1), PAD_ID, jnp.int32),
         cache=cache,
         finished_B=jnp.zeros((B,), jnp.bool_),
     )

@@ -32,8 +32,7 @@ from absl import logging
 
 from t2t import bleu, checkpoint, inference, layers_convert, sharding, startup
 from t2t import workdir as wd
-from t2t.model import TransformerConfig
-from t2t.summary import abstract_params
+from t2t.model import TransformerConfig, abstract_params, attention_bias_mismatch
 
 NUM_SHOWN = 3  # source / reference / hypothesis triples printed per evaluation
 
@@ -105,6 +104,9 @@ def _embedding_rows(params) -> int:
 
 def check_params(params, model_config: TransformerConfig, tokenizer, label: str) -> None:
     """The tokenizer fits the checkpoint's embedding, and the config's model fits its params."""
+    bias = attention_bias_mismatch(f'checkpoint {label}', params, model_config.attention_bias)
+    if bias:
+        raise EvalError(bias)
     rows = _embedding_rows(params)
     # A tokenizer trained with hard_vocab_limit=False may come out smaller than the configured
     # vocab_size the model was built with; that pairing is the only tolerated difference.

@@ -42,7 +42,8 @@ from jax.sharding import PartitionSpec
 from tqdm import tqdm
 
 from t2t import decode, sharding
-from t2t.model import EOS_ID, PAD_ID, Transformer, TransformerConfig
+from t2t.ids import EOS_ID, PAD_ID
+from t2t.model import Transformer, TransformerConfig
 
 
 @struct.dataclass
@@ -101,7 +102,7 @@ def make_predict_fn(model_config: TransformerConfig, *, beam_size: int, alpha: f
         decoder = Transformer(config.replace(decode=True, decode_len=L))
         # The first call only builds the cache: self-attention buffers, cross keys/values.
         _, variables = decoder.apply(
-            {'params': params}, encoded_BSD, inputs_BS, jnp.zeros((B, 1), jnp.int32),
+            {'params': params}, encoded_BSD, inputs_BS, jnp.full((B, 1), PAD_ID, jnp.int32),
             method=Transformer.decode_step, mutable=['cache', 'cross_cache'])
 
         rows = B if greedy else B * beam_size

@@ -15,8 +15,7 @@ compute dtype) instead of several float32 [B, T, V] arrays.
 
 Gradients flow through the loss sum only: the NLL and accuracy sums are metrics (stop_gradient).
 The smoothed target distribution is tensor2tensor's: 1 - smoothing on the gold token and
-smoothing / (V - 1) on every other one (train_lib.label_smoothed_cross_entropy is the plain
-reference it equals).
+smoothing / (V - 1) on every other one (tests/plain_loss.py is the plain reference it equals).
 
 Shape letters: B batch rows, T target length, C positions per chunk, N chunks, D d_model,
 V vocabulary.

@@ -2,7 +2,8 @@
 
 The defaults are the paper's: post-LN residual blocks LayerNorm(x + Dropout(Sublayer(x))),
 sinusoidal positions, embeddings multiplied by sqrt(d_model), one embedding shared by source and
-target and tied to the output projection, ReLU feed-forward, scaled dot-product attention. Options
+target and tied to the output projection, ReLU feed-forward, scaled dot-product attention with
+no biases in its projections (attention_bias=True adds them, as older checkpoints have). Options
 cover what ablations ask for: pre-LN, learned, rotary or no positions, head count, no 1/sqrt(d_k)
 scaling, separate embeddings, bfloat16 compute (parameters stay float32) and the attention
 kernel (attention_impl: 'xla', 'dot_product', 'cudnn' = cuDNN flash attention on GPU, 'splash' =
@@ -16,7 +17,8 @@ Shape letters: B batch, S source length, T target length, L any length, D d_mode
 K head dim (d_k = d_v = D / H), F d_ff, V vocabulary.
 
 Masks (padding, causality, packed segments) are built once at the top of encode()/decode(), in
-the form the attention kernel wants (`AttentionMask`), and passed down. decode() is the
+the form the attention kernel wants (`AttentionMask`), and passed down (t2t/attention.py holds
+masks, kernels and the attention layer). decode() is the
 teacher-forced decoder (gold targets, shifted right here); features() stops before the output
 projection (the loss applies it chunk by chunk, t2t/loss.py). In decode mode (config.decode)
 decode_step() runs one token per call and the decoder keeps its self-attention keys/values
@@ -29,16 +31,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
-from flax import struct
 
-from t2t.dropout import Dropout, dropout
-from t2t.ids import EOS_ID, PAD_ID  # noqa: F401 (re-exported: t2t.model.EOS_ID)
+from t2t.attention import MultiHeadAttention, make_attention_mask
+from t2t.dropout import Dropout
+from t2t.ids import PAD_ID
 
 Array = jax.Array
 _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
@@ -65,6 +68,7 @@ class TransformerConfig:
     position_embedding: str = 'sinusoidal'
     max_position: int = 1024
     scale_attention: bool = True
+    attention_bias: bool = False  # biases in the q/k/v/o projections (the paper has none)
     scale_embeddings: bool = True
     share_embeddings: bool = True
     tie_output: bool = True
@@ -123,7 +127,7 @@ class TransformerConfig:
 
 
 # ----------------------------------------------------------------------------------------------
-# Positions
+# Positions and the decoder's inputs (rotary positions: t2t/attention.py)
 
 
 def sinusoidal_table(num_positions: int, d_model: int) -> np.ndarray:
@@ -137,33 +141,6 @@ def sinusoidal_table(num_positions: int, d_model: int) -> np.ndarray:
     return table.astype(np.float32)
 
 
-def apply_rope(x_BLHK: Array, positions_BL: Array) -> Array:
-    """Rotary position embedding (Su et al. 2021) on the last axis, pairs (i, i + K/2)."""
-    k = x_BLHK.shape[-1]
-    inv_freq = 1.0 / (10000.0 ** (jnp.arange(0, k, 2, dtype=jnp.float32) / k))
-    angle_BLK2 = positions_BL[..., None].astype(jnp.float32) * inv_freq
-    sin, cos = jnp.sin(angle_BLK2)[:, :, None, :], jnp.cos(angle_BLK2)[:, :, None, :]
-    x1, x2 = jnp.split(x_BLHK.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BLHK.dtype)
-
-
-# ----------------------------------------------------------------------------------------------
-# Masks, built once at the top of encode()/decode()
-
-
-def attention_mask(q_valid_BQ: Array, k_valid_BK: Array, q_segment_BQ=None, k_segment_BK=None,
-                   causal: bool = False) -> Array:
-    """Boolean [B, 1, Q, K]: True where query q may attend to key k."""
-    mask = q_valid_BQ[:, :, None] & k_valid_BK[:, None, :]
-    if q_segment_BQ is not None:
-        mask &= q_segment_BQ[:, :, None] == k_segment_BK[:, None, :]
-    if causal:
-        q, k = mask.shape[1], mask.shape[2]
-        mask &= jnp.arange(q)[:, None] >= jnp.arange(k)[None, :]
-    return mask[:, None, :, :]
-
-
 def shift_right(targets_BT: Array, segment_ids_BT=None) -> Array:
     """Decoder inputs: targets moved right by one, PAD_ID as start token, per packed segment."""
     shifted = jnp.pad(targets_BT, ((0, 0), (1, 0)), constant_values=PAD_ID)[:, :-1]
@@ -175,141 +152,7 @@ def shift_right(targets_BT: Array, segment_ids_BT=None) -> Array:
 
 
 # ----------------------------------------------------------------------------------------------
-# Attention
-
-
-@struct.dataclass
-class AttentionMask:
-    """Who may attend to whom, in the form the attention implementation takes.
-
-    dense_B1QK: boolean [B, 1, Q, K] ('xla', 'dot_product'; 'cudnn' on packed rows).
-    q_lengths_B / k_lengths_B: int32 numbers of leading valid tokens ('cudnn' on right-padded
-      rows: cuDNN skips the padding itself, no [Q, K] mask is ever materialized).
-    q_segment_BQ / k_segment_BK: int32 segment ids, 0 on padding ('splash'; unpacked rows are
-      segment 1).
-    causal: key k is visible to query q only if k <= q (with the lengths or segments).
-    """
-
-    dense_B1QK: Array | None = None
-    q_lengths_B: Array | None = None
-    k_lengths_B: Array | None = None
-    q_segment_BQ: Array | None = None
-    k_segment_BK: Array | None = None
-    causal: bool = struct.field(pytree_node=False, default=False)
-
-
-def make_attention_mask(impl: str, q_valid_BQ: Array, k_valid_BK: Array, q_segment_BQ=None,
-                        k_segment_BK=None, causal: bool = False) -> AttentionMask:
-    """The mask of `attention_mask` in the form that attention implementation `impl` takes.
-
-    'cudnn' uses sequence lengths, so it assumes right padding (valid tokens first), as every
-    t2t batch has. Packed rows (segment ids given) fall back to the dense mask with cuDNN:
-    jax.nn.dot_product_attention takes no segment ids; jax turns the mask into a bias.
-    """
-    if impl == 'cudnn' and q_segment_BQ is None:
-        return AttentionMask(q_lengths_B=q_valid_BQ.sum(-1, dtype=jnp.int32),
-                             k_lengths_B=k_valid_BK.sum(-1, dtype=jnp.int32), causal=causal)
-    if impl == 'splash':
-        def segments(valid, segment):
-            ids = valid.astype(jnp.int32) if segment is None else segment.astype(jnp.int32)
-            return jnp.where(valid, ids, 0)
-        return AttentionMask(q_segment_BQ=segments(q_valid_BQ, q_segment_BQ),
-                             k_segment_BK=segments(k_valid_BK, k_segment_BK), causal=causal)
-    return AttentionMask(dense_B1QK=attention_mask(q_valid_BQ, k_valid_BK, q_segment_BQ,
-                                                   k_segment_BK, causal=causal))
-
-
-def cudnn_arguments(mask: AttentionMask) -> dict:
-    """Keyword arguments of jax.nn.dot_product_attention that express `mask`."""
-    if mask.dense_B1QK is not None:
-        return dict(mask=mask.dense_B1QK)
-    return dict(is_causal=mask.causal, query_seq_lengths=mask.q_lengths_B,
-                key_value_seq_lengths=mask.k_lengths_B)
-
-
-def attention_weights(q_BQHK: Array, k_BKHK: Array, mask_B1QK: Array, scale: float,
-                      keys: str = 'bshk') -> Array:
-    """softmax(q k^T * scale + mask) in float32: [B, H, Q, K] (mask: boolean [B, 1, Q, K]).
-
-    keys: the layout of k, 'bshk' ([B, K, H, head dim], as projected) or 'bhsk' (head-major,
-    as the decode caches keep them).
-    """
-    logits_BHQK = jnp.einsum(f'bqhk,{keys}->bhqs', q_BQHK, k_BKHK) * jnp.asarray(
-        scale, q_BQHK.dtype)
-    logits_BHQK = jnp.where(mask_B1QK, logits_BHQK.astype(jnp.float32), -1e10)
-    return jax.nn.softmax(logits_BHQK, axis=-1)
-
-
-def dot_product_attention(q_BQHK: Array, k_BKHK: Array, v_BKHK: Array, mask, *,
-                          scale: float, dropout_rate: float = 0.0, dropout_rng=None,
-                          impl: str = 'xla') -> Array:
-    """softmax(q k^T * scale + mask) v with the softmax in float32; returns [B, Q, H, K].
-
-    mask: an AttentionMask built for `impl`, or a boolean [B, 1, Q, K] array.
-    impl: 'xla' (written out here), 'dot_product' (jax.nn.dot_product_attention, which lets jax
-    pick the kernel: XLA's today), 'cudnn' (the same function forced to cuDNN's fused flash
-    attention, with sequence lengths and the causal flag: GPU only, bfloat16/float16 inputs) or
-    'splash' (the Pallas splash attention kernel with segment ids: TPU only).
-    """
-    if not isinstance(mask, AttentionMask):
-        mask = AttentionMask(dense_B1QK=mask)
-    if impl == 'dot_product':
-        return jax.nn.dot_product_attention(q_BQHK, k_BKHK, v_BKHK, mask=mask.dense_B1QK,
-                                            scale=scale)
-    if impl == 'cudnn':
-        return jax.nn.dot_product_attention(q_BQHK, k_BKHK, v_BKHK, scale=scale,
-                                            implementation='cudnn', **cudnn_arguments(mask))
-    if impl == 'splash':
-        return splash_attention(q_BQHK, k_BKHK, v_BKHK, mask, scale=scale)
-    weights_BHQK = attention_weights(q_BQHK, k_BKHK, mask.dense_B1QK, scale)
-    if dropout_rate > 0.0 and dropout_rng is not None:
-        weights_BHQK = dropout(weights_BHQK, dropout_rate, dropout_rng)
-    return jnp.einsum('bhqs,bshk->bqhk', weights_BHQK.astype(v_BKHK.dtype), v_BKHK)
-
-
-_SPLASH_BLOCK = 128  # the kernel's tile; lengths are padded up to a multiple of it
-
-
-def splash_attention(q_BQHK: Array, k_BKHK: Array, v_BKHK: Array, mask: AttentionMask, *,
-                     scale: float, interpret: bool = False) -> Array:
-    """Attention through jax's Pallas splash attention kernel for TPU (segment ids + causal).
-
-    Lengths are padded to a multiple of 128 (the padding gets segment ids no real token has,
-    and is cut off again). Under a mesh the kernel runs per shard (shard_map): batch split as
-    'batch', heads as 'heads', lengths whole. interpret=True runs the kernel's Python
-    interpretation on any backend (tests).
-    """
-    from jax.experimental.pallas.ops.tpu import splash_attention as splash
-
-    q_len, k_len = q_BQHK.shape[1], k_BKHK.shape[1]
-    pad_q, pad_k = -q_len % _SPLASH_BLOCK, -k_len % _SPLASH_BLOCK
-
-    def per_shard(q_BQHK, k_BKHK, v_BKHK, q_seg_BQ, k_seg_BK):
-        heads = q_BQHK.shape[2]
-        q_BQHK = q_BQHK * jnp.asarray(scale, q_BQHK.dtype)
-        q_BHQK, k_BHKK, v_BHKK = (
-            jnp.pad(x, ((0, 0), (0, p), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
-            for x, p in ((q_BQHK, pad_q), (k_BKHK, pad_k), (v_BKHK, pad_k)))
-        # Padded queries (-1) and keys (-2) match nothing; a fully masked row stays finite.
-        q_seg_BQ = jnp.pad(q_seg_BQ, ((0, 0), (0, pad_q)), constant_values=-1)
-        k_seg_BK = jnp.pad(k_seg_BK, ((0, 0), (0, pad_k)), constant_values=-2)
-        shape = (q_len + pad_q, k_len + pad_k)
-        head_mask = splash.CausalMask(shape) if mask.causal else splash.FullMask(shape)
-        kernel = splash.make_splash_mha(
-            splash.MultiHeadMask([head_mask] * heads), head_shards=1, q_seq_shards=1,
-            interpret=interpret)
-        out_BHQK = jax.vmap(kernel)(q_BHQK, k_BHKK, v_BHKK,
-                                    segment_ids=splash.SegmentIds(q_seg_BQ, k_seg_BK))
-        return out_BHQK.transpose(0, 2, 1, 3)[:, :q_len]
-
-    args = (q_BQHK, k_BKHK, v_BKHK, mask.q_segment_BQ, mask.k_segment_BK)
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1:
-        return per_shard(*args)
-    qkv = nn.logical_to_mesh_axes(('batch', 'length', 'heads', 'kv'))
-    seg = nn.logical_to_mesh_axes(('batch', 'length'))
-    return jax.shard_map(per_shard, mesh=mesh, in_specs=(qkv, qkv, qkv, seg, seg),
-                         out_specs=qkv, check_vma=False)(*args)
+# Blocks
 
 
 def _dense_init(names):
@@ -318,150 +161,6 @@ def _dense_init(names):
 
 def _zeros(names):
     return nn.with_logical_partitioning(nn.initializers.zeros_init(), names)
-
-
-class HeadProjection(nn.Module):
-    """x W + b between [.., D] and [.., H, K] ('in': q/k/v projections; 'out': the output one).
-
-    Written out rather than nn.DenseGeneral so the kernel is created in its true 3-D shape and
-    carries one logical name per dimension.
-    """
-
-    config: TransformerConfig
-    direction: str = 'in'
-
-    @nn.compact
-    def __call__(self, x):
-        cfg = self.config
-        d, h, k = cfg.d_model, cfg.num_heads, cfg.head_dim
-        if self.direction == 'in':
-            names, shape, bias_names, bias_shape = ('embed', 'heads', 'kv'), (d, h, k), \
-                ('heads', 'kv'), (h, k)
-            fan_in, fan_out, spec = d, h * k, 'bld,dhk->blhk'
-        else:
-            names, shape, bias_names, bias_shape = ('heads', 'kv', 'embed'), (h, k, d), \
-                ('embed',), (d,)
-            fan_in, fan_out, spec = h * k, d, 'blhk,hkd->bld'
-        # Glorot uniform over the flattened (fan_in, fan_out) matrix, as for a plain Dense layer.
-        limit = math.sqrt(6.0 / (fan_in + fan_out))
-        kernel_init = nn.with_logical_partitioning(
-            lambda key, shp, dtype: jax.random.uniform(key, shp, dtype, -limit, limit), names)
-        kernel = self.param('kernel', kernel_init, shape, jnp.float32)
-        bias = self.param('bias', _zeros(bias_names), bias_shape, jnp.float32)
-        y = jnp.einsum(spec, x.astype(cfg.dtype), kernel.astype(cfg.dtype))
-        return y + bias.astype(cfg.dtype)
-
-
-class MultiHeadAttention(nn.Module):
-    """Multi-head attention with q, k, v, o projections (with biases, as the paper counts them).
-
-    kind: 'self' (keys from x itself, causal if `causal`, a growing cache in decode mode) or
-    'cross' (keys from the encoder output, projected once and cached in decode mode).
-    """
-
-    config: TransformerConfig
-    kind: str = 'self'
-    causal: bool = False
-
-    def _project(self, name, x_BLD):
-        cfg = self.config
-        return HeadProjection(cfg, 'in', name=name)(x_BLD)
-
-    @nn.compact
-    def __call__(self, x_BQD, kv_BSD, mask_B1QS, q_positions_BQ=None, kv_positions_BS=None,
-                 cache_index=None):
-        cfg = self.config
-        rope = cfg.position_embedding == 'rope' and self.kind == 'self'
-        q_BQHK = self._project('query', x_BQD)
-        if rope:
-            q_BQHK = apply_rope(q_BQHK, q_positions_BQ)
-
-        scale = cfg.head_dim ** -0.5 if cfg.scale_attention else 1.0
-        if cfg.decode:
-            out_BQHK = self._decode_attention(q_BQHK, kv_BSD, mask_B1QS, kv_positions_BS,
-                                              cache_index, scale)
-            return HeadProjection(cfg, 'out', name='out')(out_BQHK)
-
-        k_BSHK = self._project('key', kv_BSD)
-        v_BSHK = self._project('value', kv_BSD)
-        if rope:
-            k_BSHK = apply_rope(k_BSHK, kv_positions_BS)
-        q_BQHK = nn.with_logical_constraint(q_BQHK, ('batch', 'length', 'heads', 'kv'))
-        if cfg.sow_attention:  # the weights this layer uses (before attention dropout)
-            dense_B1QS = mask_B1QS.dense_B1QK if isinstance(mask_B1QS, AttentionMask) \
-                else mask_B1QS
-            self.sow('intermediates', 'attention_weights',
-                     attention_weights(q_BQHK, k_BSHK, dense_B1QS, scale))
-        dropout_rng = None
-        if not cfg.deterministic and cfg.attention_dropout_rate > 0:
-            dropout_rng = self.make_rng('dropout')
-        out_BQHK = dot_product_attention(
-            q_BQHK, k_BSHK, v_BSHK, mask_B1QS, scale=scale,
-            dropout_rate=cfg.attention_dropout_rate, dropout_rng=dropout_rng,
-            impl=cfg.attention_impl,
-        )
-        out_BQD = HeadProjection(cfg, 'out', name='out')(out_BQHK)
-        return nn.with_logical_constraint(out_BQD, ('batch', 'length', 'embed'))
-
-    def _decode_attention(self, q_B1HK, kv_BSD, mask, kv_positions_BS, cache_index, scale):
-        """Decode mode: one query per row over the cached keys/values.
-
-        The caches are kept head-major, [B, H, L, K], the layout a batched matmul over (B, H)
-        reads as it is: stored as [B, L, H, K] they were transposed in full at every step.
-        One query gains nothing from a fused kernel, so every attention_impl takes this path.
-        """
-        cfg = self.config
-        if self.kind == 'cross':
-            k_BHSK, v_BHSK = self._cross_cache(kv_BSD)
-        else:
-            k_B1HK = self._project('key', kv_BSD)
-            if cfg.position_embedding == 'rope':
-                k_B1HK = apply_rope(k_B1HK, kv_positions_BS)
-            k_BHSK, v_BHSK, mask = self._self_cache(
-                k_B1HK, self._project('value', kv_BSD), cache_index)
-        mask_B11S = mask.dense_B1QK if isinstance(mask, AttentionMask) else mask
-        weights_BH1S = attention_weights(q_B1HK, k_BHSK, mask_B11S, scale, keys='bhsk')
-        if cfg.sow_attention:
-            self.sow('intermediates', 'attention_weights', weights_BH1S)
-        return jnp.einsum('bhqs,bhsk->bqhk', weights_BH1S.astype(v_BHSK.dtype), v_BHSK)
-
-    def _self_cache(self, k_B1HK, v_B1HK, cache_index):
-        """Writes this step's key/value at cache_index; attends to positions <= cache_index.
-
-        Returns the head-major buffers [B, H, decode_len, K] and the mask [B, 1, 1, decode_len].
-        """
-        cfg = self.config
-        b, _, h, k = k_B1HK.shape
-        initialized = self.has_variable('cache', 'cached_key')
-        shape = (b, h, cfg.decode_len, k)
-        ck = self.variable('cache', 'cached_key', jnp.zeros, shape, k_B1HK.dtype)
-        cv = self.variable('cache', 'cached_value', jnp.zeros, shape, v_B1HK.dtype)
-        if not initialized:  # the call that creates the cache does not decode a token
-            return (k_B1HK.swapaxes(1, 2), v_B1HK.swapaxes(1, 2),
-                    jnp.ones((b, 1, 1, 1), bool))
-        at = (0, 0, cache_index, 0)
-        ck.value = jax.lax.dynamic_update_slice(ck.value, k_B1HK.swapaxes(1, 2), at)
-        cv.value = jax.lax.dynamic_update_slice(cv.value, v_B1HK.swapaxes(1, 2), at)
-        mask_B11L = (jnp.arange(cfg.decode_len) <= cache_index)[None, None, None, :]
-        return ck.value, cv.value, jnp.broadcast_to(mask_B11L, (b, 1, 1, cfg.decode_len))
-
-    def _cross_cache(self, encoded_BSD):
-        """Head-major keys/values [B, H, S, K] of the encoder output, projected once when the
-        cache is created.
-
-        They live in their own collection, 'cross_cache': they never change while decoding, so a
-        beam search need not reorder them with the growing self-attention 'cache'.
-        """
-        def project(name):
-            return lambda: self._project(name, encoded_BSD).swapaxes(1, 2)
-
-        ck = self.variable('cross_cache', 'cross_key', project('key'))
-        cv = self.variable('cross_cache', 'cross_value', project('value'))
-        return ck.value, cv.value
-
-
-# ----------------------------------------------------------------------------------------------
-# Blocks
 
 
 class FeedForward(nn.Module):
@@ -526,7 +225,7 @@ class DecoderLayer(nn.Module):
     def __call__(self, y_BTD, encoded_BSD, self_mask_B1TT, cross_mask_B1TS, positions_BT,
                  cache_index=None):
         cfg = self.config
-        self_attn = MultiHeadAttention(cfg, 'self', causal=True, name='self_attention')
+        self_attn = MultiHeadAttention(cfg, 'self', name='self_attention')
         cross_attn = MultiHeadAttention(cfg, 'cross', name='cross_attention')
         y_BTD = Residual(cfg, name='self_attention_block')(
             y_BTD, lambda h: self_attn(h, h, self_mask_B1TT, positions_BT, positions_BT,
@@ -567,7 +266,8 @@ def _run_stack(layers, x, *args):
 
 
 class Embedder(nn.Module):
-    """Token embedding (x sqrt(D)) plus positions, with dropout; also the tied output projection."""
+    """Token embedding (x sqrt(D)) plus positions, with dropout; its table is the tied output
+    projection (Transformer.output_weights)."""
 
     config: TransformerConfig
 
@@ -606,10 +306,6 @@ class Embedder(nn.Module):
             x_BLD = x_BLD + jnp.take(table, positions_BL, axis=0, mode='clip')
         x_BLD = self.dropout(x_BLD.astype(cfg.dtype), deterministic=cfg.deterministic)
         return nn.with_logical_constraint(x_BLD, ('batch', 'length', 'embed'))
-
-    def attend(self, y_BTD):
-        """Output logits y E^T in float32 (compute-dtype inputs, float32 accumulation)."""
-        return output_logits(y_BTD, self.embedding)
 
 
 def output_logits(y_BTD: Array, w_VD: Array) -> Array:
@@ -780,3 +476,39 @@ def batch_forward_args(batch: dict) -> dict:
         inputs_segment_ids_BS=batch.get('inputs_segment_ids'),
         targets_segment_ids_BT=batch.get('targets_segment_ids'),
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# Parameters, abstractly
+
+
+def abstract_params(model_config: TransformerConfig, length: int = 8):
+    """Parameter shapes (jax.ShapeDtypeStruct, logical boxes removed) without allocating them."""
+    ids = jnp.ones((1, length), jnp.int32)
+    variables = jax.eval_shape(
+        lambda: Transformer(model_config).init(jax.random.key(0), ids, ids))
+    return nn.unbox(variables['params'])
+
+
+def count_params(params) -> int:
+    """The number of scalars in a parameter tree (arrays or shapes)."""
+    return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(params)))
+
+
+_ATTENTION_BIAS = re.compile(r"(self|cross)_attention\W+(query|key|value|out)\W+bias\b")
+
+
+def has_attention_bias(tree) -> bool:
+    """Whether `tree` (parameters, a train state or a checkpoint's metadata of either) has
+    q/k/v/o projection biases: checkpoints written before attention_bias existed have them."""
+    return any(_ATTENTION_BIAS.search(jax.tree_util.keystr(path))
+               for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
+
+
+def attention_bias_mismatch(what: str, tree, attention_bias: bool) -> str | None:
+    """One line naming the --config.attention_bias that restores `tree`, or None if it fits."""
+    stored = has_attention_bias(tree)
+    if stored == attention_bias:
+        return None
+    return (f'{what} has {"" if stored else "no "}attention biases but the config has '
+            f'attention_bias={attention_bias}: run with --config.attention_bias={stored}')

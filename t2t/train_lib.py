@@ -23,7 +23,8 @@ from flax import linen as nn
 from flax import struct
 
 from t2t import loss, optim, sharding
-from t2t.model import PAD_ID, Transformer, TransformerConfig, batch_forward_args
+from t2t.ids import PAD_ID
+from t2t.model import Transformer, TransformerConfig, batch_forward_args
 
 BATCH_KEYS = ('inputs', 'targets', 'inputs_segment_ids', 'targets_segment_ids',
               'inputs_positions', 'targets_positions')
@@ -73,21 +74,6 @@ def dropout_key(raw_key, rng_impl: str):
 
 # ----------------------------------------------------------------------------------------------
 # Loss
-
-
-def label_smoothed_cross_entropy(logits_BTV, targets_BT, smoothing: float):
-    """Per-token cross-entropy against the smoothed target distribution, and the plain NLL.
-
-    The smoothed distribution puts 1 - smoothing on the gold token and smoothing / (V - 1) on every
-    other token (tensor2tensor's convention). Both are float32 [B, T].
-    """
-    vocab = logits_BTV.shape[-1]
-    logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
-    gold_BT = jnp.take_along_axis(logp_BTV, targets_BT[..., None], axis=-1)[..., 0]
-    confidence, low = 1.0 - smoothing, smoothing / (vocab - 1)
-    # sum_v q_v log p_v with q = low everywhere plus (confidence - low) on the gold token.
-    smoothed_BT = -(confidence - low) * gold_BT - low * logp_BTV.sum(-1)
-    return smoothed_BT, -gold_BT
 
 
 def loss_sums(params, batch, rng, step_config: StepConfig, deterministic: bool):

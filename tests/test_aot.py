@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from t2t import aot, flops, sharding, summary
-from t2t.model import TransformerConfig
+from t2t.model import TransformerConfig, abstract_params, count_params
 from tests.conftest import ROOT
 
 LIBTPU_LOCK = '/tmp/t2t-libtpu.lock'
@@ -225,7 +225,7 @@ def test_tiny_fits_a_v5e_2x2_and_a_huge_batch_does_not():
     summed = [(int(n), float(b) * {'B': 1, 'KiB': 1 << 10, 'MiB': 1 << 20}[u])
               for n, b, u in re.findall(r'(?:all-reduce|reduce-scatter) (\d+) \(([\d.]+) '
                                         r'(B|KiB|MiB)\)', train['collectives_line'])]
-    params = summary.count_params(summary.abstract_params(
+    params = count_params(abstract_params(
         TransformerConfig.from_config(_tiny())))
     assert summed and sum(n for n, _ in summed) > 0, train['collectives_line']
     assert sum(b for _, b in summed) >= 0.95 * 4 * params, (train['collectives_line'], params)

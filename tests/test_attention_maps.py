@@ -1,11 +1,11 @@
-"""Attention maps sown by the model itself, and their picture (t2t/attention.py)."""
+"""Attention maps sown by the model itself, and their picture (t2t/attention_maps.py)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from t2t import attention, checkpoint, optim, sharding, train_lib
+from t2t import attention_maps, checkpoint, optim, sharding, train_lib
 from t2t.model import Transformer, TransformerConfig
 from tests import toy_corpus
 
@@ -24,9 +24,9 @@ def test_sowing_is_off_by_default_and_changes_nothing():
 
     plain, state = forward(params)
     assert not state  # training pays nothing: no weights are kept
-    maps = attention.attention_weights(config, params, inputs, targets)
-    assert [len(maps[k]) for k in attention.KINDS] == [1, 2, 2]
-    enc, dec, cross = (maps[k][0][0] for k in attention.KINDS)  # layer 1, example 0: [H, Q, K]
+    maps = attention_maps.attention_weights(config, params, inputs, targets)
+    assert [len(maps[k]) for k in attention_maps.KINDS] == [1, 2, 2]
+    enc, dec, cross = (maps[k][0][0] for k in attention_maps.KINDS)  # layer 1, example 0: [H, Q, K]
     assert enc.shape == (2, 5, 5) and dec.shape == (2, 3, 3) and cross.shape == (2, 3, 5)
     for w in (enc[:, :4], dec, cross):
         np.testing.assert_allclose(w.sum(-1), 1.0, rtol=1e-5)
@@ -55,15 +55,15 @@ def tiny_checkpoint(tmp_path_factory):
 
 def test_png_has_one_panel_per_layer_head_and_kind(tiny_checkpoint, tmp_path):
     config, workdir = tiny_checkpoint
-    maps = attention.sentence_maps(config, workdir, 'the red cat sees a dog .')
+    maps = attention_maps.sentence_maps(config, workdir, 'the red cat sees a dog .')
     assert maps.label == 'step-1' and maps.source_pieces[-1] == '</s>'
-    assert maps.decoder_input_pieces[0] == attention.START_PIECE
+    assert maps.decoder_input_pieces[0] == attention_maps.START_PIECE
     assert maps.decoder_input_pieces[1:] == maps.output_pieces[:-1]
     s, t = len(maps.source_pieces), len(maps.output_pieces)
     assert 1 <= t <= 8 and ''.join(maps.source_pieces).replace('▁', ' ').strip().startswith('the')
-    assert maps.weights[attention.KINDS[2]][0].shape == (4, t, s)
+    assert maps.weights[attention_maps.KINDS[2]][0].shape == (4, t, s)
     path = tmp_path / 'attention.png'
-    figure = attention.plot(maps, str(path))
+    figure = attention_maps.plot(maps, str(path))
     assert path.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
     layers, heads = 2, 4
     assert len(figure.axes) == layers * heads * 3  # encoder self, decoder self, cross
@@ -71,5 +71,5 @@ def test_png_has_one_panel_per_layer_head_and_kind(tiny_checkpoint, tmp_path):
     assert titles.count('layer 2 head 4') == 3
     bottom_left = figure.axes[layers * heads - heads]  # encoder block, last layer, head 1
     assert [t.get_text() for t in bottom_left.get_xticklabels()] == maps.source_pieces
-    with pytest.raises(attention.evaluation.EvalError, match='at most max_eval_len'):
-        attention.sentence_maps(config, workdir, 'a ' * 100)
+    with pytest.raises(attention_maps.evaluation.EvalError, match='at most max_eval_len'):
+        attention_maps.sentence_maps(config, workdir, 'a ' * 100)

@@ -219,3 +219,45 @@ def test_a_state_with_nan_is_refused(tmp_path):
                                                    'inf in params/emb'):
         ckpt.save(manager, 2, state)
     assert ckpt.all_steps(manager) == [] and ckpt.finished_steps(tmp_path) == []
+
+
+@pytest.mark.parametrize('written_with', [True, False])
+def test_attention_biases_of_a_checkpoint_restore_with_the_flag_that_names_them(tmp_path,
+                                                                                written_with):
+    """Checkpoints written before attention_bias existed have the biases (written_with=True):
+    training and evaluation name the flag that restores them, in one line, before restoring;
+    with it the parameters come back bitwise equal."""
+    import types
+
+    from t2t import evaluation, optim, sharding, train_lib
+    from t2t.model import TransformerConfig
+    from tests.conftest import tiny_config
+
+    written = tiny_config(attention_bias=written_with)
+    other = tiny_config(attention_bias=not written_with)
+    mesh = sharding.make_mesh(written.mesh_shape)
+    tx = optim.make_optimizer(written)
+    state, _ = train_lib.create_sharded_state(written, mesh, tx)
+    manager = ckpt.make_manager(tmp_path, written, async_=False)
+    ckpt.save(manager, 1, state)
+    flag = f'run with --config.attention_bias={written_with}'
+
+    # train.py's restore (t2t/loop.py): a CheckpointError, not corruption; nothing moved
+    with pytest.raises(ckpt.CheckpointError) as error:
+        ckpt.restore_newest_good(manager, lambda s: ckpt.restore(
+            manager, s, train_lib.abstract_state(other, mesh, tx)))
+    assert not isinstance(error.value, ckpt.CorruptCheckpointError)
+    assert str(error.value).endswith(flag) and '\n' not in str(error.value), str(error.value)
+    assert ckpt.all_steps(manager) == [1] and not (tmp_path / 'corrupt').exists()
+    restored = ckpt.restore(manager, 1, train_lib.abstract_state(written, mesh, tx))
+    assert_bitwise_equal(restored.params, jax.device_get(state.params))
+
+    # evaluate.py's restore (t2t/evaluation.py)
+    params = evaluation.load_params(tmp_path, [1])
+    tokenizer = types.SimpleNamespace(vocab_size=written.vocab_size)
+    with pytest.raises(evaluation.EvalError) as error:
+        evaluation.check_params(params, TransformerConfig.from_config(other), tokenizer, 'step-1')
+    assert str(error.value).endswith(flag) and '\n' not in str(error.value), str(error.value)
+    evaluation.check_params(params, TransformerConfig.from_config(written), tokenizer, 'step-1')
+    assert_bitwise_equal(params, jax.device_get(state.params))
+    ckpt.close(manager)

@@ -54,13 +54,16 @@ def _random_model(cfg, x, y, seed=0):
 
 
 def _config(tokenizer, **kw):
+    # With attention biases unless a case says otherwise: every bias a format has is checked.
     base = dict(vocab_size=tokenizer.vocab_size, d_model=32, d_ff=64, num_heads=4,
-                num_encoder_layers=2, num_decoder_layers=2, max_position=64, deterministic=True)
+                num_encoder_layers=2, num_decoder_layers=2, max_position=64, deterministic=True,
+                attention_bias=True)
     return TransformerConfig(**{**base, **kw})
 
 
 HF_MODELS = {
     'paper': {},
+    'no-attention-bias': dict(attention_bias=False),
     'wider-3-1': dict(d_model=48, d_ff=96, num_heads=6, num_encoder_layers=3,
                       num_decoder_layers=1),
     'unshared-untied-unscaled': dict(share_embeddings=False, tie_output=False,
@@ -103,6 +106,7 @@ def test_marian_positions_are_t2t_positions_permuted():
 
 CT2_MODELS = {
     'paper': {},
+    'no-attention-bias': dict(attention_bias=False),
     'pre-ln': dict(pre_ln=True),
     'wider-pre-ln-3-1': dict(pre_ln=True, d_model=48, d_ff=96, num_heads=6,
                              num_encoder_layers=3, num_decoder_layers=1),

@@ -8,7 +8,8 @@ from flax import linen as nn
 
 from t2t import decode, inference, sharding
 from t2t.data.pipeline import EvalSplit
-from t2t.model import EOS_ID, PAD_ID, Transformer, TransformerConfig
+from t2t.ids import EOS_ID, PAD_ID
+from t2t.model import Transformer, TransformerConfig
 
 CFG = TransformerConfig(vocab_size=48, d_model=32, d_ff=64, num_heads=4, num_encoder_layers=2,
                         num_decoder_layers=2, max_position=64, deterministic=True)

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from t2t import summary
+from t2t.attention import attention_mask, dot_product_attention
+from t2t.ids import PAD_ID
 from t2t.model import (
-    PAD_ID,
     Transformer,
     TransformerConfig,
-    attention_mask,
-    dot_product_attention,
+    abstract_params,
+    count_params,
     shift_right,
     sinusoidal_table,
 )
@@ -182,22 +182,27 @@ def test_bfloat16_compute_keeps_float32_params_and_logits():
     assert float(jnp.sqrt(jnp.mean(err ** 2))) < 0.02 * float(jnp.sqrt(jnp.mean(ref ** 2)))
 
 
-@pytest.mark.parametrize('name,d,ff,heads,want', [
-    ('base', 512, 2048, 8, 63_082_496), ('big', 1024, 4096, 16, 214_245_376)])
-def test_parameter_counts_equal_the_papers_architecture(name, d, ff, heads, want):
+@pytest.mark.parametrize('name,d,ff,heads,want,with_bias', [
+    ('base', 512, 2048, 8, 63_045_632, 63_082_496),
+    ('big', 1024, 4096, 16, 214_171_648, 214_245_376)])
+def test_parameter_counts_equal_the_papers_architecture(name, d, ff, heads, want, with_bias):
     cfg = TransformerConfig(vocab_size=37000, d_model=d, d_ff=ff, num_heads=heads)
-    assert summary.count_params(summary.abstract_params(cfg)) == want, name
+    assert count_params(abstract_params(cfg)) == want, name
+    # attention_bias=True: the counts of checkpoints written with biases; exactly q/k/v/o biases
+    # (4 x d_model) in each of the 6 + 2 x 6 attentions more.
+    biased = count_params(abstract_params(cfg.replace(attention_bias=True)))
+    assert biased == with_bias == want + 18 * 4 * d, name
 
 
 def test_variants_change_parameter_counts_as_expected():
     base = TransformerConfig(vocab_size=1000, d_model=64, d_ff=128, num_heads=4)
-    n = summary.count_params(summary.abstract_params(base))
-    pre = summary.count_params(summary.abstract_params(base.replace(pre_ln=True)))
+    n = count_params(abstract_params(base))
+    pre = count_params(abstract_params(base.replace(pre_ln=True)))
     assert pre == n + 2 * 2 * 64  # one final LayerNorm (scale + bias) per stack
-    untied = summary.count_params(summary.abstract_params(
+    untied = count_params(abstract_params(
         base.replace(share_embeddings=False, tie_output=False)))
     assert untied == n + 2 * 1000 * 64
-    learned = summary.count_params(summary.abstract_params(
+    learned = count_params(abstract_params(
         base.replace(position_embedding='learned')))
     assert learned == n + base.max_position * 64
 
@@ -207,3 +212,24 @@ def test_bad_model_configs_are_rejected():
         TransformerConfig(vocab_size=10, d_model=30, num_heads=4)
     with pytest.raises(ValueError, match='position_embedding'):
         TransformerConfig(vocab_size=10, position_embedding='alibi')
+
+
+@pytest.mark.parametrize('attention_bias', [True, False])
+def test_attention_parameters_keep_the_names_shapes_and_axes_of_earlier_checkpoints(
+        attention_bias):
+    # Checkpoints written before attention_bias have q/k/v kernels [D, H, K] with biases [H, K]
+    # and an output kernel [H, K, D] with a bias [D]: attention_bias=True restores them as they are.
+    cfg = TransformerConfig(**SMALL, attention_bias=attention_bias)
+    ids = jnp.ones((1, 4), jnp.int32)
+    boxed = jax.eval_shape(lambda: Transformer(cfg).init(jax.random.key(0), ids, ids))['params']
+    for layer, kind in (('encoder_0', 'self_attention'), ('decoder_1', 'cross_attention')):
+        got = {f'{proj}/{name}': (tuple(p.value.shape), p.names)
+               for proj, leaves in boxed[layer][kind].items() for name, p in leaves.items()}
+        want = {f'{proj}/kernel': ((32, 4, 8), ('embed', 'heads', 'kv'))
+                for proj in ('query', 'key', 'value')}
+        want['out/kernel'] = ((4, 8, 32), ('heads', 'kv', 'embed'))
+        if attention_bias:
+            want.update({f'{proj}/bias': ((4, 8), ('heads', 'kv'))
+                         for proj in ('query', 'key', 'value')})
+            want['out/bias'] = ((32,), ('embed',))
+        assert got == want, (layer, kind)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from configs import recall_toy
-from t2t import attention, loop
+from t2t import attention_maps, loop
 from t2t.data import EOS_ID, UNK_ID, cache, recall, sources
 
 
@@ -72,7 +72,7 @@ def trained(tmp_path_factory):
 def test_recall_is_learned_and_the_answer_attends_to_position_0(trained):
     config, workdir, result = trained
     assert result.step == 150
-    report = attention.recall_report(config, workdir)
+    report = attention_maps.recall_report(config, workdir)
     assert report.examples == 256 and report.label == 'step-150'
     assert report.accuracy >= 0.99, report.format()
     layer, head, weight = report.best

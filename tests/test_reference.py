@@ -22,13 +22,15 @@ import pytest
 from flax import linen as nn
 
 from t2t import inference
-from t2t.model import EOS_ID, PAD_ID, Transformer, TransformerConfig, batch_forward_args
+from t2t.ids import EOS_ID, PAD_ID
+from t2t.model import Transformer, TransformerConfig, batch_forward_args
 from tests import reference_np as ref_np
 from tests.conftest import tiny_config
 
 ATOL = 1e-5
+# With attention biases: the reference then checks every parameter the model can have.
 MODEL = dict(vocab_size=23, d_model=16, d_ff=32, num_heads=2, num_encoder_layers=2,
-             num_decoder_layers=2, max_position=32, dropout_rate=0.0)
+             num_decoder_layers=2, max_position=32, dropout_rate=0.0, attention_bias=True)
 S, T = 8, 8
 
 
@@ -102,18 +104,9 @@ def forward(params, batch, cfg):
     return np.asarray(_forward_fn(cfg)(params, batch))
 
 
-def compare(got_BTV, rows, params, cfg, strip_attention_bias=False):
+def compare(got_BTV, rows, params, cfg):
     """Each pair's logits in the batch against the reference run on that pair alone."""
-    tree = params
-    if strip_attention_bias:  # the reference sees no attention bias at all
-        tree = dict(params)
-        for name in tree:
-            for att in ('self_attention', 'cross_attention'):
-                if att in tree[name]:
-                    tree[name] = dict(tree[name])
-                    tree[name][att] = {k: {'kernel': v['kernel']}
-                                       for k, v in tree[name][att].items()}
-    ref = reference(tree, cfg)
+    ref = reference(params, cfg)
     spec = spec_of(cfg)
     worst = 0.0
     for r, pairs in enumerate(rows):
@@ -152,22 +145,22 @@ def test_logits_equal_the_papers_equations_on_padded_and_packed_rows(variant):
 
 
 def test_logits_without_attention_biases():
-    # The model has attention biases; zeroed, it must equal the reference with none at all.
-    cfg = model_config()
+    # The default (attention_bias=False): no bias parameters, the reference with none at all.
+    cfg = model_config(attention_bias=False)
     params = random_params(cfg, seed=7)
-    for name in params:
-        for att in ('self_attention', 'cross_attention'):
-            for proj in params[name].get(att, {}).values():
-                proj['bias'] = np.zeros_like(proj['bias'])
+    projections = [params[name][att][proj] for name in params
+                   for att in ('self_attention', 'cross_attention') if att in params[name]
+                   for proj in ('query', 'key', 'value', 'out')]
+    assert len(projections) == 4 * (2 + 2 * 2) and all(set(p) == {'kernel'} for p in projections)
     rows = _pairs(seed=2)
-    compare(forward(params, pack(rows), cfg), rows, params, cfg, strip_attention_bias=True)
+    compare(forward(params, pack(rows), cfg), rows, params, cfg)
 
 
 # ----------------------------------------------------------------------------------------------
 # Beam search against exhaustive search, both through the model
 
 DECODE = dict(vocab_size=8, d_model=16, d_ff=32, num_heads=2, num_encoder_layers=1,
-              num_decoder_layers=2, max_position=16, dropout_rate=0.0)
+              num_decoder_layers=2, max_position=16, dropout_rate=0.0, attention_bias=True)
 NUM_VALID = 5  # tokens 1..4 can be generated (EOS = 1): 3 ways to continue a prefix
 EXTRA, MAX_LEN = 2, 4  # limits: source length + 2, at most 4
 BEAM = 3 ** (MAX_LEN - 1)  # every unfinished prefix stays alive: the search is exhaustive

@@ -24,10 +24,9 @@ from flax import linen as nn
 
 from t2t import dropout as dr
 from t2t import inference, loop, optim, sharding, train_lib
+from t2t.attention import MultiHeadAttention
+from t2t.ids import EOS_ID, PAD_ID
 from t2t.model import (
-    EOS_ID,
-    PAD_ID,
-    MultiHeadAttention,
     Transformer,
     TransformerConfig,
     batch_forward_args,

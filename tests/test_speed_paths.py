@@ -14,16 +14,16 @@ import pytest
 from flax import linen as nn
 
 from t2t import layers_convert, loss, train_lib
-from t2t.model import (
-    PAD_ID,
-    Transformer,
-    TransformerConfig,
+from t2t.attention import (
     attention_mask,
     cudnn_arguments,
     dot_product_attention,
     make_attention_mask,
     splash_attention,
 )
+from t2t.ids import PAD_ID
+from t2t.model import Transformer, TransformerConfig
+from tests import plain_loss
 
 SMALL = dict(vocab_size=40, d_model=32, d_ff=64, num_heads=4, num_encoder_layers=2,
              num_decoder_layers=3, deterministic=True)
@@ -55,7 +55,7 @@ def _plain_sums(params, batch, cfg, smoothing=0.1):
     """Today's loss: full float32 logits, log-softmax, gold gather, argmax."""
     logits = Transformer(cfg).apply({'params': params}, batch['inputs'], batch['targets'])
     weights = (batch['targets'] != PAD_ID).astype(jnp.float32)
-    smoothed, nll = train_lib.label_smoothed_cross_entropy(logits, batch['targets'], smoothing)
+    smoothed, nll = plain_loss.label_smoothed_cross_entropy(logits, batch['targets'], smoothing)
     correct = (jnp.argmax(logits, -1) == batch['targets']).astype(jnp.float32)
     return (smoothed * weights).sum(), {'nll_sum': (nll * weights).sum(),
                                         'correct_sum': (correct * weights).sum()}

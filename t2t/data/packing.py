@@ -8,6 +8,8 @@ import itertools
 
 import numpy as np
 
+from t2t.ids import PAD_ID
+
 MIN_PAIR_LEN = 2  # a non-empty text is >= 1 piece, + EOS: a row with less room is full
 
 
@@ -69,7 +71,7 @@ def _scatter(flat: np.ndarray, starts: np.ndarray, lens: np.ndarray, row, offset
     (row[i], offset[i]:)."""
     total = int(lens.sum())
     within = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)  # position in its sequence
-    tokens = np.zeros((num_rows, max_len), flat.dtype)
+    tokens = np.full((num_rows, max_len), PAD_ID, flat.dtype)
     segments = np.zeros((num_rows, max_len), seg_dtype)
     dest = np.repeat(row * max_len + offset, lens) + within
     tokens.reshape(-1)[dest] = flat[np.repeat(starts, lens) + within]

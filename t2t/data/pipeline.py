@@ -32,6 +32,7 @@ from absl import logging
 
 from t2t.data import cache, multihost, prepare, progress, sources
 from t2t.data.tokenizer import Tokenizer, train_tokenizer
+from t2t.ids import PAD_ID
 
 MIN_BUCKET = 8
 TOKENIZER_VERSION = 3  # bump when train_tokenizer's fixed settings or the sample change
@@ -194,8 +195,8 @@ class EvalSplit:
         its own rows)."""
         for length, idx in self.plan(batch_size, global_rows, num_batches, seed):
             rows = len(idx)
-            batch = {'inputs': np.zeros((rows, length), np.int32),
-                     'targets': np.zeros((rows, length), np.int32), 'index': idx}
+            batch = {'inputs': np.full((rows, length), PAD_ID, np.int32),
+                     'targets': np.full((rows, length), PAD_ID, np.int32), 'index': idx}
             for r, i in enumerate(idx.tolist()):
                 if i >= 0:
                     batch['inputs'][r, :len(self.inputs[i])] = self.inputs[i]

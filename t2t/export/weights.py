@@ -73,17 +73,22 @@ def _norm(p) -> Norm:
     return Norm(_f32(p['scale']), _f32(p['bias']))
 
 
+def _bias(p, size: int) -> np.ndarray:
+    """The projection's bias, flattened; zeros when the model has none (attention_bias=False):
+    both formats always have attention biases."""
+    return _f32(p['bias']).reshape(-1) if 'bias' in p else np.zeros((size,), np.float32)
+
+
 def _head_in(p, scale: float = 1.0) -> Linear:
-    """A [D, H, K] kernel and [H, K] bias -> W [H*K, D], b [H*K]."""
-    kernel = _f32(p['kernel'])
-    d = kernel.shape[0]
-    return Linear(kernel.reshape(d, -1).T * scale, _f32(p['bias']).reshape(-1) * scale)
+    """A [D, H, K] kernel and [H, K] bias (or none) -> W [H*K, D], b [H*K]."""
+    w = _f32(p['kernel']).reshape(p['kernel'].shape[0], -1).T
+    return Linear(w * scale, _bias(p, w.shape[0]) * scale)
 
 
 def _head_out(p) -> Linear:
-    """A [H, K, D] kernel -> W [D, H*K]."""
-    kernel = _f32(p['kernel'])
-    return Linear(kernel.reshape(-1, kernel.shape[-1]).T, _f32(p['bias']))
+    """A [H, K, D] kernel and [D] bias (or none) -> W [D, H*K], b [D]."""
+    w = _f32(p['kernel']).reshape(-1, p['kernel'].shape[-1]).T
+    return Linear(w, _bias(p, w.shape[0]))
 
 
 def _dense(p) -> Linear:
