@@ -175,6 +175,14 @@ class Plan:
         return self.mesh.devices.flat[0].device_kind
 
 
+def check_tpu_kernel(config) -> None:
+    """ValueError (one line) for an attention kernel a TPU does not have: cudnn calls NVIDIA's
+    cuDNN library. xla and dot_product compile to XLA's own attention, splash to a Pallas kernel."""
+    if config.get('attention_impl', 'xla') == 'cudnn':
+        raise ValueError('--config.attention_impl=cudnn: cuDNN flash attention runs on NVIDIA GPUs '
+                         'only, a TPU slice has none (use xla, dot_product or splash)')
+
+
 def plan(config, slice_name: str, batch_step: int = 0) -> Plan:
     """The slice, its devices and the config's mesh over them; ValueError (one line) on bad input.
 
@@ -183,6 +191,7 @@ def plan(config, slice_name: str, batch_step: int = 0) -> Plan:
     a multiple of batch_unit (0: batch_unit itself).
     """
     tpu = parse_slice(slice_name)
+    check_tpu_kernel(config)
     try:
         shape = sharding.resolve_mesh_shape(config.mesh_shape, tpu.chips)
     except ValueError as e:

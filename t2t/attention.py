@@ -14,6 +14,7 @@ D d_model, L any length.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import jax
@@ -147,8 +148,10 @@ def splash_attention(q_BQHK: Array, k_BKHK: Array, v_BKHK: Array, mask: Attentio
 
     Lengths are padded to a multiple of 128 (the padding gets segment ids no real token has,
     and is cut off again). Under a mesh the kernel runs per shard (shard_map): batch split as
-    'batch', heads as 'heads', lengths whole. interpret=True runs the kernel's Python
-    interpretation on any backend (tests).
+    'batch', heads as 'heads', lengths whole. Inside a shard_map over every mesh axis (the
+    prediction function's) it runs on the local block as it is; over some axes only, it splits
+    that block over the others. interpret=True runs the kernel's Python interpretation on any
+    backend (tests).
     """
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
@@ -175,12 +178,24 @@ def splash_attention(q_BQHK: Array, k_BKHK: Array, v_BKHK: Array, mask: Attentio
 
     args = (q_BQHK, k_BKHK, v_BKHK, mask.q_segment_BQ, mask.k_segment_BK)
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1:
+    # Inside a shard_map (the prediction function's) the axes it maps are manual: the arrays are
+    # already this device's block, so only the remaining axes may split it further.
+    free = () if mesh.empty else tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
+    if math.prod(mesh.shape[a] for a in free) == 1:
         return per_shard(*args)
-    qkv = nn.logical_to_mesh_axes(('batch', 'length', 'heads', 'kv'))
-    seg = nn.logical_to_mesh_axes(('batch', 'length'))
+    qkv = _splash_spec(('batch', 'length', 'heads', 'kv'), free)
+    seg = _splash_spec(('batch', 'length'), free)
     return jax.shard_map(per_shard, mesh=mesh, in_specs=(qkv, qkv, qkv, seg, seg),
-                         out_specs=qkv, check_vma=False)(*args)
+                         out_specs=qkv, axis_names=set(free), check_vma=False)(*args)
+
+
+def _splash_spec(names: tuple[str, ...], free: tuple[str, ...]) -> jax.sharding.PartitionSpec:
+    """The logical axes' mesh axes (the active rules), keeping only the axes in `free`."""
+    def keep(axes):
+        axes = tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ()) if a in free)
+        return axes[0] if len(axes) == 1 else (axes or None)
+
+    return jax.sharding.PartitionSpec(*map(keep, nn.logical_to_mesh_axes(names)))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -2,14 +2,17 @@
 
     predict = make_predict_fn(model_config, beam_size=4, alpha=0.6, max_decode_len=256,
                               max_decode_extra=50, mesh=mesh)
-    prediction = predict(params, inputs_BS)          # Prediction(ids_BL, hit_limit_B, capped_B)
+    prediction = predict(params, inputs_BS)   # Prediction(ids_BL, hit_limit_B, capped_B, score_B)
     result = translate_batches(predict, params, eval_split.batches(64), tokenizer, n, mesh=mesh)
     texts = translate_texts(predict, params, tokenizer, ['A sentence.'], batch_size=64, mesh=mesh)
 
 With a mesh, predict is shard_map-ped over every device of it: each device decodes its own rows
 of the batch (B must divide by the number of devices; translate_* pad it with rows they drop)
 with the parameters replicated; the hypotheses are gathered back on every process in order.
-Without a mesh it is a plain jit on the default device. `config_predict_fn` builds it from an
+Inside, the model runs without logical axis rules (its sharding constraints would name axes the
+shard_map has made manual), so the function may be traced under the training step's rules too;
+attention kernels that shard themselves (splash) run on each device's block as it is. Without a
+mesh it is a plain jit on the default device. `config_predict_fn` builds it from an
 experiment config, for training's BLEU and evaluate.py alike.
 
 Per batch the encoder runs once, the decode cache is created once for B rows (beam_search tiles it
@@ -36,6 +39,7 @@ from collections.abc import Callable, Iterable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import linen as nn
 from flax import struct
 from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec
@@ -53,6 +57,8 @@ class Prediction:
     ids_BL: jax.Array  # int32: the best hypothesis, EOS then 0s (no EOS when it hit its limit)
     hit_limit_B: jax.Array  # bool: ended at its length limit without emitting EOS
     capped_B: jax.Array  # bool: hit_limit where the limit was max_decode_len (truncated)
+    # float32: beam search's score of ids_BL, sum log-prob / length penalty; None for greedy
+    score_B: jax.Array | None = None
 
 
 Predict = Callable[[object, object], Prediction]
@@ -125,24 +131,30 @@ def make_predict_fn(model_config: TransformerConfig, *, beam_size: int, alpha: f
                 logits_NV = jnp.where(valid_V, logits_NV, -1e9)
             return logits_NV, new_vars['cache']
 
+        score_B = None
         if greedy:
             ids_BL = decode.greedy_search(
                 tokens_to_logits, variables['cache'], batch_size=B, eos_id=eos_id,
                 max_decode_len=L, max_lengths=limit_B)
         else:
-            seqs_BKL, _ = decode.beam_search(
+            seqs_BKL, scores_BK = decode.beam_search(
                 tokens_to_logits, variables['cache'], batch_size=B, beam_size=beam_size,
                 alpha=alpha, eos_id=eos_id, max_decode_len=L, max_lengths=limit_B,
                 unfinished=beam_unfinished)
-            ids_BL = seqs_BKL[:, 0]
+            ids_BL, score_B = seqs_BKL[:, 0], scores_BK[:, 0]
         hit_limit_B = ~jnp.any(ids_BL == eos_id, axis=1)
         return Prediction(ids_BL=ids_BL, hit_limit_B=hit_limit_B,
-                          capped_B=hit_limit_B & (wanted_B > max_decode_len))
+                          capped_B=hit_limit_B & (wanted_B > max_decode_len), score_B=score_B)
 
     if mesh is None:
         return jax.jit(predict)
+
+    def predict_block(params, inputs_BS) -> Prediction:
+        with nn.logical_axis_rules(()):  # constraints are no-ops: every mesh axis is manual here
+            return predict(params, inputs_BS)
+
     rows = PartitionSpec(sharding.MESH_AXES)  # each device: its own rows, the whole search
-    return jax.jit(jax.shard_map(predict, mesh=mesh, in_specs=(PartitionSpec(), rows),
+    return jax.jit(jax.shard_map(predict_block, mesh=mesh, in_specs=(PartitionSpec(), rows),
                                  out_specs=rows, check_vma=False))
 
 
