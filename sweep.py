@@ -15,7 +15,7 @@ With a cluster launcher each point's train.py and evaluate.py run on the cluster
 another, and --workdir must be the same path here and there: a shared file system for SLURM; for
 a TPU slice a bucket mounted with gcsfuse at the same path on this machine and on every worker
 (the sweep's state files are written with local file APIs, so a gs:// workdir is refused).
-The logic lives in t2t/sweep.py.
+The logic lives in t2t/sweep/ (points, runner, report).
 """
 
 import shlex
@@ -46,24 +46,24 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f'unexpected arguments: {argv[1:]}')
     if not flags.FLAGS['verbosity'].present:
-        logging.set_verbosity(logging.ERROR)  # orbax warns on every read-only checkpoint read
-    from t2t import sweep
+        logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
+    from t2t.sweep import points, report, runner
 
     try:
         if _SUMMARIZE.value:
-            rows = sweep.write_summary(_SUMMARIZE.value)
+            rows = report.write_summary(_SUMMARIZE.value)
             print(f'{len(rows)} points -> {_SUMMARIZE.value}/summary.md, summary.csv, curves.png')
             return 0
         if _CONFIG.value is None or not _WORKDIR.value and not _DRY_RUN.value:
             raise app.UsageError('--config and --workdir are required (or --summarize=DIR)')
         config_path = config_flags.get_config_filename(flags.FLAGS['config'])
         overrides = config_flags.get_override_values(flags.FLAGS['config'])
-        return sweep.run(config_path, _CONFIG.value, _WORKDIR.value or 'SWEEP_DIR',
-                         base_overrides=overrides, split=_SPLIT.value,
-                         average_last=_AVERAGE_LAST.value, retry_failed=_RETRY_FAILED.value,
-                         dry_run=_DRY_RUN.value, launcher=_LAUNCHER.value,
-                         launcher_flags=shlex.split(_LAUNCHER_FLAGS.value), only=_ONLY.value)
-    except sweep.SweepError as e:
+        return runner.run(config_path, _CONFIG.value, _WORKDIR.value or 'SWEEP_DIR',
+                          base_overrides=overrides, split=_SPLIT.value,
+                          average_last=_AVERAGE_LAST.value, retry_failed=_RETRY_FAILED.value,
+                          dry_run=_DRY_RUN.value, launcher=_LAUNCHER.value,
+                          launcher_flags=shlex.split(_LAUNCHER_FLAGS.value), only=_ONLY.value)
+    except points.SweepError as e:
         sys.exit(f'sweep.py: {e}')
 
 

@@ -15,7 +15,7 @@ evaluation on the validation split: about 75 minutes in all.
 """
 
 from configs import default
-from t2t import sweep
+from t2t.sweep import points
 
 BUDGET_S = 300.0
 
@@ -30,12 +30,12 @@ def get_sweep():
     lr = default.get_config().learning_rate_scale
     return [
         {},  # the default model: 4 heads, d_k 32, sinusoidal, post-LN, smoothing 0.1, dropout 0.1
-        *sweep.product(num_heads=[1, 8, 16]),  # (A), (B): d_k = 128 / 16 / 8
+        *points.product(num_heads=[1, 8, 16]),  # (A), (B): d_k = 128 / 16 / 8
         {'scale_attention': False},
-        *sweep.product(position_embedding=['learned', 'none']),  # (E)
+        *points.product(position_embedding=['learned', 'none']),  # (E)
         {'pre_ln': True},  # post-LN (the paper) vs pre-LN, then both at twice the learning rate
         {'learning_rate_scale': 2 * lr},
         {'pre_ln': True, 'learning_rate_scale': 2 * lr},
         {'label_smoothing': 0.0},  # (D)
-        *sweep.product(dropout_rate=[0.0, 0.3]),  # (D)
+        *points.product(dropout_rate=[0.0, 0.3]),  # (D)
     ]

@@ -162,6 +162,13 @@ MUTANTS = (
            'for h in result.hypotheses[::-1])',
            ('tests/test_evaluate.py::test_translate_keeps_line_order',),
            'translated lines written in reverse order'),
+    Mutant('sweep_done_by_exit_status', 't2t/sweep/runner.py',
+           'the exit status says\n        return finished_state(finished)\n',
+           'the exit status says\n        return finished_state(finished)\n'
+           '    if returncode == 0:\n        return finished_state({})\n',
+           ('tests/test_sweep.py::'
+            'test_a_point_is_done_by_its_training_finished_marker_not_its_exit_status',),
+           'a sweep point that exits 0 counts as done without its TRAINING_FINISHED marker'),
 )
 
 
