@@ -1,9 +1,11 @@
-"""t2t/translate.py: streamed bulk translation keeps order, few shapes, long lines, resumes."""
+"""t2t/translate.py: streamed bulk translation keeps order, few shapes, long lines, resumes;
+evaluate.py --translate --truncate_long."""
 
 import numpy as np
 import pytest
 
-from t2t import inference, translate
+from t2t import data, evaluation, inference, translate
+from tests.test_evaluate import _config, run_dir  # noqa: F401  (a fixture: a random tiny workdir)
 from tests.test_inference import _EchoTokenizer  # text '3 4 5' <-> ids [3, 4, 5]
 
 
@@ -84,3 +86,31 @@ def test_progress_file_of_another_input_is_an_error(tmp_path):
     with pytest.raises(ValueError, match='not of .*other.txt: remove it'):
         translate.translate_stream(_EchoPredict(), None, _EchoTokenizer(), str(other),
                                    str(tmp_path / 'out.txt'), max_len=32, progress=False)
+
+
+def test_evaluate_translate_truncate_long_translates_the_cut_line(run_dir, tmp_path, caplog):
+    # evaluation.run as evaluate.py --translate [--truncate_long] calls it, on a random model
+    # whose position table is 32 rows: line 1 (44 tokens) is over the limit, line 2 is its first
+    # 31 tokens as text, so the cut line must translate exactly as line 2 does.
+    config = _config(run_dir['root'], max_position=32)
+    tokenizer = data.get_tokenizer(config)
+    long_line = ' '.join(['red house near the old tree .'] * 6)
+    ids = tokenizer.encode(long_line)
+    assert len(ids) + 1 > 32
+    cut = tokenizer.decode(ids[:31])
+    assert tokenizer.encode(cut) == ids[:31]
+    source = tmp_path / 'in.txt'
+    source.write_text(f'two cats .\n{long_line}\n{cut}\n', encoding='utf-8')
+    outputs = {}
+    for truncate_long in (False, True):
+        target = tmp_path / f'out-{truncate_long}.txt'
+        caplog.clear()
+        evaluation.run(config, run_dir['workdir'], step=1, translate=True,
+                       input_path=str(source), output_path=str(target),
+                       truncate_long=truncate_long, progress=False, echo=lambda _: None)
+        outputs[truncate_long] = target.read_text(encoding='utf-8').split('\n')[:-1]
+        word = 'truncated' if truncate_long else 'left empty'
+        assert f'1 lines are longer than max_position=32 tokens: {word}' in caplog.text
+    kept, cut_out = outputs[False], outputs[True]
+    assert kept[1] == '' and kept[0] and kept[2]
+    assert cut_out[1] == cut_out[2] == kept[2] and cut_out[0] == kept[0]
