@@ -88,7 +88,8 @@ def test_progress_file_of_another_input_is_an_error(tmp_path):
                                    str(tmp_path / 'out.txt'), max_len=32, progress=False)
 
 
-def test_evaluate_translate_truncate_long_translates_the_cut_line(run_dir, tmp_path, caplog):
+def test_evaluate_translate_truncate_long_translates_the_cut_line(run_dir, tmp_path,  # noqa: F811
+                                                                   caplog):
     # evaluation.run as evaluate.py --translate [--truncate_long] calls it, on a random model
     # whose position table is 32 rows: line 1 (44 tokens) is over the limit, line 2 is its first
     # 31 tokens as text, so the cut line must translate exactly as line 2 does.
