@@ -49,9 +49,24 @@ def test_output_in_input_order_with_few_shapes_and_long_lines_counted(tmp_path):
     assert too_long and stats.too_long == len(too_long)
     want = ['' if i in too_long else t for i, t in enumerate(texts)]
     assert got == want and stats.lines == 230 and stats.translated == 229 - len(too_long)
-    # Buckets 8, 16, 32 with 128 // length rows: three shapes however many windows and batches.
-    assert set(predict.shapes) == {(16, 8), (8, 16), (4, 32)}
-    assert len(predict.shapes) > 10
+    # Buckets 8, 16, 32 with 128 // length rows, a window's last batch of a bucket halved up to
+    # 3 times: at most 4 shapes per bucket however many windows and batches.
+    full = {8: 16, 16: 8, 32: 4}
+    assert {s for s in predict.shapes if s[0] == full[s[1]]} == {(16, 8), (8, 16), (4, 32)}
+    assert all(rows in {full[length] >> k for k in range(4)} for rows, length in predict.shapes)
+    assert len(predict.shapes) > 10 and len(set(predict.shapes)) < len(predict.shapes)
+
+
+def test_last_batch_shrinks_and_pads_with_copies_of_its_last_row():
+    ids = [[3 + i] * (i + 2) + [1] for i in range(5)]  # 5 sentences, all of bucket 8
+    (batch,) = translate.window_batches(ids, max_len=32, token_budget=128)
+    assert batch['inputs'].shape == (8, 8)  # 16 rows halved once: 5 fit in 8
+    assert batch['index'].tolist() == [0, 1, 2, 3, 4, -1, -1, -1]
+    # Padding decodes like a real row and ends with it, not at an empty source's own limit.
+    assert (batch['inputs'][5:] == batch['inputs'][4]).all()
+    assert translate.tail_rows(5, 16, 4) == 8 and translate.tail_rows(3, 16, 4) == 4
+    assert translate.tail_rows(1, 64, 1) == 8  # at most 3 halvings
+    assert translate.tail_rows(2, 16, 8) == 8 and translate.tail_rows(9, 16, 1) == 16
 
 
 def test_truncate_long_cuts_to_max_len(tmp_path):
