@@ -3,6 +3,7 @@
   python evaluate.py --config=configs/default.py --workdir=DIR            # the latest checkpoint
       [--step=N | --all | --average_last=N [--write_averaged=OUT_DIR]] [--split=test]
   python evaluate.py --config=... --workdir=DIR --translate [--input=FILE|-] [--output=FILE|-]
+      [--truncate_long]
   python evaluate.py --config=... --workdir=DIR --watch [--split=...] [--timeout=3600]
 
 Several processes: the same command on each, with --coordinator_address/--num_processes/
@@ -28,6 +29,9 @@ _SPLIT = flags.DEFINE_string('split', '', 'The split to decode (default: config.
 _TRANSLATE = flags.DEFINE_bool('translate', False, 'Translate --input line by line instead.')
 _INPUT = flags.DEFINE_string('input', '-', 'With --translate: a file of sentences, - for stdin.')
 _OUTPUT = flags.DEFINE_string('output', '-', 'With --translate: the output file, - for stdout.')
+_TRUNCATE_LONG = flags.DEFINE_bool(
+    'truncate_long', False, 'With --translate: a line over max_position tokens is cut to it '
+    '(and counted) instead of left empty.')
 _WATCH = flags.DEFINE_bool('watch', False, 'Evaluate each new checkpoint while training runs, '
                            'until training finishes (see t2t/watch.py).')
 _TIMEOUT = flags.DEFINE_float('timeout', 3600.0, 'With --watch: give up after this many seconds '
@@ -57,7 +61,7 @@ def main(argv):
             _CONFIG.value, _WORKDIR.value, step=_STEP.value, all_steps=_ALL.value,
             average_last=_AVERAGE_LAST.value, write_averaged=_WRITE_AVERAGED.value,
             split=_SPLIT.value, translate=_TRANSLATE.value, input_path=_INPUT.value,
-            output_path=_OUTPUT.value)
+            output_path=_OUTPUT.value, truncate_long=_TRUNCATE_LONG.value)
     except (evaluation.EvalError, checkpoint.CheckpointError, startup.ConfigError,
             distributed.SyncError) as e:
         sys.exit(f'evaluate.py: {e}')

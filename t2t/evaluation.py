@@ -277,7 +277,7 @@ def check_vocabulary(workdir, steps: list[int], tokenizer, label: str) -> None:
 def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
         average_last: int = 0, write_averaged: str = '', split: str = '',
         translate: bool = False, input_path: str = '-', output_path: str = '-',
-        progress: bool = True, echo: Callable[[str], None] = print,
+        truncate_long: bool = False, progress: bool = True, echo: Callable[[str], None] = print,
         devices=None) -> dict[str, dict]:
     """Everything evaluate.py does; returns {label: record} (empty for --translate).
 
@@ -304,7 +304,8 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
         label, steps = selection[0]
         params = _params_for(config, workdir, label, steps, write_averaged, mesh)
         check_params(params, TransformerConfig.from_config(config), tokenizer, label)
-        translate_file(config, params, tokenizer, input_path, output_path, mesh)
+        translate_file(config, params, tokenizer, input_path, output_path, mesh,
+                       truncate_long=truncate_long)
         return {}
 
     split = split or config.test_split

@@ -6,7 +6,8 @@
 The input is read in windows of `window` lines (never whole). Each window is tokenized at once,
 sorted by length and cut into batches of a few bucketed shapes: lengths round up to a power of
 two (at least MIN_BUCKET) and each bucket's batch holds token_budget // length rows (a multiple
-of the mesh's devices), so each shape compiles once, whatever the file. Batches run on every
+of the mesh's devices; a bucket's last batch of a window halves that up to 3 times to fit its
+sentences), so each shape compiles once, whatever the file. Batches run on every
 device of every host (inference.translate_batches); the hypotheses go back to input order and
 the window is appended to the output, then `<output>.progress` records how many lines and bytes
 are done (written atomically after the output is flushed and synced). Run again with the same
@@ -69,22 +70,45 @@ def batch_rows(length: int, token_budget: int, multiple: int) -> int:
     return max(rows - rows % multiple, multiple)
 
 
+TAIL_HALVINGS = 3  # a bucket's last batch may shrink to rows / 2, / 4 or / 8: few more shapes
+
+
+def tail_rows(needed: int, rows: int, multiple: int) -> int:
+    """Rows of a bucket's last batch of `needed` sentences: the smallest of rows, rows / 2, ...
+    (TAIL_HALVINGS times, each a multiple of `multiple`) that holds them."""
+    best = rows
+    for _ in range(TAIL_HALVINGS):
+        half = best // 2
+        if half < needed or half % multiple:
+            break
+        best = half
+    return best
+
+
 def window_batches(ids: list[list[int]], *, max_len: int, token_budget: int,
                    multiple: int = 1) -> Iterator[dict]:
     """Batches {'inputs' [B, L], 'index' [B]} of the non-empty rows of `ids`, sorted by length;
-    padding rows have index -1. Every batch of a bucket has the same shape."""
+    padding rows have index -1. A bucket's batches have one shape, its last one up to
+    TAIL_HALVINGS smaller ones (fewer rows of padding to decode).
+
+    Padding rows repeat the batch's last source: an empty source would be decoded to its own
+    limit (source length 0 + max_decode_extra) and keep the search of the whole batch running
+    after every real row has ended; a copy ends when that row does. Rows are independent, so
+    the real rows' outputs do not change."""
     todo = sorted((i for i, row in enumerate(ids) if row), key=lambda i: len(ids[i]))
     for length, group in itertools.groupby(todo, key=lambda i: bucket_length(len(ids[i]),
                                                                              max_len)):
         group = list(group)
-        rows = batch_rows(length, token_budget, multiple)
-        for start in range(0, len(group), rows):
-            chunk = group[start:start + rows]
+        full = batch_rows(length, token_budget, multiple)
+        for start in range(0, len(group), full):
+            chunk = group[start:start + full]
+            rows = tail_rows(len(chunk), full, multiple)
             inputs = np.full((rows, length), PAD_ID, np.int32)
             index = np.full((rows,), -1, np.int64)
             for r, i in enumerate(chunk):
                 inputs[r, :len(ids[i])] = ids[i]
                 index[r] = i
+            inputs[len(chunk):] = inputs[len(chunk) - 1]
             yield {'inputs': inputs, 'index': index}
 
 

@@ -1,9 +1,11 @@
-"""t2t/translate.py: streamed bulk translation keeps order, few shapes, long lines, resumes."""
+"""t2t/translate.py: streamed bulk translation keeps order, few shapes, long lines, resumes;
+evaluate.py --translate --truncate_long."""
 
 import numpy as np
 import pytest
 
-from t2t import inference, translate
+from t2t import data, evaluation, inference, translate
+from tests.test_evaluate import _config, run_dir  # noqa: F401  (a fixture: a random tiny workdir)
 from tests.test_inference import _EchoTokenizer  # text '3 4 5' <-> ids [3, 4, 5]
 
 
@@ -47,9 +49,24 @@ def test_output_in_input_order_with_few_shapes_and_long_lines_counted(tmp_path):
     assert too_long and stats.too_long == len(too_long)
     want = ['' if i in too_long else t for i, t in enumerate(texts)]
     assert got == want and stats.lines == 230 and stats.translated == 229 - len(too_long)
-    # Buckets 8, 16, 32 with 128 // length rows: three shapes however many windows and batches.
-    assert set(predict.shapes) == {(16, 8), (8, 16), (4, 32)}
-    assert len(predict.shapes) > 10
+    # Buckets 8, 16, 32 with 128 // length rows, a window's last batch of a bucket halved up to
+    # 3 times: at most 4 shapes per bucket however many windows and batches.
+    full = {8: 16, 16: 8, 32: 4}
+    assert {s for s in predict.shapes if s[0] == full[s[1]]} == {(16, 8), (8, 16), (4, 32)}
+    assert all(rows in {full[length] >> k for k in range(4)} for rows, length in predict.shapes)
+    assert len(predict.shapes) > 10 and len(set(predict.shapes)) < len(predict.shapes)
+
+
+def test_last_batch_shrinks_and_pads_with_copies_of_its_last_row():
+    ids = [[3 + i] * (i + 2) + [1] for i in range(5)]  # 5 sentences, all of bucket 8
+    (batch,) = translate.window_batches(ids, max_len=32, token_budget=128)
+    assert batch['inputs'].shape == (8, 8)  # 16 rows halved once: 5 fit in 8
+    assert batch['index'].tolist() == [0, 1, 2, 3, 4, -1, -1, -1]
+    # Padding decodes like a real row and ends with it, not at an empty source's own limit.
+    assert (batch['inputs'][5:] == batch['inputs'][4]).all()
+    assert translate.tail_rows(5, 16, 4) == 8 and translate.tail_rows(3, 16, 4) == 4
+    assert translate.tail_rows(1, 64, 1) == 8  # at most 3 halvings
+    assert translate.tail_rows(2, 16, 8) == 8 and translate.tail_rows(9, 16, 1) == 16
 
 
 def test_truncate_long_cuts_to_max_len(tmp_path):
@@ -84,3 +101,32 @@ def test_progress_file_of_another_input_is_an_error(tmp_path):
     with pytest.raises(ValueError, match='not of .*other.txt: remove it'):
         translate.translate_stream(_EchoPredict(), None, _EchoTokenizer(), str(other),
                                    str(tmp_path / 'out.txt'), max_len=32, progress=False)
+
+
+def test_evaluate_translate_truncate_long_translates_the_cut_line(run_dir, tmp_path,  # noqa: F811
+                                                                   caplog):
+    # evaluation.run as evaluate.py --translate [--truncate_long] calls it, on a random model
+    # whose position table is 32 rows: line 1 (44 tokens) is over the limit, line 2 is its first
+    # 31 tokens as text, so the cut line must translate exactly as line 2 does.
+    config = _config(run_dir['root'], max_position=32)
+    tokenizer = data.get_tokenizer(config)
+    long_line = ' '.join(['red house near the old tree .'] * 6)
+    ids = tokenizer.encode(long_line)
+    assert len(ids) + 1 > 32
+    cut = tokenizer.decode(ids[:31])
+    assert tokenizer.encode(cut) == ids[:31]
+    source = tmp_path / 'in.txt'
+    source.write_text(f'two cats .\n{long_line}\n{cut}\n', encoding='utf-8')
+    outputs = {}
+    for truncate_long in (False, True):
+        target = tmp_path / f'out-{truncate_long}.txt'
+        caplog.clear()
+        evaluation.run(config, run_dir['workdir'], step=1, translate=True,
+                       input_path=str(source), output_path=str(target),
+                       truncate_long=truncate_long, progress=False, echo=lambda _: None)
+        outputs[truncate_long] = target.read_text(encoding='utf-8').split('\n')[:-1]
+        word = 'truncated' if truncate_long else 'left empty'
+        assert f'1 lines are longer than max_position=32 tokens: {word}' in caplog.text
+    kept, cut_out = outputs[False], outputs[True]
+    assert kept[1] == '' and kept[0] and kept[2]
+    assert cut_out[1] == cut_out[2] == kept[2] and cut_out[0] == kept[0]

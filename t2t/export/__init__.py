@@ -74,7 +74,8 @@ def export(config, workdir: str, *, fmt: str, output: str, step: int | None = No
             raise ExportError(str(e)) from e
     try:
         (label, steps), = evaluation.select(workdir, step=step, average_last=average_last)
-        tokenizer = evaluation._get_tokenizer(config)
+        tokenizer = evaluation.workdir_tokenizer(config, workdir)  # the run's pinned copy
+        evaluation.check_vocabulary(workdir, steps, tokenizer, label)
         params = evaluation.load_params(workdir, steps, scan_layers=False)
         evaluation.check_params(params, model_config.replace(scan_layers=False), tokenizer,
                                 label)

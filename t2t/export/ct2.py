@@ -8,7 +8,9 @@ written to config.json. The decoder starts from PAD (t2t's start token) and the 
 appended, as t2t feeds it.
 
 Differences that remain in decoding (tested in tests/test_export.py, measured in bench/):
-- beam scores: CTranslate2 normalizes by |Y|^length_penalty; t2t by ((5 + |Y|) / 6)^alpha;
+- beam scores: CTranslate2 normalizes by |Y|^length_penalty; t2t by ((5 + |Y|) / 6)^alpha
+  (|Y| with EOS in both), and its search lets a hypothesis end only from the top K candidates
+  of a step (t2t: from all 2K);
 - PAD must be kept out of the output with suppress_sequences=[['<pad>']] (t2t never emits it);
 - one max_decoding_length per call instead of t2t's source length + max_decode_extra.
 """
