@@ -4,8 +4,8 @@
 
 The eval-job pattern of large codebases. The loop polls WORKDIR for finished checkpoint steps:
 orbax writes a step into `<step>.orbax-checkpoint-tmp*` and renames it when complete (on GCS it
-adds a commit_success.txt instead); `checkpoint.finished_steps` lists only such steps, so a step
-still being written is never read. Each new step is decoded and scored like evaluate.py does
+adds a commit_success.txt instead); `checkpoint_read.finished_steps` lists only such steps, so a
+step still being written is never read. Each new step is decoded and scored like evaluate.py does
 (hypotheses file, WORKDIR/eval-<split>.json under the label step-N) and its scores are written to
 WORKDIR/watch-<split>/: metrics.jsonl (one record per step: the scores file) and TensorBoard
 events under eval/ tags (a run of its own beside the training run's events).
@@ -25,7 +25,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from t2t import checkpoint, evaluation, metrics, sharding, startup
+from t2t import checkpoint_read, evaluation, metrics, sharding, startup
 from t2t import workdir as wd
 
 
@@ -76,7 +76,7 @@ def run(config, workdir, *, split: str = '', timeout_s: float = 3600.0, poll_s: 
     try:
         while True:
             finished = loop.read_finished(workdir)  # read before listing: see the last step
-            steps = checkpoint.finished_steps(workdir) if wd.is_dir(wd.path(workdir)) else []
+            steps = checkpoint_read.finished_steps(workdir) if wd.is_dir(wd.path(workdir)) else []
             # Process 0's view (a listing may differ for a moment between hosts): every process
             # decodes the same steps and stops at the same time.
             todo = _from_process_0([s for s in steps if s not in done and s not in skipped])
@@ -91,8 +91,8 @@ def run(config, workdir, *, split: str = '', timeout_s: float = 3600.0, poll_s: 
                     params = evaluation.load_params(workdir, [step],
                                                     scan_layers=config.scan_layers)
                     params = sharding.put_global(params, sharding.replicated(mesh))
-                except checkpoint.CheckpointError as e:
-                    gone = step not in checkpoint.finished_steps(workdir)
+                except checkpoint_read.CheckpointError as e:
+                    gone = step not in checkpoint_read.finished_steps(workdir)
                     echo(f'== {label}: ' + ('deleted by training (keep_checkpoints) before it '
                                             'was read' if gone else f'corrupt: {e}'))
                     skipped.add(step)
