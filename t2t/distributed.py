@@ -18,9 +18,9 @@ SyncError naming the processes that did not arrive or that disagree. They never 
 (`python -m t2t.data` runs without one): outside a jax.distributed job there is one process.
 
 The decisions every process takes at the same step of a computation (stop here, this checkpoint
-restored everywhere, a SIGTERM somewhere) are small device collectives instead
-(`process_0_decides`, `all_processes`, `any_process`, `sync_devices`): every process calls them
-at the same point, and they return at once with one process.
+restored everywhere, a SIGTERM somewhere, the steps to evaluate) are small device collectives
+instead (`process_0_decides`, `process_0_ints`, `all_processes`, `any_process`, `sync_devices`):
+every process calls them at the same point, and they return at once with one process.
 """
 
 from __future__ import annotations
@@ -411,6 +411,21 @@ def process_0_decides(flag: bool) -> bool:
     from jax.experimental import multihost_utils
 
     return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
+
+
+def process_0_ints(values: list[int]) -> list[int]:
+    """Process 0's list of ints on every process (e.g. the steps it sees: all decode the same)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return values
+    from jax.experimental import multihost_utils
+
+    n = int(multihost_utils.broadcast_one_to_all(np.int32(len(values))))
+    if not n:
+        return []
+    mine = np.asarray(values if jax.process_index() == 0 else [0] * n, np.int32)
+    return [int(v) for v in multihost_utils.broadcast_one_to_all(mine)]
 
 
 def all_processes(flag: bool) -> bool:
