@@ -68,4 +68,7 @@ def main(argv):
 
 
 if __name__ == '__main__':
+    from t2t import platforms
+
+    platforms.skip_absent_tpu()  # the sweep's own process (dry runs, summaries) as cli.run does
     app.run(main)

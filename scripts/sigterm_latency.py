@@ -40,7 +40,7 @@ def measure(config_path: str, workdir: str, after_log: int, delay: float, eval_a
             env: dict) -> dict:
     """Seconds from SIGTERM to exit of train.py, and what it left behind."""
     sys.path.insert(0, ROOT)
-    from t2t import checkpoint
+    from t2t import checkpoint_read
 
     shutil.rmtree(workdir, ignore_errors=True)
     command = [sys.executable, 'train.py', f'--config={config_path}', f'--workdir={workdir}',
@@ -68,7 +68,7 @@ def measure(config_path: str, workdir: str, after_log: int, delay: float, eval_a
     seconds = time.perf_counter() - signalled
     return {'config': config_path, 'seconds_from_sigterm_to_exit': round(seconds, 2),
             'returncode': proc.returncode, 'last_lines': [x.rstrip() for x in lines[-2:]],
-            'checkpoints': checkpoint.finished_steps(workdir)}
+            'checkpoints': checkpoint_read.finished_steps(workdir)}
 
 
 def main():

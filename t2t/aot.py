@@ -187,7 +187,7 @@ def plan(config, slice_name: str, batch_step: int = 0) -> Plan:
     """The slice, its devices and the config's mesh over them; ValueError (one line) on bad input.
 
     The slice name and the mesh shape are checked before libtpu is loaded, the batch sizes against
-    the mesh (loop's own checks) before anything compiles. batch_step: the search's granularity,
+    the mesh (as in training) before anything compiles. batch_step: the search's granularity,
     a multiple of batch_unit (0: batch_unit itself).
     """
     tpu = parse_slice(slice_name)
@@ -200,10 +200,10 @@ def plan(config, slice_name: str, batch_step: int = 0) -> Plan:
     if batch_step % unit:
         raise ValueError(f'--batch_step={batch_step} is not a multiple of {unit} (data-parallel '
                          f'devices x grad_accum_steps of mesh {shape})')
-    from t2t import loop  # its batch and length checks, the same as a training run's
+    from t2t import startup  # the batch and length checks of a training run
 
     mesh = sharding.make_mesh(config.mesh_shape, devices=topology_devices(tpu))
-    loop._check_config(config, mesh)
+    startup.check_training_config(config, mesh)
     return Plan(tpu, mesh, batch_step or unit)
 
 

@@ -81,7 +81,11 @@ def parse_flags(argv, prog: str):
 
 
 def run(main, prog: str) -> None:
-    """app.run(main) with parse_flags."""
+    """app.run(main) with parse_flags, after choosing the jax platforms (before any jax
+    computation: no TPU backend, and none of libtpu's start-up errors, without TPU chips)."""
+    from t2t import platforms
+
+    platforms.skip_absent_tpu()
     app.run(main, flags_parser=functools.partial(parse_flags, prog=prog))
 
 

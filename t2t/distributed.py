@@ -12,9 +12,15 @@ others say who they are); after --startup_timeout_s process 0 exits with one lin
 processes that did not join, and they exit naming the coordinator that did not answer. Only then
 is jax.distributed started, on the same port, with the same timeout.
 
-After start-up, `wait_for` and `agree` meet over jax's coordination service (its key-value store:
-host to host, no device collective), print a progress line every minute and raise SyncError naming
-the processes that did not arrive or that disagree.
+After start-up, `wait_for`, `agree` and `share_bytes` meet over jax's coordination service (its
+key-value store: host to host, no device collective), print a progress line every minute and raise
+SyncError naming the processes that did not arrive or that disagree. They never start a jax backend
+(`python -m t2t.data` runs without one): outside a jax.distributed job there is one process.
+
+The decisions every process takes at the same step of a computation (stop here, this checkpoint
+restored everywhere, a SIGTERM somewhere, the steps to evaluate) are small device collectives
+instead (`process_0_decides`, `process_0_ints`, `all_processes`, `any_process`, `sync_devices`):
+every process calls them at the same point, and they return at once with one process.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+import numpy as np
 from absl import flags
 
 DISTRIBUTED = flags.DEFINE_bool(
@@ -269,6 +276,21 @@ def _join(address: str, host: str, port: int, count: int, index: int, timeout_s:
 _uses: dict[str, int] = {}  # every process calls the same barriers in the same order
 
 
+def process_count() -> int:
+    """The processes of the jax.distributed job (1 outside one); never starts a jax backend."""
+    return sys.modules['jax'].process_count() if _distributed() else 1
+
+
+def process_index() -> int:
+    """This process's index in the jax.distributed job (0 outside one); never starts a backend."""
+    return sys.modules['jax'].process_index() if _distributed() else 0
+
+
+def _distributed() -> bool:
+    # jax not imported: nothing can have started jax.distributed (and nothing imports it here)
+    return 'jax' in sys.modules and sys.modules['jax'].distributed.is_initialized()
+
+
 def _client():
     from jax._src import distributed as jax_distributed
 
@@ -324,9 +346,7 @@ def wait_for(name: str, what: str, timeout_s: float,
     `what` goes into the progress line printed every minute and into the SyncError raised after
     timeout_s, which names the processes that did not arrive. One process: returns at once.
     """
-    import jax
-
-    count = jax.process_count()
+    count = process_count()
     waited_for = list(range(count)) if processes is None else sorted(set(processes))
     if bad := [p for p in waited_for if not 0 <= p < count]:
         raise ValueError(f'wait_for({name!r}): no {_ids(bad)} in a job of {count}')
@@ -338,9 +358,7 @@ def wait_for(name: str, what: str, timeout_s: float,
 def agree(name: str, value: str, timeout_s: float) -> None:
     """Every process gives its value (e.g. a digest of its data); raises SyncError naming the
     processes whose value differs from process 0's (or that did not arrive within timeout_s)."""
-    import jax
-
-    count = jax.process_count()
+    count = process_count()
     if count == 1:
         return
     values = _arrive_and_wait(_client(), _key('agree', name), value, range(count), name,
@@ -365,12 +383,10 @@ def share_bytes(name: str, data: bytes | None, what: str, timeout_s: float) -> b
     Process 0 passes the bytes and returns them at once; the others pass None and wait for them
     like `wait_for` waits (progress lines, then a SyncError naming process 0 after timeout_s).
     """
-    import jax
-
-    if jax.process_count() == 1:
+    if process_count() == 1:
         return data
     client, prefix = _client(), _key('bytes', name)
-    if jax.process_index() == 0:
+    if process_index() == 0:
         chunks = [data[i:i + _CHUNK] for i in range(0, len(data), _CHUNK)] or [b'']
         for i, chunk in enumerate(chunks):
             client.key_value_set_bytes(f'{prefix}chunk/{i}', chunk)
@@ -381,3 +397,58 @@ def share_bytes(name: str, data: bytes | None, what: str, timeout_s: float) -> b
     count = int(client.blocking_key_value_get(f'{prefix}count', 60_000))
     return b''.join(client.blocking_key_value_get_bytes(f'{prefix}chunk/{i}', 60_000)
                     for i in range(count))
+
+
+# --- decisions taken together (device collectives; every process calls at the same point) ------
+
+
+def process_0_decides(flag: bool) -> bool:
+    """Process 0's flag on every process (e.g. "stop now": all leave the loop at one step)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
+
+
+def process_0_ints(values: list[int]) -> list[int]:
+    """Process 0's list of ints on every process (e.g. the steps it sees: all decode the same)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return values
+    from jax.experimental import multihost_utils
+
+    n = int(multihost_utils.broadcast_one_to_all(np.int32(len(values))))
+    if not n:
+        return []
+    mine = np.asarray(values if jax.process_index() == 0 else [0] * n, np.int32)
+    return [int(v) for v in multihost_utils.broadcast_one_to_all(mine)]
+
+
+def all_processes(flag: bool) -> bool:
+    """True on every process when the flag is True on every process."""
+    return not any_process(not flag)
+
+
+def any_process(flag: bool) -> bool:
+    """True on every process when the flag is True on some process."""
+    import jax
+
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.asarray(flag, np.int32))))
+
+
+def sync_devices(name: str) -> None:
+    """Every process waits here until all have arrived (a device barrier; no-op alone)."""
+    import jax
+
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)

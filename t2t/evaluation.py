@@ -30,7 +30,7 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
-from t2t import bleu, checkpoint, inference, layers_convert, sharding, startup
+from t2t import bleu, checkpoint, checkpoint_read, inference, layers_convert, sharding, startup
 from t2t import workdir as wd
 from t2t.model import TransformerConfig, abstract_params, attention_bias_mismatch
 
@@ -89,9 +89,9 @@ def load_params(workdir, steps: list[int], *, scan_layers: bool = False):
     """Params of one step, or the element-wise mean of several (host numpy arrays), in the layer
     layout of a model with this scan_layers setting whatever layout they were saved in."""
     if len(steps) == 1:
-        params = checkpoint.restore_params(workdir, steps[0])
+        params = checkpoint_read.restore_params(workdir, steps[0])
     else:
-        params = checkpoint.average_checkpoints(workdir, steps)
+        params = checkpoint_read.average_checkpoints(workdir, steps)
     return layers_convert.to_layout(params, scan_layers=scan_layers)
 
 
@@ -266,7 +266,7 @@ def check_vocabulary(workdir, steps: list[int], tokenizer, label: str) -> None:
     """The tokenizer is the one checkpoint `steps[-1]` was trained with (when it recorded it)."""
     from t2t.data import identity
 
-    saved = checkpoint.read_metadata(workdir, steps[-1]).get(identity.DATA_KEY)
+    saved = checkpoint_read.read_metadata(workdir, steps[-1]).get(identity.DATA_KEY)
     if saved and saved['vocab_sha256'] != identity.vocab_digest(tokenizer):
         raise EvalError(
             f'checkpoint {label} was trained with vocabulary {saved["vocab_sha256"][:12]} but '

@@ -17,7 +17,7 @@ A checkpoint's parameters, for evaluate.py with a config of the other layout:
     python -m t2t.layers_convert --workdir=RUN --out=RUN_scanned --to=scanned [--step=N]
 
 writes checkpoint N (default: the latest) of RUN as a parameters-only checkpoint of RUN_scanned
-(the format of averaged checkpoints), readable by `checkpoint.restore_params` and evaluate.py.
+(the format of averaged checkpoints), readable by `checkpoint_read.restore_params` and evaluate.py.
 """
 
 from __future__ import annotations
@@ -89,13 +89,13 @@ def to_layout(tree, *, scan_layers: bool):
 def convert_checkpoint(workdir: str, out: str, to: str, step: int | None = None) -> str:
     """Writes the params of checkpoint `step` of `workdir` in layout `to` ('scanned' or
     'unrolled') as a params-only checkpoint of `out`; returns its directory."""
-    from t2t import checkpoint
+    from t2t import checkpoint, checkpoint_read
 
     if to not in ('scanned', 'unrolled'):
         raise ValueError(f"to={to!r}; one of ('scanned', 'unrolled')")
-    meta = checkpoint.read_metadata(workdir, step)  # step None: the latest
+    meta = checkpoint_read.read_metadata(workdir, step)  # step None: the latest
     step = int(meta['step'])
-    params = checkpoint.restore_params(workdir, step)
+    params = checkpoint_read.restore_params(workdir, step)
     converted = to_layout(params, scan_layers=to == 'scanned')
     return str(checkpoint.write_averaged(
         out, converted, step, extra_metadata={'converted_from': str(workdir), 'layers': to}))

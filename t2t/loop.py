@@ -21,16 +21,20 @@ import math
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from t2t import checkpoint, flops, metrics, optim, sharding, startup, train_lib
+from t2t import checkpoint, distributed, flops, metrics, optim, sharding, startup, train_lib
 from t2t import workdir as wd
 from t2t.data import identity
 from t2t.preemption import Interrupted, PreemptionFlag
 
 FINISHED_NAME = 'TRAINING_FINISHED'  # JSON {step, stopped_by}: the run has nothing left to do
-# Token sums that add up over the steps of a log interval (carried across a resume).
-_SUM_KEYS = ('loss_sum', 'nll_sum', 'correct_sum', 'tokens', 'nonfinite')
+# Sums over the steps of a log interval (carried across a resume): float32 loss sums, exact counts.
+_FLOAT_SUMS = ('loss_sum', 'nll_sum', 'correct_sum')
+_COUNT_SUMS = ('tokens', 'nonfinite')
+_SUM_KEYS = _FLOAT_SUMS + _COUNT_SUMS
+_RAN_KEYS = ('tokens', 'source_tokens')  # this run's steps alone: throughput and MFU
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -43,15 +47,6 @@ class TrainResult:
     stopped_by: str  # 'num_train_steps', 'time_budget' or 'preemption'
     train_metrics: dict
     eval_metrics: dict
-
-
-def _all_processes_agree(flag: bool) -> bool:
-    """Process 0's decision, so every process leaves the loop at the same step."""
-    if jax.process_count() == 1:
-        return flag
-    from jax.experimental import multihost_utils
-
-    return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
 
 
 def evaluate_loss(eval_fn, params, batches, mesh, num_batches: int) -> dict:
@@ -82,71 +77,94 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _check_config(config, mesh) -> None:
-    """The batch splits over the data-parallel devices; lengths fit the position table.
+def _accumulate(acc, step, m):
+    """acc + one step's metrics, on the device: the interval's sums, this run's token counts and
+    the first step whose loss or gradient was not finite (-1: none yet)."""
+    def count(x):  # token counts as integers: a float32 sum is exact only up to 2**24
+        return jnp.round(x).astype(jnp.int32)
 
-    (Evaluation batches of any size are padded to a multiple of the devices instead.)
-    """
-    parallel = sharding.data_parallel_size(mesh)
-    micro = config.batch_size // max(config.grad_accum_steps, 1)
-    if config.batch_size % parallel:
-        raise startup.ConfigError(f'batch_size={config.batch_size} is not divisible by the '
-                                  f'{parallel} data-parallel devices of mesh {dict(mesh.shape)}')
-    if config.batch_size % config.grad_accum_steps or micro % parallel:
-        raise startup.ConfigError(f'batch_size={config.batch_size} / grad_accum_steps='
-                                  f'{config.grad_accum_steps} must be a multiple of {parallel} '
-                                  'devices')
-    startup.check_lengths(config)
+    out = {k: acc[k] + m[k] for k in _FLOAT_SUMS}
+    out.update({k: acc[k] + count(m[k]) for k in _COUNT_SUMS})
+    out.update({f'ran_{k}': acc[f'ran_{k}'] + count(m[k]) for k in _RAN_KEYS})
+    first = (m['nonfinite'] > 0) & (acc['bad_step'] < 0)
+    out['bad_step'] = jnp.where(first, step, acc['bad_step'])
+    for k in ('loss_sum', 'grad_norm'):
+        out[f'bad_{k}'] = jnp.where(first, m[k], acc[f'bad_{k}'])
+    return out
+
+
+_accumulate_jit = jax.jit(_accumulate)
+
+
+def _start_sums(carried: dict | None) -> dict:
+    """The accumulator of a new interval: the carried sums (a resume), else zeros (host values:
+    the first `_accumulate` puts them beside the step's metrics, on the same devices)."""
+    carried = carried or {}
+    acc = {k: np.float32(carried.get(k, 0.0)) for k in _FLOAT_SUMS}
+    acc.update({k: np.int32(round(carried.get(k, 0))) for k in _COUNT_SUMS})
+    acc.update({f'ran_{k}': np.int32(0) for k in _RAN_KEYS})
+    acc.update(bad_step=np.int32(-1), bad_loss_sum=np.float32(0), bad_grad_norm=np.float32(0))
+    return acc
 
 
 class _Interval:
-    """Per-step device metrics since the last log, left on device until the log step.
+    """The training metrics since the last log, summed on the device step by step (one jitted
+    add) and fetched once, at the log step (or a checkpoint's).
 
-    The host fetches them once per log interval. It never runs more than one step ahead of the
-    device: `add` waits for the previous step (the device has the new one queued meanwhile), so
-    a preemption or a time budget is acted on within about a step.
-    `carried`: host sums (_SUM_KEYS) of steps before a resume that no log covered yet.
+    The host never runs more than one step ahead of the device: `add` waits for the previous
+    step while the device has the new one queued (it never runs dry), so a SIGTERM or a time
+    budget is acted on within about a step, and the watchdog times device steps. Nothing is
+    fetched per step. `carried`: the sums (_SUM_KEYS) of the steps before a resume that no log
+    covered yet; they start the accumulator, so a resumed run adds the same floats in the same
+    order as an uninterrupted one. The loss sums are float32 sums of float32 step sums (rounding
+    of about 1e-7 relative per step); token and skip counts are exact integers.
     """
 
     def __init__(self, carried: dict | None = None):
-        self.pending = []  # (step, device metrics dict)
-        self.carried = dict(carried or {})
+        self.sums = _start_sums(carried)
+        self.steps = 0  # steps added since the start
+        self.last = None  # the newest step's device metrics (its learning rate and grad norm)
         self.start_time = time.perf_counter()
 
     def add(self, step, device_metrics):
-        self.pending.append((step, device_metrics))
-        if len(self.pending) > 1:
-            jax.block_until_ready(self.pending[-2][1])
+        previous = self.last
+        self.sums = _accumulate_jit(self.sums, step, device_metrics)
+        self.steps += 1
+        self.last = device_metrics
+        if previous is not None:
+            jax.block_until_ready(previous['tokens'])  # pace the host (see the class docstring)
 
-    def check_finite(self, skip_nonfinite: bool, fetched=None):
-        """Raises NonFiniteLossError for the first pending step whose loss/gradient is not finite.
+    def fetch(self) -> dict:
+        """Host copies of the sums, and of the newest step's learning rate and grad norm."""
+        last = {k: self.last[k] for k in ('learning_rate', 'grad_norm') if k in self.last}
+        sums, last = jax.device_get((self.sums, last))
+        return {**{k: v.item() for k, v in sums.items()}, **{k: float(v) for k, v in last.items()}}
 
-        With skip_nonfinite such steps were not applied, so the state stayed finite.
-        """
-        if skip_nonfinite:
+    def check_finite(self, skip_nonfinite: bool, fetched: dict | None = None):
+        """Raises NonFiniteLossError naming the interval's first step whose loss or gradient is
+        not finite. With skip_nonfinite such steps were not applied, so the state stayed finite."""
+        if skip_nonfinite or self.steps == 0:
             return
-        for step, m in jax.device_get(self.pending) if fetched is None else fetched:
-            if m['nonfinite']:
-                raise NonFiniteLossError(
-                    f'step {step}: the loss or the gradient is not finite (loss sum '
-                    f'{float(m["loss_sum"])}, grad norm {float(m["grad_norm"])}); set '
-                    'skip_nonfinite=True to skip such steps')
+        fetched = self.fetch() if fetched is None else fetched
+        if fetched['bad_step'] >= 0:
+            raise NonFiniteLossError(
+                f'step {fetched["bad_step"]}: the loss or the gradient is not finite (loss sum '
+                f'{fetched["bad_loss_sum"]}, grad norm {fetched["bad_grad_norm"]}); set '
+                'skip_nonfinite=True to skip such steps')
 
-    def drain(self, skip_nonfinite: bool):
-        """Host copies of the pending metrics; checks each step for a non-finite loss."""
-        fetched = jax.device_get(self.pending)
-        self.pending = []
+    def drain(self, skip_nonfinite: bool) -> dict:
+        """The interval's host sums (checked for a non-finite step); the interval is then empty."""
+        fetched = self.fetch()
         self.check_finite(skip_nonfinite, fetched)
+        fetched['steps'] = self.steps
+        self.sums, self.steps, self.last = _start_sums(None), 0, None
         return fetched
 
     def unlogged(self) -> dict:
-        """Host sums of the steps no log covered yet, for the checkpoint (added in step order,
-        as `_log_train` adds them, so a resumed run logs the same floats)."""
-        sums = dict(self.carried)
-        for _, m in jax.device_get(self.pending):
-            for k in _SUM_KEYS:
-                sums[k] = sums.get(k, 0) + float(m[k])
-        return sums
+        """Host sums of the steps no log covered yet (carried ones too), for the checkpoint."""
+        if self.steps == 0:
+            return {k: v.item() for k, v in self.sums.items() if k in _SUM_KEYS}
+        return {k: v for k, v in self.fetch().items() if k in _SUM_KEYS}
 
 
 def _spans(rows, shown: int = 4) -> str:
@@ -178,7 +196,7 @@ def train_and_evaluate(config, workdir: str, devices=None) -> TrainResult:
     mesh = sharding.make_mesh(config.mesh_shape, devices, config.dcn_mesh_shape)
     _say(f'mesh {dict(mesh.shape)} over {mesh.size} {mesh.devices.flat[0].platform} devices '
          f'({jax.process_count()} processes)')
-    _check_config(config, mesh)
+    startup.check_training_config(config, mesh)
     from t2t import run_record, watchdog  # what ran; stacks of slow steps and saves
 
     run_record.write(workdir, run_record.record(config, mesh))  # what ran: WORKDIR/run-*.json
@@ -197,14 +215,13 @@ def train_and_evaluate(config, workdir: str, devices=None) -> TrainResult:
     state_shardings = jax.tree_util.tree_map(lambda x: x.sharding, abstract)
     trained_s = 0.0  # training seconds of earlier runs of this workdir (the budget is total)
     meta = {}
-    restored = checkpoint.restore_newest_good(
-        manager, lambda s: checkpoint.restore(manager, s, abstract, train_iter))
+    restored = checkpoint.restore_newest_good(  # the state and its metadata, in one read
+        manager, lambda s: checkpoint.restore(manager, s, abstract, train_iter, with_metadata=True))
     if restored is None:
         state, _ = train_lib.create_sharded_state(config, mesh, tx)
     else:
-        latest, state = restored
+        latest, (state, meta) = restored
         _say(f'resuming from checkpoint {latest} in {workdir}')
-        meta = checkpoint.read_metadata(workdir, latest)
         trained_s = float(meta.get('train_seconds', 0.0))
         mapped = identity.check_resume(
             meta.get(identity.DATA_KEY), data_identity, meta.get(checkpoint.ITERATOR_KEY),
@@ -266,7 +283,7 @@ def train_and_evaluate(config, workdir: str, devices=None) -> TrainResult:
             eval_summary = evaluate()
             if eval_summary is None:  # preempted again: the checkpoint still says pending
                 stopped_by, eval_summary = 'preemption', {}
-        if stopped_by == 'num_train_steps' and _all_processes_agree(over_budget()):
+        if stopped_by == 'num_train_steps' and distributed.process_0_decides(over_budget()):
             stopped_by = 'time_budget'
             _say(f'the time budget of {config.train_time_budget_s:.0f} s is spent in {workdir}: '
                  'nothing to train')
@@ -282,7 +299,7 @@ def train_and_evaluate(config, workdir: str, devices=None) -> TrainResult:
             if logged:
                 train_summary = _log_train(writer, interval, config, step, state,
                                            flops_per_step, flops_per_token, peak, mesh.size)
-                if _all_processes_agree(over_budget()):
+                if distributed.process_0_decides(over_budget()):
                     stopped_by = 'time_budget'
             if preemption.reached(step, at_log_step=logged):
                 stopped_by = 'preemption'
@@ -375,31 +392,24 @@ def _log_train(writer, interval: _Interval, config, step, state, flops_per_step,
                flops_per_token, peak, num_devices):
     """Writes the interval's train scalars. Means cover every step since the last log (carried
     ones too); throughput and MFU cover the steps this process ran."""
-    fetched = interval.drain(config.skip_nonfinite)
+    fetched = interval.drain(config.skip_nonfinite)  # the interval's one fetch
     elapsed = time.perf_counter() - interval.start_time
-    steps = len(fetched)
-    sums, carried, interval.carried = {}, interval.carried, {}
-    for k in _SUM_KEYS:  # the same left-to-right additions as _Interval.unlogged
-        total = carried.get(k, 0)
-        for _, m in fetched:
-            total = total + float(m[k])
-        sums[k] = total
-    ran = {k: sum(float(m[k]) for _, m in fetched) for k in ('tokens', 'source_tokens')}
-    last = fetched[-1][1]
+    steps = fetched['steps']
     step_time = elapsed / max(steps, 1)
-    scalars = dict(train_lib.summarize_metrics(sums))
+    scalars = dict(train_lib.summarize_metrics(fetched))
     scalars.update(
-        learning_rate=float(last['learning_rate']),
-        grad_norm=float(last['grad_norm']),
+        learning_rate=fetched.get('learning_rate'),
+        grad_norm=fetched['grad_norm'],
         step_time_s=step_time,
-        target_tokens_per_s=ran['tokens'] / max(elapsed, 1e-9),
-        skipped_steps=sums['nonfinite'],
+        target_tokens_per_s=fetched['ran_tokens'] / max(elapsed, 1e-9),
+        skipped_steps=fetched['nonfinite'],
     )
     applied = optim.applied_updates(state.opt_state)
     if applied is not None:  # skipped steps advance the step but not the optimizer's count
         scalars['skipped_steps_total'] = step - int(jax.device_get(applied))
     # MFU on the real (non-pad) tokens, and on every slot of the batch as if all were real.
-    real_flops = ran['source_tokens'] * flops_per_token[0] + ran['tokens'] * flops_per_token[1]
+    real_flops = (fetched['ran_source_tokens'] * flops_per_token[0]
+                  + fetched['ran_tokens'] * flops_per_token[1])
     for name, per_step in (('mfu_real_tokens', real_flops / max(steps, 1)),
                            ('mfu_padded_slots', flops_per_step)):
         utilization = metrics.mfu(per_step, step_time, num_devices, peak)

@@ -33,7 +33,7 @@ def skip_absent_tpu() -> str | None:
     Returns the jax_platforms it chose ('cuda,cpu' with a CUDA plugin installed, jax itself skips
     CUDA without a visible GPU; else 'cpu'), or None when jax's own choice stands: JAX_PLATFORMS or
     jax_platforms already set, no libtpu, or TPU chips present. Call it before the first jax
-    computation (t2t/__init__.py does).
+    computation (cli.run does, for every entry point).
     """
     if 'JAX_PLATFORMS' in os.environ or not _libtpu_installed():
         return None

@@ -24,7 +24,8 @@ import signal
 import threading
 
 import jax
-import numpy as np
+
+from t2t import distributed
 
 
 def _jax_preemption_service() -> bool:
@@ -85,12 +86,7 @@ class PreemptionFlag:
 
     def any_process(self) -> bool:
         """Some process received the signal; all processes must call this at the same step."""
-        if jax.process_count() == 1:
-            return self.is_set()
-        from jax.experimental import multihost_utils
-
-        flags = multihost_utils.process_allgather(np.asarray(self.is_set(), np.int32))
-        return bool(np.any(flags))
+        return distributed.any_process(self.is_set())
 
     def interruptible(self, items):
         """`items`, raising Interrupted once this process got the notice.

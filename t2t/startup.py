@@ -25,6 +25,26 @@ def check_lengths(config, keys=LENGTH_KEYS) -> None:
                               f'(--config.{key} or --config.max_position)')
 
 
+def check_training_config(config, mesh) -> None:
+    """The batch splits over the mesh's data-parallel devices (and into grad_accum_steps
+    micro-batches that do too); every length fits the position table.
+
+    train.py runs it before data is read, `train.py --dry_run --topology` before it compiles.
+    (Evaluation batches of any size are padded to a multiple of the devices instead.)
+    """
+    from t2t import sharding  # jax and flax: not for the entry points' checks that need none
+
+    parallel = sharding.data_parallel_size(mesh)
+    micro = config.batch_size // max(config.grad_accum_steps, 1)
+    if config.batch_size % parallel:
+        raise ConfigError(f'batch_size={config.batch_size} is not divisible by the '
+                          f'{parallel} data-parallel devices of mesh {dict(mesh.shape)}')
+    if config.batch_size % config.grad_accum_steps or micro % parallel:
+        raise ConfigError(f'batch_size={config.batch_size} / grad_accum_steps='
+                          f'{config.grad_accum_steps} must be a multiple of {parallel} devices')
+    check_lengths(config)
+
+
 def check_writable(workdir) -> None:
     """WORKDIR exists or can be created, and a file can be written, read and deleted in it (a
     probe object in a bucket: a missing bucket or missing rights fail here, not at the first

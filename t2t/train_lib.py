@@ -4,8 +4,8 @@ train_step(state, batch) -> (state, metrics) is jitted once (see `jit_train_step
 shardings and the state donated. The dropout rng of a step is folded from the state's rng and the
 step number, so a resumed run draws the same masks as an uninterrupted one; the state keeps the raw
 key data of the configured generator (rng_impl: threefry, rbg or unsafe_rbg). The loss never
-materializes the logits of the whole batch (t2t/loss.py). Metrics are token sums left on device;
-`summarize_metrics` turns them into means at the log interval.
+materializes the logits of the whole batch (t2t/loss.py). Metrics are token sums left on device
+(the loop adds them up over a log interval there); `summarize_metrics` makes means of them.
 
 Shape letters: B batch rows, T target length, V vocabulary, M micro-batches.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -265,12 +266,13 @@ def _under_mesh(fn, mesh):
 
 
 def summarize_metrics(sums: dict) -> dict:
-    """Token sums (possibly added over several steps) -> loss, nll, perplexity, accuracy."""
+    """Host token sums (possibly added over several steps) -> loss, nll, perplexity, accuracy:
+    host floats, computed on the host."""
     tokens = max(float(sums['tokens']), 1.0)
     nll = float(sums['nll_sum']) / tokens
     return {
         'loss': float(sums['loss_sum']) / tokens,
         'nll': nll,
-        'perplexity': float(jnp.exp(jnp.minimum(nll, 50.0))),
+        'perplexity': math.exp(min(nll, 50.0)),
         'accuracy': float(sums['correct_sum']) / tokens,
     }

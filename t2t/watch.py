@@ -4,8 +4,8 @@
 
 The eval-job pattern of large codebases. The loop polls WORKDIR for finished checkpoint steps:
 orbax writes a step into `<step>.orbax-checkpoint-tmp*` and renames it when complete (on GCS it
-adds a commit_success.txt instead); `checkpoint.finished_steps` lists only such steps, so a step
-still being written is never read. Each new step is decoded and scored like evaluate.py does
+adds a commit_success.txt instead); `checkpoint_read.finished_steps` lists only such steps, so a
+step still being written is never read. Each new step is decoded and scored like evaluate.py does
 (hypotheses file, WORKDIR/eval-<split>.json under the label step-N) and its scores are written to
 WORKDIR/watch-<split>/: metrics.jsonl (one record per step: the scores file) and TensorBoard
 events under eval/ tags (a run of its own beside the training run's events).
@@ -23,9 +23,8 @@ import time
 from collections.abc import Callable
 
 import jax
-import numpy as np
 
-from t2t import checkpoint, evaluation, metrics, sharding, startup
+from t2t import checkpoint_read, distributed, evaluation, metrics, sharding, startup
 from t2t import workdir as wd
 
 
@@ -33,19 +32,6 @@ def _done_steps(logdir) -> set[int]:
     if not wd.exists(logdir / metrics.JSONL_NAME):
         return set()
     return {r['step'] for r in metrics.read_jsonl(logdir)}
-
-
-def _from_process_0(values: list[int]) -> list[int]:
-    """Process 0's list of ints, on every process."""
-    if jax.process_count() == 1:
-        return values
-    from jax.experimental import multihost_utils
-
-    n = int(multihost_utils.broadcast_one_to_all(np.int32(len(values))))
-    if not n:
-        return []
-    mine = np.asarray(values if jax.process_index() == 0 else [0] * n, np.int32)
-    return [int(v) for v in multihost_utils.broadcast_one_to_all(mine)]
 
 
 def run(config, workdir, *, split: str = '', timeout_s: float = 3600.0, poll_s: float = 5.0,
@@ -76,11 +62,13 @@ def run(config, workdir, *, split: str = '', timeout_s: float = 3600.0, poll_s: 
     try:
         while True:
             finished = loop.read_finished(workdir)  # read before listing: see the last step
-            steps = checkpoint.finished_steps(workdir) if wd.is_dir(wd.path(workdir)) else []
+            steps = checkpoint_read.finished_steps(workdir) if wd.is_dir(wd.path(workdir)) else []
             # Process 0's view (a listing may differ for a moment between hosts): every process
             # decodes the same steps and stops at the same time.
-            todo = _from_process_0([s for s in steps if s not in done and s not in skipped])
-            finished_here = _from_process_0([] if finished is None else [finished['step']])
+            todo = distributed.process_0_ints(
+                [s for s in steps if s not in done and s not in skipped])
+            finished_here = distributed.process_0_ints(
+                [] if finished is None else [finished['step']])
             for step in todo:
                 label = f'step-{step}'
                 if tokenizer is None:
@@ -91,8 +79,8 @@ def run(config, workdir, *, split: str = '', timeout_s: float = 3600.0, poll_s: 
                     params = evaluation.load_params(workdir, [step],
                                                     scan_layers=config.scan_layers)
                     params = sharding.put_global(params, sharding.replicated(mesh))
-                except checkpoint.CheckpointError as e:
-                    gone = step not in checkpoint.finished_steps(workdir)
+                except checkpoint_read.CheckpointError as e:
+                    gone = step not in checkpoint_read.finished_steps(workdir)
                     echo(f'== {label}: ' + ('deleted by training (keep_checkpoints) before it '
                                             'was read' if gone else f'corrupt: {e}'))
                     skipped.add(step)
@@ -115,7 +103,7 @@ def run(config, workdir, *, split: str = '', timeout_s: float = 3600.0, poll_s: 
                 echo(f'training finished at step {finished_here[0]} ({stopped_by}); '
                      f'evaluated {len(results)} new checkpoints -> {logdir}')
                 return results
-            elif _from_process_0([1] if clock() - last_news > timeout_s else []):
+            elif distributed.process_0_ints([1] if clock() - last_news > timeout_s else []):
                 echo(f'no new checkpoint for {timeout_s:.0f} s: stopping; evaluated '
                      f'{len(results)} new checkpoints -> {logdir}')
                 return results

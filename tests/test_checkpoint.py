@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from configs.common import base_config
 from t2t import checkpoint as ckpt
+from t2t import checkpoint_read
 from t2t.preemption import PreemptionFlag
 
 
@@ -94,9 +95,9 @@ def test_round_trip_bitwise_into_shardings(tmp_path):
     assert kernel.sharding == abstract.params['dense']['kernel'].sharding
     assert jax.dtypes.issubdtype(restored.rng.dtype, jax.dtypes.prng_key)
 
-    meta = ckpt.read_metadata(tmp_path)
+    meta = checkpoint_read.read_metadata(tmp_path)
     assert meta['step'] == 7 and meta['config']['keep_checkpoints'] == 20
-    params = ckpt.restore_params(tmp_path)  # no target: numpy on the host
+    params = checkpoint_read.restore_params(tmp_path)  # no target: numpy on the host
     assert isinstance(params['emb'], np.ndarray) and params['emb'].dtype == jnp.bfloat16
     assert_bitwise_equal(params, expected.params)
     ckpt.close(manager)
@@ -131,7 +132,7 @@ def test_keeps_last_k_and_averages(tmp_path, monkeypatch):
     ckpt.wait(manager)
     assert ckpt.all_steps(manager) == [3, 4]
 
-    avg = ckpt.average_checkpoints(workdir, [3, 4])
+    avg = checkpoint_read.average_checkpoints(workdir, [3, 4])
     want = jax.tree.map(
         lambda a, b: ((np.asarray(a, np.float32) + np.asarray(b, np.float32)) / 2).astype(a.dtype),
         states[3].params, states[4].params)
@@ -140,8 +141,8 @@ def test_keeps_last_k_and_averages(tmp_path, monkeypatch):
     out = tmp_path / 'averaged'
     step_dir = ckpt.write_averaged(out, avg, 4, config(), extra_metadata={'averaged': [3, 4]})
     assert step_dir.name == '4'
-    assert_bitwise_equal(ckpt.restore_params(out), want)
-    assert ckpt.read_metadata(out)['averaged'] == [3, 4]
+    assert_bitwise_equal(checkpoint_read.restore_params(out), want)
+    assert checkpoint_read.read_metadata(out)['averaged'] == [3, 4]
 
 
 def _flip_byte_in_largest_file(step_dir):
@@ -168,7 +169,7 @@ def test_corrupt_and_missing_checkpoints_raise(tmp_path):
         ckpt.restore(manager, 5, jax.eval_shape(lambda: state))
     assert '\n' not in str(err.value)
     with pytest.raises(ckpt.CheckpointError, match=step_dir):
-        ckpt.restore_params(tmp_path)
+        checkpoint_read.restore_params(tmp_path)
 
     # A damaged index is caught by orbax itself; the error still names the step.
     for root, _, files in os.walk(tmp_path / 'checkpoints' / '5' / 'state'):
@@ -176,13 +177,13 @@ def test_corrupt_and_missing_checkpoints_raise(tmp_path):
             if f == 'manifest.ocdbt':
                 os.remove(os.path.join(root, f))
     with pytest.raises(ckpt.CheckpointError, match=step_dir) as err:
-        ckpt.restore_params(tmp_path, 5)
+        checkpoint_read.restore_params(tmp_path, 5)
     assert '\n' not in str(err.value)
 
     with pytest.raises(ckpt.CheckpointError, match='no checkpoint for step 6'):
         ckpt.restore(manager, 6, jax.eval_shape(lambda: state))
     with pytest.raises(ckpt.CheckpointError, match='no checkpoint directory'):
-        ckpt.restore_params(tmp_path / 'missing')
+        checkpoint_read.restore_params(tmp_path / 'missing')
     empty = ckpt.make_manager(tmp_path / 'empty', config())
     with pytest.raises(ckpt.CheckpointError, match='no checkpoints in'):
         ckpt.restore(empty, None, jax.eval_shape(lambda: state))
@@ -218,7 +219,7 @@ def test_a_state_with_nan_is_refused(tmp_path):
     with pytest.raises(ckpt.CheckpointError, match='step 2: refusing to save a state with NaN or '
                                                    'inf in params/emb'):
         ckpt.save(manager, 2, state)
-    assert ckpt.all_steps(manager) == [] and ckpt.finished_steps(tmp_path) == []
+    assert ckpt.all_steps(manager) == [] and checkpoint_read.finished_steps(tmp_path) == []
 
 
 @pytest.mark.parametrize('written_with', [True, False])

@@ -8,7 +8,7 @@ import shutil
 import jax
 import pytest
 
-from t2t import checkpoint, evaluation, loop
+from t2t import checkpoint_read, evaluation, loop
 from t2t import workdir as wd
 from t2t.data import cache, identity, pipeline
 from tests import toy_corpus
@@ -77,7 +77,7 @@ def test_the_workdir_keeps_the_vocabulary_and_checkpoints_record_the_data(corpus
     tokenizer = pipeline.get_tokenizer(config)
     with open(tokenizer.path, 'rb') as f:
         assert wd.read_bytes(wd.path(trained, identity.VOCAB_NAME)) == f.read()
-    saved = checkpoint.read_metadata(trained, 2)[identity.DATA_KEY]
+    saved = checkpoint_read.read_metadata(trained, 2)[identity.DATA_KEY]
     packed = cache.packed_split(config, tokenizer, 'train')
     assert saved == {'vocab_sha256': identity.sha256_file(tokenizer.path),
                      'train_rows': packed.num_rows, 'train_digest': packed.meta['digest'],

@@ -12,7 +12,7 @@ import pytest
 import sacrebleu
 
 from configs import tiny
-from t2t import bleu, checkpoint, data, evaluation, optim, sharding, train_lib
+from t2t import bleu, checkpoint, checkpoint_read, data, evaluation, optim, sharding, train_lib
 from tests import toy_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -111,8 +111,8 @@ def test_average_last_two_equals_their_mean_and_is_written(run_dir):
     _run(run_dir)  # the latest checkpoint's scores, to check that labels merge in one JSON
     results, _ = _run(run_dir, average_last=2, write_averaged=out)
     assert list(results) == ['avg2-1-2'] and results['avg2-1-2']['steps'] == [1, 2]
-    one, two = (checkpoint.restore_params(run_dir['workdir'], s) for s in (1, 2))
-    averaged = checkpoint.restore_params(out)
+    one, two = (checkpoint_read.restore_params(run_dir['workdir'], s) for s in (1, 2))
+    averaged = checkpoint_read.restore_params(out)
     for a, b, mean in zip(*map(jax.tree.leaves, (one, two, averaged)), strict=True):
         np.testing.assert_allclose(mean, (a + b) / 2, rtol=1e-6)
     with open(os.path.join(run_dir['workdir'], 'eval-test.json'), encoding='utf-8') as f:
@@ -161,7 +161,7 @@ def test_errors_are_one_line_and_name_the_thing(run_dir, tmp_path):
 
     # A flipped byte in the stored arrays: caught by the checkpoint's checksums.
     corrupt = tmp_path / 'corrupt'
-    state = {'params': checkpoint.restore_params(run_dir['workdir'], 1)}
+    state = {'params': checkpoint_read.restore_params(run_dir['workdir'], 1)}
     manager = checkpoint.make_manager(corrupt, config, async_=False)
     checkpoint.save(manager, 3, state)
     checkpoint.close(manager)

@@ -42,7 +42,7 @@ import jax
 import numpy as np
 import pytest
 
-from t2t import checkpoint, evaluation, loop, metrics, sharding
+from t2t import checkpoint, checkpoint_read, evaluation, loop, metrics, sharding
 from t2t import workdir as wd
 from t2t.data import identity, pipeline
 from tests import gcs_server, toy_corpus
@@ -213,7 +213,7 @@ def _run_scenario(root) -> dict:
         a = gcs_server.make_bucket(url, 'pod') + '/A'
         runs['bucket_workdir'] = a
         runs['killed'] = _killed_in_save(corpus, {'num_train_steps': 6}, a, dirs, root, at=6)
-        runs['after_kill'] = {'steps': checkpoint.finished_steps(a),
+        runs['after_kill'] = {'steps': checkpoint_read.finished_steps(a),
                               'logged': max(r['step'] for r in metrics.read_jsonl(a))}
         resume = _flags(corpus, num_train_steps=6, mesh_shape=(2, 1, 2), dcn_mesh_shape=(1, 2, 1),
                         **BLEU)
@@ -288,7 +288,7 @@ def reference(pod):
 
 
 def _params(workdir, step):
-    return checkpoint.restore_params(workdir, step)
+    return checkpoint_read.restore_params(workdir, step)
 
 
 def assert_same_params(workdir_a, workdir_b, step, atol=1e-5):
@@ -306,7 +306,7 @@ def assert_same_params(workdir_a, workdir_b, step, atol=1e-5):
 
 
 def _iterator_position(workdir, step) -> dict:
-    return checkpoint.read_metadata(workdir, step)[checkpoint.ITERATOR_KEY]
+    return checkpoint_read.read_metadata(workdir, step)[checkpoint.ITERATOR_KEY]
 
 
 def _global_stream(corpus, start, count):

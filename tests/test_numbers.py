@@ -6,6 +6,7 @@ a hypothesis, PAD targets in the loss, dropout on in evaluation or off in traini
 """
 
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -106,6 +107,53 @@ def test_logged_learning_rate_is_the_one_applied_and_skips_do_not_advance_it():
     logged = loop._log_train(writer, interval, config, 2, state, 1.0, (1.0, 1.0), None, 8)
     assert logged['learning_rate'] == float(m2['learning_rate'])
     assert logged['skipped_steps'] == 1 and logged['skipped_steps_total'] == 1
+
+
+def _step_metrics(loss_sum, tokens):
+    return {'loss_sum': loss_sum, 'nll_sum': loss_sum / 2, 'correct_sum': tokens / 2,
+            'tokens': tokens, 'source_tokens': tokens + 1, 'nonfinite': 0.0, 'grad_norm': 1.5,
+            'learning_rate': 1e-3}
+
+
+def _log(interval, config, step):
+    tx = optim.make_optimizer(config)
+    state = types.SimpleNamespace(opt_state=tx.init({'w': jnp.zeros(2)}))
+    return loop._log_train(metrics.MetricWriter('unused', enabled=False), interval, config, step,
+                           state, 1.0, (1.0, 1.0), None, 1)
+
+
+def test_logged_loss_is_the_intervals_token_mean_and_a_resume_logs_the_same_floats():
+    config = tiny_config()
+    steps = [_step_metrics(0.3 * 10, 10.0), _step_metrics(0.7 * 30, 30.0),
+             _step_metrics(0.11 * 11, 11.0)]
+    full = loop._Interval()
+    for i, m in enumerate(steps, start=1):
+        full.add(i, m)
+    assert isinstance(full.sums['loss_sum'], jax.Array)  # summed on the device, not fetched
+    logged = _log(full, config, 3)
+    # over the interval's target tokens, not the mean of the three steps' means
+    total = sum(m['loss_sum'] for m in steps)
+    assert logged['loss'] == pytest.approx(total / 51, rel=1e-6)
+    assert logged['loss'] != pytest.approx((0.3 + 0.7 + 0.11) / 3, rel=1e-3)
+    assert logged['perplexity'] == pytest.approx(np.exp(logged['nll']), rel=1e-12)
+    assert logged['target_tokens_per_s'] > 0 and logged['grad_norm'] == 1.5
+    # A checkpoint after step 1 carries its sums (as JSON); the resumed interval adds the rest.
+    first = loop._Interval()
+    first.add(1, steps[0])
+    carried = json.loads(json.dumps(first.unlogged()))
+    assert carried['tokens'] == 10 and isinstance(carried['tokens'], int)
+    resumed = loop._Interval(carried)
+    resumed.add(2, steps[1])
+    resumed.add(3, steps[2])
+    again = _log(resumed, config, 3)
+    for key in ('loss', 'nll', 'accuracy', 'perplexity', 'skipped_steps'):
+        assert again[key] == logged[key], key
+    # throughput counts the tokens of the steps this run ran: 41 of the 51 (elapsed = step time
+    # x steps, so tokens/s x step time x steps gives the tokens back)
+    assert again['target_tokens_per_s'] * again['step_time_s'] * 2 == pytest.approx(41)
+    assert logged['target_tokens_per_s'] * logged['step_time_s'] * 3 == pytest.approx(51)
+    assert resumed.unlogged() == {'loss_sum': 0.0, 'nll_sum': 0.0, 'correct_sum': 0.0,
+                                  'tokens': 0, 'nonfinite': 0}  # the log emptied it
 
 
 # --- MFU on real tokens -----------------------------------------------------------------------

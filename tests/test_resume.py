@@ -21,7 +21,17 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from t2t import checkpoint, evaluation, loop, metrics, optim, sharding, startup, train_lib
+from t2t import (
+    checkpoint,
+    checkpoint_read,
+    evaluation,
+    loop,
+    metrics,
+    optim,
+    sharding,
+    startup,
+    train_lib,
+)
 from tests import toy_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -121,18 +131,18 @@ def test_killed_mid_save_then_preempted_mid_eval_the_run_ends_exact(corpus, refe
     # SIGKILL while step 6 is written: steps 4..6 were logged past checkpoint 3.
     killed = _drive(corpus, workdir, 'kill_in_save', at=6)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    assert checkpoint.finished_steps(workdir) == [3]
+    assert checkpoint_read.finished_steps(workdir) == [3]
     assert any('orbax-checkpoint-tmp' in name for name in _leftovers(workdir))
     assert max(r['step'] for r in metrics.read_jsonl(workdir)) == 6
 
     # Resumed from 3 (step 3's sums, logged by no one yet, travel in the checkpoint to the log
     # at 4); a SIGTERM as the evaluation of step 4 starts stops it, saves step 4 at once with
     # that evaluation pending, and exits 0.
-    assert checkpoint.read_metadata(workdir, 3)['unlogged_metrics']['tokens'] > 0
+    assert checkpoint_read.read_metadata(workdir, 3)['unlogged_metrics']['tokens'] > 0
     preempted = _drive(corpus, workdir, 'sigterm_in_eval', at=1)
     assert preempted.returncode == 0, preempted.stderr[-2000:]
     assert json.loads(preempted.stdout.splitlines()[-1]) == {'step': 4, 'stopped_by': 'preemption'}
-    assert checkpoint.read_metadata(workdir, 4)['evaluation_pending'] is True
+    assert checkpoint_read.read_metadata(workdir, 4)['evaluation_pending'] is True
     assert 'eval_loss' not in metrics.read_jsonl(workdir)[-1]
     assert loop.read_finished(workdir) is None
 
@@ -154,7 +164,7 @@ def test_sigterm_in_the_final_evaluation_of_a_time_budget_stop_leaves_it_pending
     preempted = _drive(corpus, workdir, 'sigterm_in_eval', at=1, overrides=budget)
     assert preempted.returncode == 0, preempted.stderr[-2000:]
     assert json.loads(preempted.stdout.splitlines()[-1]) == {'step': 2, 'stopped_by': 'preemption'}
-    assert checkpoint.read_metadata(workdir, 2)['evaluation_pending'] is True
+    assert checkpoint_read.read_metadata(workdir, 2)['evaluation_pending'] is True
     assert loop.read_finished(workdir) is None
     # The resumed run evaluates step 2 first, then finds the budget spent.
     result = loop.train_and_evaluate(toy_corpus.tiny_config(corpus, **budget), str(workdir))
@@ -259,9 +269,9 @@ def test_a_full_disk_mid_save_is_one_line_and_keeps_the_earlier_checkpoints(refe
     assert '\n' not in message and f'{workdir}/checkpoints/9 failed' in message
     assert 'the disk is full' in message
     # Step 3 would have been deleted (keep 3) had 9 succeeded: everything before stays.
-    assert checkpoint.finished_steps(workdir) == [3, 6, 8]
+    assert checkpoint_read.finished_steps(workdir) == [3, 6, 8]
     for step in (3, 6, 8):
-        assert checkpoint.restore_params(workdir, step)
+        assert checkpoint_read.restore_params(workdir, step)
 
 
 def test_a_nan_state_is_never_saved_between_log_steps(reference, tmp_path, monkeypatch):
@@ -287,7 +297,7 @@ def test_a_nan_state_is_never_saved_between_log_steps(reference, tmp_path, monke
     monkeypatch.setattr(train_lib, 'jit_train_step', nan_at_step_10)
     with pytest.raises(loop.NonFiniteLossError, match='step 10: the loss or the gradient'):
         loop.train_and_evaluate(config, str(workdir))
-    assert checkpoint.finished_steps(workdir) == [3, 6, 8]  # 11 was refused
+    assert checkpoint_read.finished_steps(workdir) == [3, 6, 8]  # 11 was refused
 
     # The checkpoint writer refuses a non-finite state by itself too, naming the array.
     state = _final_state(reference['config'], workdir, 8)
@@ -297,7 +307,7 @@ def test_a_nan_state_is_never_saved_between_log_steps(reference, tmp_path, monke
                                                          'with NaN or inf in params/'):
         checkpoint.save(manager, 11, bad)
     checkpoint.close(manager)
-    assert checkpoint.finished_steps(workdir) == [3, 6, 8]
+    assert checkpoint_read.finished_steps(workdir) == [3, 6, 8]
 
 
 def test_an_unwritable_workdir_is_one_line_before_anything_is_built(reference, tmp_path,

@@ -248,7 +248,7 @@ def test_scanned_layers_equal_unrolled_ones_and_checkpoints_convert_both_ways():
 
 
 def test_checkpoint_parameters_convert_on_disk(tmp_path):
-    from t2t import checkpoint
+    from t2t import checkpoint, checkpoint_read
 
     params = {'embedder': {'embedding': np.ones((5, 2), np.float32)},
               **{f'encoder_{i}': {'w': np.full((2, 3), i, np.float32)} for i in range(2)},
@@ -256,13 +256,13 @@ def test_checkpoint_parameters_convert_on_disk(tmp_path):
     checkpoint.write_averaged(str(tmp_path / 'run'), params, 7)
     layers_convert.main(['--workdir', str(tmp_path / 'run'), '--out', str(tmp_path / 'scanned'),
                          '--to', 'scanned'])
-    scanned = checkpoint.restore_params(str(tmp_path / 'scanned'), 7)
+    scanned = checkpoint_read.restore_params(str(tmp_path / 'scanned'), 7)
     np.testing.assert_array_equal(scanned['decoder_layers']['w'], [[0] * 3, [1] * 3, [2] * 3])
-    assert checkpoint.read_metadata(str(tmp_path / 'scanned'))['layers'] == 'scanned'
+    assert checkpoint_read.read_metadata(str(tmp_path / 'scanned'))['layers'] == 'scanned'
     layers_convert.main(['--workdir', str(tmp_path / 'scanned'), '--out',
                          str(tmp_path / 'back'), '--to', 'unrolled'])
     jax.tree_util.tree_map(np.testing.assert_array_equal,
-                           checkpoint.restore_params(str(tmp_path / 'back')), params)
+                           checkpoint_read.restore_params(str(tmp_path / 'back')), params)
 
 
 def test_cached_decoding_equals_teacher_forcing_with_scanned_layers():

@@ -12,7 +12,7 @@ import optax
 import pytest
 import sacrebleu
 
-from t2t import checkpoint, loop, metrics, optim, sharding, train_lib
+from t2t import checkpoint, checkpoint_read, loop, metrics, optim, sharding, startup, train_lib
 from tests import plain_loss, toy_corpus
 from tests.conftest import tiny_config
 
@@ -111,10 +111,10 @@ def test_micro_batches_stay_spread_over_every_data_device_without_moving_data():
 def test_config_errors_name_the_key():
     mesh = sharding.make_mesh((-1, 1, 1))  # 8 data-parallel devices
     with pytest.raises(ValueError, match='batch_size=12 is not divisible by the 8'):
-        loop._check_config(tiny_config(batch_size=12), mesh)
+        startup.check_training_config(tiny_config(batch_size=12), mesh)
     with pytest.raises(ValueError, match='max_decode_len=300 exceeds max_position=256'):
-        loop._check_config(tiny_config(max_decode_len=300), mesh)
-    loop._check_config(tiny_config(), mesh)
+        startup.check_training_config(tiny_config(max_decode_len=300), mesh)
+    startup.check_training_config(tiny_config(), mesh)
 
 
 def test_nonfinite_loss_stops_with_the_step_or_is_skipped():
@@ -209,7 +209,7 @@ def test_train_leaves_checkpoints_events_and_metrics(corpus, tmp_path):
     mesh = sharding.make_mesh(config.mesh_shape)
     predict = inference.config_predict_fn(config, TransformerConfig.from_config(config),
                                           num_valid_ids=tokenizer.vocab_size, mesh=mesh)
-    params = checkpoint.restore_params(str(workdir), 4)
+    params = checkpoint_read.restore_params(str(workdir), 4)
     texts = inference.translate_texts(predict, params, tokenizer, split.sources[:10],
                                       batch_size=config.eval_batch_size, mesh=mesh).hypotheses
     hypotheses = ['' if i in split.skipped else h for i, h in enumerate(texts)]
@@ -238,7 +238,7 @@ def test_train_leaves_checkpoints_events_and_metrics(corpus, tmp_path):
     config.num_train_steps, config.train_time_budget_s = 100, 0.001
     spent = loop.train_and_evaluate(config, str(workdir))
     assert (spent.step, spent.stopped_by) == (4, 'time_budget')
-    assert checkpoint.read_metadata(str(workdir))['train_seconds'] > 0
+    assert checkpoint_read.read_metadata(str(workdir))['train_seconds'] > 0
 
 
 def test_preemption_saves_a_checkpoint_and_stops(corpus, tmp_path, monkeypatch):
@@ -260,4 +260,4 @@ def test_preemption_saves_a_checkpoint_and_stops(corpus, tmp_path, monkeypatch):
     # Seen at the very next step, not at a log step: saved at once, not evaluated.
     assert (result.step, result.stopped_by) == (1, 'preemption')
     assert os.listdir(tmp_path / 'run' / 'checkpoints') == ['1']
-    assert checkpoint.read_metadata(str(tmp_path / 'run'))['evaluation_pending'] is False
+    assert checkpoint_read.read_metadata(str(tmp_path / 'run'))['evaluation_pending'] is False

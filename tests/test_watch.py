@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from t2t import checkpoint, data, metrics, watch
+from t2t import checkpoint_read, data, metrics, watch
 from tests import toy_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,15 +29,15 @@ def test_watch_evaluates_each_checkpoint_once_while_training_runs(tmp_path, monk
                                 cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
     reads = []
-    real_restore = checkpoint.restore_params
+    real_restore = checkpoint_read.restore_params
 
     def restore_finished_only(workdir_, step=None, abstract_params=None):
         # Never a step orbax has not finalized (its temporary directory is still being written).
-        assert step in checkpoint.finished_steps(workdir_)
+        assert step in checkpoint_read.finished_steps(workdir_)
         reads.append(step)
         return real_restore(workdir_, step, abstract_params)
 
-    monkeypatch.setattr(checkpoint, 'restore_params', restore_finished_only)
+    monkeypatch.setattr(checkpoint_read, 'restore_params', restore_finished_only)
     try:
         lines = []
         results = watch.run(config, str(workdir), poll_s=0.2, timeout_s=600, echo=lines.append)

@@ -22,7 +22,8 @@ import tempfile
 
 import numpy as np
 
-from t2t.data import multihost, packing, prepare, shards, sources
+from t2t import distributed
+from t2t.data import packing, prepare, shards, sources
 from t2t.data.tokenizer import EOS_ID, Tokenizer
 
 CACHE_VERSION = 3
@@ -101,17 +102,17 @@ def packed_split(config, tokenizer: Tokenizer, split: str) -> PackedSplit:
     key = cache_key(config, tokenizer, split)
     directory = os.path.join(config.data_dir, 'packed', f'{split}-{key}')
     wait = config.data_wait_timeout_s
-    if multihost.process_index() == 0:
+    if distributed.process_index() == 0:
         _build_once(config, tokenizer, split, directory)
-    multihost.wait_for_process_0(f'packed-{split}', f'process 0 builds the packed rows of '
-                                 f'{split} in {directory}', wait)
-    if multihost.process_index() != 0:
+    distributed.wait_for(f'packed-{split}', f'process 0 builds the packed rows of {split} in '
+                         f'{directory}', wait, processes=[0])
+    if distributed.process_index() != 0:
         _build_once(config, tokenizer, split, directory)
     packed = _load(directory)
     # Hosts that hold other rows (another library version, a stale or foreign cache) would mix
     # different data into one global batch: stop before the first step instead.
-    multihost.check_same(f'the packed rows of {split} (rows:digest)',
-                         f'{packed.num_rows}:{packed.meta["digest"]}', wait)
+    distributed.agree(f'the packed rows of {split} (rows:digest)',
+                      f'{packed.num_rows}:{packed.meta["digest"]}', wait)
     return packed
 
 

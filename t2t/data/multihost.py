@@ -10,47 +10,17 @@ packed rows, and a host whose data differs (another library version, a stale cac
 with one line naming it. Files are always written under a unique temporary name and renamed into
 place, so no two processes ever write one file.
 
-Several processes means a jax.distributed job (train.py / evaluate.py --coordinator_address=... or
---distributed); otherwise, e.g. `python -m t2t.data`, there is one and no jax backend is started.
+The barriers and agreements themselves are t2t/distributed.py's (`wait_for`, `agree`,
+`share_bytes`, `process_index`); the data's own piece is here: a file of process 0 on every host.
+Several processes means a jax.distributed job (train.py / evaluate.py --coordinator_address=...
+or --distributed); otherwise, e.g. `python -m t2t.data`, there is one and no jax backend starts.
 """
 
 import hashlib
 import os
-import sys
 
+from t2t import distributed
 from t2t import workdir as wd
-
-
-def _distributed() -> bool:
-    if 'jax' not in sys.modules:  # nothing can have started jax.distributed
-        return False
-    import jax
-
-    return jax.distributed.is_initialized()
-
-
-def process_count() -> int:
-    if not _distributed():
-        return 1
-    import jax
-
-    return jax.process_count()
-
-
-def process_index() -> int:
-    if not _distributed():
-        return 0
-    import jax
-
-    return jax.process_index()
-
-
-def wait_for_process_0(name: str, what: str, timeout_s: float) -> None:
-    """Process 0 arrives once it is done; the others wait for it (no-op with one process)."""
-    if process_count() > 1:
-        from t2t import distributed
-
-        distributed.wait_for(name, what, timeout_s, processes=[0])
 
 
 def file_digest(path: str) -> str:
@@ -64,24 +34,13 @@ def share_file(path: str, what: str, timeout_s: float) -> None:
     Every process must call it, process 0 once the file is ready; the others wait for it (`what`:
     what they wait for, in the progress lines and the timeout's error).
     """
-    if process_count() == 1:
+    if distributed.process_count() == 1:
         return
-    from t2t import distributed
-
     name = f'file:{os.path.basename(path)}'  # the same key on every host, whatever its data_dir
-    if process_index() == 0:
+    if distributed.process_index() == 0:
         with open(path, 'rb') as f:
             distributed.share_bytes(name, f.read(), what, timeout_s)
         return
     data = distributed.share_bytes(name, None, what, timeout_s)
     if wd.read_bytes(path) != data:
         wd.write_atomic(path, data)
-
-
-def check_same(what: str, value: str, timeout_s: float) -> None:
-    """Raises a one-line SyncError naming the processes whose `value` (e.g. a digest) differs
-    from process 0's. `what` names the agreement on every process alike (no host's own path)."""
-    if process_count() > 1:
-        from t2t import distributed
-
-        distributed.agree(what, value, timeout_s)

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 import numpy as np
 from absl import logging
 
+from t2t import distributed
 from t2t.data import cache, multihost, prepare, progress, sources
 from t2t.data.tokenizer import Tokenizer, train_tokenizer
 from t2t.ids import PAD_ID
@@ -66,14 +67,14 @@ def get_tokenizer(config) -> Tokenizer:
 
         return recall.tokenizer(config)
     path = vocab_path(config)
-    if multihost.process_count() == 1:
+    if distributed.process_count() == 1:
         return _load_or_train(config, path)
-    if multihost.process_index() == 0:
+    if distributed.process_index() == 0:
         _load_or_train(config, path)
     wait = config.data_wait_timeout_s
     multihost.share_file(path, f'process 0 loads or trains the vocabulary {path}', wait)
-    multihost.check_same(f'the vocabulary {os.path.basename(path)} (sha256)',
-                         multihost.file_digest(path), wait)
+    distributed.agree(f'the vocabulary {os.path.basename(path)} (sha256)',
+                      multihost.file_digest(path), wait)
     return Tokenizer(path)
 
 

@@ -56,7 +56,7 @@ def _curve(records: list[dict]) -> list[tuple[int, float, float]]:
 
 def point_row(workdir: str, name: str) -> dict:
     """One summary row, from the point directory alone."""
-    from t2t import checkpoint, metrics
+    from t2t import checkpoint_read, metrics
 
     point_dir = os.path.join(workdir, name)
     state = read_state(point_dir)
@@ -74,9 +74,9 @@ def point_row(workdir: str, name: str) -> dict:
                    final_val_perplexity=row['curve'][-1][2])
     if os.path.isdir(os.path.join(point_dir, 'checkpoints')):
         try:
-            meta = checkpoint.read_metadata(point_dir)
+            meta = checkpoint_read.read_metadata(point_dir)
             row.update(steps=meta.get('step'), train_seconds=meta.get('train_seconds'))
-        except checkpoint.CheckpointError as e:
+        except checkpoint_read.CheckpointError as e:
             row['error'] = row['error'] or str(e)
     result = state.get('eval') or {}
     if 'error' in result:
