@@ -1,7 +1,8 @@
-"""The t2t benchmarks a GPU session runs once (bench/run_gpu.sh) work, at toy sizes on the CPU.
+"""The benchmarks work, at toy sizes on the CPU: the GPU ones bench/run_gpu.sh runs in one go on
+a GPU machine, and the CPU ones (bulk translation against its exports).
 
-A GPU session has 15 minutes of device time for one run: a benchmark that breaks on a code change
-(as bfloat16 training once did on the CPU's dot kernels) must fail here, not there.
+A GPU run is costly and often done once: a benchmark that breaks on a code change (as bfloat16
+training once did on the CPU's dot kernels) must fail here, not there.
 """
 
 import json
