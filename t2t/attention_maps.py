@@ -6,7 +6,7 @@
 
 A picture: the sentence is decoded as evaluate.py decodes it (beam search with the config's beam
 size), then one teacher-forced pass over (sentence, output) with `sow_attention` on stores every
-attention's softmax weights (t2t/model.py sows them into the 'intermediates' collection). The PNG
+attention's softmax weights (t2t/attention.py sows them into 'intermediates'). The PNG
 has three blocks, encoder self-attention, decoder self-attention and cross-attention, each a grid
 of layers (rows) x heads (columns). In a panel rows are queries and columns keys, labelled with
 the tokenizer's pieces: source pieces for the encoder's queries and for every key of the
