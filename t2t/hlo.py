@@ -5,6 +5,8 @@
     hlo.while_trip_counts(text)              # {while instruction: trip count, None if unknown}
     runs = hlo.executions(hlo.parse(text))   # {computation: times it runs per run of the entry}
     hlo.collectives(text)                    # {'all-reduce': Collectives(count, bytes, ...), ...}
+    hlo.collective_ops(text)                 # each collective: operand types, in a loop, runs
+    hlo.memory_bytes(text)                   # bytes the top-level ops read and write, loops too
 
 Why: XLA's cost_analysis() counts a while loop's body once, whatever its trip count, so the FLOPs
 of scanned layers (one body for all the layers of a stack) and of the fused loss's chunk loop are
@@ -413,24 +415,131 @@ def _runs_by_loop(module: Module) -> dict[tuple[str, bool], float]:
     return runs
 
 
-def collectives(hlo) -> dict[str, Collectives]:
-    """{kind: Collectives} for each of COLLECTIVE_KINDS, per device per run of the module.
+@dataclasses.dataclass(frozen=True)
+class CollectiveOp:
+    """One collective instruction of the module: its kind, operand types, whether it sits in a
+    while loop and how often it runs per run of the module."""
 
-    Synchronous ops and the async '-start' halves count (never the '-done' halves); a
-    collective wrapped in an async-start's computation counts there. Loops of unknown trip
-    count count once (see `while_trip_counts`).
-    """
+    kind: str  # one of COLLECTIVE_KINDS
+    name: str
+    operand_shapes: tuple[str, ...]
+    in_loop: bool
+    times: float
+
+    @property
+    def bytes(self) -> int:
+        return sum(shape_bytes(s) for s in self.operand_shapes)
+
+
+def collective_ops(hlo) -> list[CollectiveOp]:
+    """Every collective of the module (synchronous ops and async '-start' halves, never the
+    '-done' halves; one wrapped in an async-start's computation counts there), with how often it
+    runs: loops by trip count, unknown trip counts once (see `while_trip_counts`)."""
     module = _module(hlo)
-    found = {kind: [0.0, 0.0, 0.0, 0.0] for kind in COLLECTIVE_KINDS}
+    ops = []
     for (name, in_loop), times in _runs_by_loop(module).items():
         body = module.computations.get(name, ())
         shapes = {i.name: i.shape for i in body}
         for i in body:
             kind = i.opcode.removesuffix('-start')
-            if kind not in found:
-                continue
-            size = sum(shape_bytes(shapes[o]) for o in i.operands)
-            counts = found[kind]
-            counts[2 * in_loop] += times
-            counts[2 * in_loop + 1] += times * size
+            if kind in COLLECTIVE_KINDS:
+                ops.append(CollectiveOp(kind, i.name, tuple(shapes[o] for o in i.operands),
+                                        in_loop, times))
+    return ops
+
+
+def collectives(hlo) -> dict[str, Collectives]:
+    """{kind: Collectives} for each of COLLECTIVE_KINDS, per device per run of the module
+    (the sums of `collective_ops`)."""
+    found = {kind: [0.0, 0.0, 0.0, 0.0] for kind in COLLECTIVE_KINDS}
+    for op in collective_ops(hlo):
+        counts = found[op.kind]
+        counts[2 * op.in_loop] += op.times
+        counts[2 * op.in_loop + 1] += op.times * op.bytes
     return {kind: Collectives(*(int(round(v)) for v in c)) for kind, c in found.items()}
+
+
+# Ops that move no data of their own: tuple plumbing, control flow (their computations count),
+# parameters and constants (read by the ops that use them), the '-done' halves of async pairs.
+_NO_TRAFFIC = {'parameter', 'constant', 'tuple', 'get-tuple-element', 'bitcast', 'while',
+               'conditional', 'call', 'after-all', 'partition-id', 'replica-id', 'iota',
+               'async-done', 'async-update', 'all-reduce-done', 'all-gather-done',
+               'collective-permute-done', 'copy-done', 'send-done', 'recv-done',
+               'opt-barrier'}
+
+
+_SLICING = ('dynamic-slice', 'slice', 'gather')
+
+
+def _users(body) -> dict[str, list[Instruction]]:
+    users: dict[str, list[Instruction]] = {}
+    for i in body:
+        for o in i.operands:
+            users.setdefault(o, []).append(i)
+    return users
+
+
+def _read_bytes(name: str, full: int, body, users) -> int:
+    """Bytes of value `name` (a fused parameter) an op reads: only the slices taken, when every
+    use (through bitcasts) is a slice; nothing when it is the buffer a root dynamic-update-slice
+    writes in place; else all of it."""
+    frontier, taken = [name], 0
+    while frontier:
+        value = frontier.pop()
+        for u in users.get(value, ()):
+            if u.opcode == 'bitcast':
+                frontier.append(u.name)
+            elif u.opcode in _SLICING and u.operands[0] == value:
+                taken += shape_bytes(u.shape)
+            elif (u.opcode == 'dynamic-update-slice' and u is body[-1]
+                  and u.operands[0] == value):
+                continue  # in place: the update is counted as the result
+            else:
+                return full
+    return taken
+
+
+def _op_traffic(i: Instruction, shapes: dict[str, str], module: Module) -> int:
+    """Bytes one top-level op reads and writes; slices and in-place updates count what they
+    touch (XLA's cost analysis does the same), not the whole buffer."""
+    if i.opcode in _SLICING:
+        return 2 * shape_bytes(i.shape)
+    if i.opcode == 'dynamic-update-slice':
+        return 2 * shape_bytes(shapes[i.operands[1]])
+    result = shape_bytes(i.shape)
+    operand_bytes = [shape_bytes(shapes[o]) if o in shapes else 0 for o in i.operands]
+    if i.opcode != 'fusion' or not i.called:
+        return result + sum(operand_bytes)
+    body = module.computations.get(i.called[0][1], ())
+    if not body:
+        return result + sum(operand_bytes)
+    users = _users(body)
+    params = {int(p.arguments): p.name for p in body if p.opcode == 'parameter'}
+    root = body[-1]
+    if root.opcode == 'dynamic-update-slice':
+        update = {p.name: p.shape for p in body}.get(root.operands[1])
+        result = shape_bytes(update) if update else result
+    return result + sum(_read_bytes(params[k], size, body, users) if k in params else size
+                        for k, size in enumerate(operand_bytes))
+
+
+def memory_bytes(hlo) -> float:
+    """Bytes the top-level ops of one run read and write (operands + results), loops counted by
+    trip count: the memory traffic in the sense of XLA's cost analysis ('bytes accessed': a fusion
+    reads its operands and writes its result once, what happens inside it stays on chip; a
+    slice reads what it takes, a dynamic-update-slice writes its update in place), which counts
+    each loop body once. Computations run by fusions and scalar reducers are not walked; ops that
+    move no data (tuples, parameters, control flow) count nothing."""
+    module = _module(hlo)
+    fused = {callee for body in module.computations.values() for i in body
+             if i.opcode == 'fusion' for _, callee in i.called}
+    total = 0.0
+    for name, times in executions(module).items():
+        if name in fused:
+            continue
+        body = module.computations.get(name, ())
+        shapes = {i.name: i.shape for i in body}
+        traffic = sum(_op_traffic(i, shapes, module) for i in body
+                      if i.opcode not in _NO_TRAFFIC)
+        total += times * traffic
+    return total
