@@ -425,6 +425,8 @@ class CollectiveOp:
     operand_shapes: tuple[str, ...]
     in_loop: bool
     times: float
+    computation: str = ''  # the computation holding it (a loop body, the entry, ...)
+    op_name: str = ''  # jax's op_name metadata: the traced operation it came from
 
     @property
     def bytes(self) -> int:
@@ -443,8 +445,9 @@ def collective_ops(hlo) -> list[CollectiveOp]:
         for i in body:
             kind = i.opcode.removesuffix('-start')
             if kind in COLLECTIVE_KINDS:
+                op_name = re.search(r'op_name="([^"]*)"', i.attributes)
                 ops.append(CollectiveOp(kind, i.name, tuple(shapes[o] for o in i.operands),
-                                        in_loop, times))
+                                        in_loop, times, name, op_name.group(1) if op_name else ''))
     return ops
 
 
@@ -465,10 +468,24 @@ _NO_TRAFFIC = {'parameter', 'constant', 'tuple', 'get-tuple-element', 'bitcast',
                'conditional', 'call', 'after-all', 'partition-id', 'replica-id', 'iota',
                'async-done', 'async-update', 'all-reduce-done', 'all-gather-done',
                'collective-permute-done', 'copy-done', 'send-done', 'recv-done',
-               'opt-barrier'}
+               'slice-done', 'opt-barrier'}
 
 
 _SLICING = ('dynamic-slice', 'slice', 'gather')
+_LAYOUT_ARRAY = re.compile(r'([a-z]+\d*(?:e\d+m\d+\w*)?)\[([^\]]*)\](\{[^}]*\})?')
+_ASYNC_MOVES = {'copy-start': 0, 'slice-start': 1}  # which array of the result is the copy
+
+
+def _arrays(shape: str) -> list[tuple[str, bool]]:
+    """Each array of a type ('f32[8]{0:T(8)S(1)}' or a tuple) as (its own type, in HBM): the TPU
+    compiler marks arrays it placed in on-chip memory (VMEM, SMEM) with a memory space S(n)."""
+    return [(f'{dtype}[{dims}]', not re.search(r'S\([1-9]', layout or ''))
+            for dtype, dims, layout in _LAYOUT_ARRAY.findall(shape)]
+
+
+def hbm_bytes(shape: str) -> int:
+    """shape_bytes of the arrays of a type that live in HBM (no on-chip memory space)."""
+    return sum(shape_bytes(a) for a, in_hbm in _arrays(shape) if in_hbm)
 
 
 def _users(body) -> dict[str, list[Instruction]]:
@@ -502,12 +519,18 @@ def _read_bytes(name: str, full: int, body, users) -> int:
 def _op_traffic(i: Instruction, shapes: dict[str, str], module: Module) -> int:
     """Bytes one top-level op reads and writes; slices and in-place updates count what they
     touch (XLA's cost analysis does the same), not the whole buffer."""
+    if i.opcode in _ASYNC_MOVES:  # an async copy between HBM and on-chip memory: once
+        arrays = _arrays(i.shape)
+        k = _ASYNC_MOVES[i.opcode]
+        return shape_bytes(arrays[k][0]) if len(arrays) > k else 0
+    if i.opcode == 'custom-call' and 'AsyncCollective' in i.attributes:
+        return 0  # the collective it wraps counts
     if i.opcode in _SLICING:
-        return 2 * shape_bytes(i.shape)
+        return 2 * hbm_bytes(i.shape)
     if i.opcode == 'dynamic-update-slice':
-        return 2 * shape_bytes(shapes[i.operands[1]])
-    result = shape_bytes(i.shape)
-    operand_bytes = [shape_bytes(shapes[o]) if o in shapes else 0 for o in i.operands]
+        return 2 * hbm_bytes(shapes[i.operands[1]])
+    result = hbm_bytes(i.shape)
+    operand_bytes = [hbm_bytes(shapes[o]) if o in shapes else 0 for o in i.operands]
     if i.opcode != 'fusion' or not i.called:
         return result + sum(operand_bytes)
     body = module.computations.get(i.called[0][1], ())
@@ -518,9 +541,9 @@ def _op_traffic(i: Instruction, shapes: dict[str, str], module: Module) -> int:
     root = body[-1]
     if root.opcode == 'dynamic-update-slice':
         update = {p.name: p.shape for p in body}.get(root.operands[1])
-        result = shape_bytes(update) if update else result
-    return result + sum(_read_bytes(params[k], size, body, users) if k in params else size
-                        for k, size in enumerate(operand_bytes))
+        result = min(result, shape_bytes(update)) if update else result
+    return result + sum(_read_bytes(params[k], size, body, users) if k in params and size
+                        else size for k, size in enumerate(operand_bytes))
 
 
 def memory_bytes(hlo) -> float:
@@ -528,8 +551,10 @@ def memory_bytes(hlo) -> float:
     trip count: the memory traffic in the sense of XLA's cost analysis ('bytes accessed': a fusion
     reads its operands and writes its result once, what happens inside it stays on chip; a
     slice reads what it takes, a dynamic-update-slice writes its update in place), which counts
-    each loop body once. Computations run by fusions and scalar reducers are not walked; ops that
-    move no data (tuples, parameters, control flow) count nothing."""
+    each loop body once. HBM only: arrays the TPU compiler placed in on-chip memory (a memory
+    space S(n) in their layout) count nothing, an async copy between the two (copy-start,
+    slice-start) counts its bytes once. Computations run by fusions and scalar reducers are not
+    walked; ops that move no data (tuples, parameters, control flow) count nothing."""
     module = _module(hlo)
     fused = {callee for body in module.computations.values() for i in body
              if i.opcode == 'fusion' for _, callee in i.called}

@@ -18,7 +18,8 @@ slot per batch shard (a device holds its own slot: [V, D] per device, as before)
 adding its own rows to its own slot; the slots are summed once after the loop. A plain [V, D]
 carry is a sum over the sharded batch, which XLA completed with an all-reduce of dW inside the
 loop, once per chunk (bench/RESULTS.md); summed after it, dW is reduced once per step like every
-other gradient.
+other gradient. Likewise the weights are cast and gathered whole along d_model once, before the
+loop (under fsdp XLA gathered their shards in every chunk).
 
 Gradients flow through the loss sum only: the NLL and accuracy sums are metrics (stop_gradient).
 The smoothed target distribution is tensor2tensor's: 1 - smoothing on the gold token and
@@ -61,6 +62,13 @@ def cross_entropy_sums(y_BTD, w_VD, targets_BT, weights_BT, *, smoothing: float,
     loss_sum, nll_sum, correct_sum = _chunked_sums(float(smoothing), y_NBCD, w_VD, targets_NBC,
                                                    weights_NBC)
     return loss_sum, jax.lax.stop_gradient(nll_sum), jax.lax.stop_gradient(correct_sum)
+
+
+def _whole_weights(w_VD, dtype):
+    """The output projection in the compute dtype, whole along d_model on every device (vocab
+    stays split over tensor), made once before the chunk loop: under fsdp XLA otherwise gathers
+    the weights' shards inside the loop, once per chunk."""
+    return nn.with_logical_constraint(w_VD.astype(dtype), ('vocab', None))
 
 
 def _chunk_logits(y_BCD, w_VD):
@@ -106,9 +114,11 @@ def _chunk_terms(smoothing, logits_BCV, targets_BC, weights_BC):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _chunked_sums(smoothing, y_NBCD, w_VD, targets_NBC, weights_NBC):
+    w_c_VD = _whole_weights(w_VD, y_NBCD.dtype)
+
     def body(sums, chunk):
         y_BCD, targets_BC, weights_BC = chunk
-        chunk_sums, _ = _chunk_terms(smoothing, _chunk_logits(y_BCD, w_VD), targets_BC,
+        chunk_sums, _ = _chunk_terms(smoothing, _chunk_logits(y_BCD, w_c_VD), targets_BC,
                                      weights_BC)
         return sums + chunk_sums, None
 
@@ -117,7 +127,7 @@ def _chunked_sums(smoothing, y_NBCD, w_VD, targets_NBC, weights_NBC):
 
 
 def _chunked_sums_fwd(smoothing, y_NBCD, w_VD, targets_NBC, weights_NBC):
-    w_c_VD = w_VD.astype(y_NBCD.dtype)
+    w_c_VD = _whole_weights(w_VD, y_NBCD.dtype)
     _, b, c, d = y_NBCD.shape
     s = _batch_shards(b)
 
@@ -128,7 +138,7 @@ def _chunked_sums_fwd(smoothing, y_NBCD, w_VD, targets_NBC, weights_NBC):
     def body(carry, chunk):
         sums, dw_SVD = carry
         y_BCD, targets_BC, weights_BC = chunk
-        logits_BCV = _chunk_logits(y_BCD, w_VD)
+        logits_BCV = _chunk_logits(y_BCD, w_c_VD)
         chunk_sums, p_BCV = _chunk_terms(smoothing, logits_BCV, targets_BC, weights_BC)
         # d(weighted smoothed loss)/d logits
         #   = w ((conf - low + low V) p - low - (conf - low) 1[gold])
