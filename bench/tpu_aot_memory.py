@@ -19,8 +19,12 @@ Compiling big takes minutes on 2 cores; run one at a time: libtpu allows one pro
 `train.py --dry_run --topology` compiles it: the config's mesh, batch_size and every other key)
 for a slice name such as v5e-16 or v4-8; --set key=value changes config keys. Besides the memory,
 the RESULT line then carries XLA's cost_analysis FLOPs, the HLO's matmul FLOPs with loops counted
-by trip count (t2t/hlo.py) and t2t/flops.py's count, all per step; --hlo_dir DIR keeps the
-compiled HLO text (gzip) for a later look at where the temporaries go.
+by trip count (t2t/hlo.py) and t2t/flops.py's count, all per step, and per device: each kind of
+collective (outside and inside loops, times the trip counts), the HBM traffic, the roofline
+bound's terms (t2t/aot.py), XLA's bytes accessed and the rng-bit-generator ops' result types and
+bytes; --hlo_dir DIR keeps the compiled HLO text (gzip) for a later look at where the
+temporaries go. --hlo FILE --slice NAME prints the HLO numbers of a kept file without compiling
+(read by this checkout's t2t/hlo.py: a before/after pair is read the same way).
 
     flock /tmp/t2t-libtpu.lock timeout 900 .venv/bin/python bench/tpu_aot_memory.py \
         --config configs/wmt14_ende_big.py --slice v5e-16 --set batch_size=128 scan_layers=False
@@ -33,7 +37,6 @@ import ast
 import dataclasses
 import json
 import os
-import re
 import sys
 import time
 
@@ -249,29 +252,20 @@ def hlo_numbers(text: str, generation: str) -> dict:
         roofline = dict(compute_ms=compute_s * 1e3, memory_ms=memory_s * 1e3,
                         collective_ms=collective_s * 1e3,
                         bound_ms=(max(compute_s, memory_s) + collective_s) * 1e3)
-    # Random bits: the rng-bit-generator ops (rbg, unsafe_rbg) and the top-level ops jax's
-    # random_bits / threefry lowering made (by op_name), result bytes x runs, per device.
+    # Random bits of the rng-bit-generator ops (rbg, unsafe_rbg: result bytes x runs, per
+    # device, by result type); threefry's bits are computed inside fusions and do not appear.
     runs = hlo.executions(module)
-    fused = {callee for body in module.computations.values() for i in body
-             if i.opcode == 'fusion' for _, callee in i.called}
     rng_ops, rng_bytes = {}, 0.0
     for name, times in runs.items():
-        if name in fused:
-            continue
         for i in module.computations.get(name, ()):
-            if i.opcode in ('tuple', 'get-tuple-element', 'parameter', 'bitcast'):
-                continue
-            if i.opcode == 'rng-bit-generator' or re.search(
-                    r'op_name="[^"]*(random_bits|threefry|rng_bit_generator)', i.attributes):
+            if i.opcode == 'rng-bit-generator':
                 rng_bytes += times * hlo.shape_bytes(i.shape)
-                if i.opcode == 'rng-bit-generator':
-                    key = i.shape
-                    rng_ops[key] = rng_ops.get(key, 0) + times
+                rng_ops[i.shape] = rng_ops.get(i.shape, 0) + times
     return dict(collectives={k: dataclasses.asdict(c) for k, c in collectives.items()
                              if c.count or c.in_loops_count},
                 collective_bytes=coll,
                 collective_bytes_in_loops=sum(c.in_loops_bytes for c in collectives.values()),
-                memory_bytes=memory, roofline=roofline, random_bits_bytes=rng_bytes,
+                memory_bytes=memory, roofline=roofline, rng_bit_generator_bytes=rng_bytes,
                 rng_bit_generator_shapes=rng_ops)
 
 
