@@ -233,14 +233,14 @@ def _this_checkout(module: str):
 
 
 def hlo_numbers(text: str, generation: str) -> dict:
-    """Per device per step, from the compiled HLO (this checkout's t2t/hlo.py): the collectives
-    (outside / inside loops, x trip counts), the memory traffic and the roofline lower bound on
-    the chip (this checkout's t2t/aot.py datasheet table)."""
+    """Per device per step, from the compiled HLO (this checkout's t2t/hlo.py and hlo_memory.py):
+    the collectives (outside / inside loops, x trip counts), the memory traffic and the roofline
+    lower bound on the chip (the t2t/aot.py datasheet table)."""
     hlo = _this_checkout('hlo')
     module = hlo.parse(text)
     collectives = hlo.collectives(module)
     flops = hlo.matmul_flops(module)
-    memory = hlo.memory_bytes(module)
+    memory = _this_checkout('hlo_memory').memory_bytes(text)
     coll = sum(c.bytes + c.in_loops_bytes for c in collectives.values())
     from t2t import aot  # the chip table is the same in every checkout that has it
 

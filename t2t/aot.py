@@ -5,6 +5,7 @@
     train = aot.compile_train_step(config, plan.mesh)   # Compiled: memory, matmul FLOPs, s
     train.memory.total <= plan.tpu.hbm_bytes         # what the step keeps resident per device
     predict = aot.compile_predict(config, plan.mesh)    # beam search on an eval batch
+    train.roofline.seconds                           # lower bound of the step on the chips
 
 XLA's TPU compiler ships in libtpu and runs without TPU hardware: jax.experimental.topologies
 describes the devices of a slice, the real train step (train_lib.jit_train_step on
@@ -12,8 +13,9 @@ train_lib.abstract_state) lowers for a mesh over them and compiles, compiled.mem
 gives the buffers XLA assigned per device (MaxText's train_compile.py does the same). FLOPs come
 from the compiled HLO (t2t/hlo.py: dots and convolutions, each loop body times its trip count);
 XLA's own cost_analysis() counts a loop body once, so it undercounts scanned layers and the
-loss's chunk loop, and is kept only as what it is. The process itself runs on the CPU backend
-(platforms.py).
+loss's chunk loop, and is kept only as what it is. The roofline (Roofline) bounds the step time
+from below with those FLOPs, the HBM traffic and the collectives of the compiled HLO and the
+chip's datasheet numbers (CHIPS). The process itself runs on the CPU backend (platforms.py).
 
 What memory_analysis counts, per device: arguments (state and batch shards), outputs, aliased
 (outputs written into donated arguments, counted once), temporaries (XLA's scratch at its peak:
@@ -34,7 +36,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from t2t import hlo, inference, optim, platforms, sharding, train_lib
+from t2t import hlo, hlo_memory, inference, optim, platforms, sharding, train_lib
 from t2t.model import TransformerConfig
 
 GIB = 1 << 30
@@ -257,7 +259,7 @@ class Compiled:
     collectives: dict = dataclasses.field(default_factory=dict)
     # XLA's cost_analysis 'bytes accessed' per device (each loop body counted once)
     xla_bytes_accessed: float = math.nan
-    # The same memory traffic from the HLO, loops counted by trip count (hlo.memory_bytes)
+    # The same memory traffic from the HLO, loops counted by trip count (hlo_memory.memory_bytes)
     memory_bytes_per_device: float = math.nan
     roofline: Roofline | None = None  # the step-time lower bound on the slice's chips
 
@@ -293,7 +295,7 @@ def _compile(jitted, *abstract_args) -> Compiled:
                     matmul_flops_per_device=hlo.matmul_flops(module), unknown_loops=unknown,
                     hlo_text=text, collectives=hlo.collectives(module),
                     xla_bytes_accessed=float(costs.get('bytes accessed', math.nan)),
-                    memory_bytes_per_device=hlo.memory_bytes(module))
+                    memory_bytes_per_device=hlo_memory.memory_bytes(module))
 
 
 def abstract_batch(config, mesh, rows: int | None = None) -> dict:
@@ -345,7 +347,7 @@ class Roofline:
 
     chip: str  # key of CHIPS
     flops: float  # matmul FLOPs per device per run, loops by trip count (hlo.matmul_flops)
-    memory_bytes: float  # HBM bytes read and written per device (hlo.memory_bytes)
+    memory_bytes: float  # HBM bytes read and written per device (hlo_memory.memory_bytes)
     collective_bytes: float  # collectives' operand bytes per device (hlo.collectives)
 
     @property

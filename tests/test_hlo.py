@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from t2t import aot, flops, hlo, sharding
+from t2t import aot, flops, hlo, hlo_memory, sharding
 from tests.conftest import tiny_config
 
 
@@ -131,18 +131,18 @@ def test_collectives_counted_per_kind_inside_and_outside_loops():
 
 
 def test_memory_bytes_match_xla_without_loops_and_count_loop_bodies_by_trip_count():
-    """hlo.memory_bytes: operands + results of the top-level ops, as XLA's 'bytes accessed'
+    """hlo_memory.memory_bytes: operands + results of the top-level ops, as XLA's 'bytes accessed'
     counts them; a loop body counts once per trip (XLA's: once), its per-step slice of the
     stacked weights counted as the slice, not the stack."""
     a, b, c = jnp.ones((64, 128)), jnp.ones((128, 256)), jnp.ones((64, 256))
     flat = jax.jit(lambda a, b, c: (jnp.tanh(a @ b) + c, (a * 2).sum(0))).lower(a, b, c).compile()
-    assert hlo.memory_bytes(flat.as_text()) == pytest.approx(
+    assert hlo_memory.memory_bytes(flat.as_text()) == pytest.approx(
         flat.cost_analysis()['bytes accessed'], rel=1e-3)
     x = jnp.ones((32, 64))
     ours, xla = {}, {}
     for steps in (5, 9):
         compiled = jax.jit(_scan_matmuls).lower(jnp.ones((steps, 64, 64)), x).compile()
-        ours[steps] = hlo.memory_bytes(compiled.as_text())
+        ours[steps] = hlo_memory.memory_bytes(compiled.as_text())
         xla[steps] = compiled.cost_analysis()['bytes accessed']
     # A step copies its 64x64 slice out of the stack (read + write), the matmul reads it and the
     # 32x64 carry and writes a 32x64 result, tanh reads and writes that: f32, plus a few scalars.

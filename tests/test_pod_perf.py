@@ -81,7 +81,7 @@ def test_cpu_no_collective_on_the_loss_dw_inside_the_chunk_loop(mesh_shape):
 _TPU_SCRIPT = f"""
 import dataclasses, json
 from configs import tiny
-from t2t import aot, hlo
+from t2t import aot, hlo, hlo_memory
 out = {{}}
 for mesh_shape in ((2, 2, 1), (4, 1, 1)):
     config = tiny.get_config()
@@ -97,7 +97,7 @@ for mesh_shape in ((2, 2, 1), (4, 1, 1)):
                c.roofline.seconds],
         matmul=c.matmul_flops_per_device, memory=c.memory_bytes_per_device,
         collective_bytes=c.collective_bytes, xla_bytes=c.xla_bytes_accessed,
-        hlo_matmul=hlo.matmul_flops(c.hlo_text), hlo_memory=hlo.memory_bytes(c.hlo_text),
+        hlo_matmul=hlo.matmul_flops(c.hlo_text), hlo_memory=hlo_memory.memory_bytes(c.hlo_text),
         lines=aot.roofline_lines(c))
 print('POD ' + json.dumps(out))
 """
