@@ -19,8 +19,12 @@ Compiling big takes minutes on 2 cores; run one at a time: libtpu allows one pro
 `train.py --dry_run --topology` compiles it: the config's mesh, batch_size and every other key)
 for a slice name such as v5e-16 or v4-8; --set key=value changes config keys. Besides the memory,
 the RESULT line then carries XLA's cost_analysis FLOPs, the HLO's matmul FLOPs with loops counted
-by trip count (t2t/hlo.py) and t2t/flops.py's count, all per step; --hlo_dir DIR keeps the
-compiled HLO text (gzip) for a later look at where the temporaries go.
+by trip count (t2t/hlo.py) and t2t/flops.py's count, all per step, and per device: each kind of
+collective (outside and inside loops, times the trip counts), the HBM traffic, the roofline
+bound's terms (t2t/aot.py), XLA's bytes accessed and the rng-bit-generator ops' result types and
+bytes; --hlo_dir DIR keeps the compiled HLO text (gzip) for a later look at where the
+temporaries go. --hlo FILE --slice NAME prints the HLO numbers of a kept file without compiling
+(read by this checkout's t2t/hlo.py: a before/after pair is read the same way).
 
     flock /tmp/t2t-libtpu.lock timeout 900 .venv/bin/python bench/tpu_aot_memory.py \
         --config configs/wmt14_ende_big.py --slice v5e-16 --set batch_size=128 scan_layers=False
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import json
 import os
 import sys
@@ -70,7 +75,11 @@ def main(argv=None) -> int:
     ap.add_argument('--slice', default='v5e-16', help='with --config: the TPU slice name')
     ap.add_argument('--set', nargs='*', default=[], help='with --config: config keys k=v')
     ap.add_argument('--hlo_dir', default=None, help='with --config: keep the HLO text here')
+    ap.add_argument('--hlo', default=None,
+                    help='no compile: the HLO numbers of a kept HLO file (.hlo.gz) for --slice')
     args = ap.parse_args(argv)
+    if args.hlo:
+        return hlo_main(args)
     if args.config:
         return config_main(args)
 
@@ -79,7 +88,6 @@ def main(argv=None) -> int:
     root = args.code or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.path.insert(0, os.path.abspath(root))
 
-    import dataclasses
     import functools
     from types import SimpleNamespace
 
@@ -203,6 +211,78 @@ def config_main(args) -> int:
         xla_cost_analysis_flops=train.flops_per_device * devices,
         hlo_matmul_flops=train.matmul_flops_per_device * devices if m else None,
         t2t_flops=flops.config_flops_per_step(config))
+    if m:
+        result.update(hlo_numbers(train.hlo_text, plan.tpu.generation),
+                      xla_bytes_accessed=getattr(train, 'xla_bytes_accessed', None))
+    print('RESULT ' + json.dumps(result), flush=True)
+    return 0
+
+
+def _this_checkout(module: str):
+    """A module of this script's own checkout (not --code's): the numbers are read the same way
+    before and after a change."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(f'bench_{module}',
+                                                  os.path.join(root, 't2t', f'{module}.py'))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def hlo_numbers(text: str, generation: str) -> dict:
+    """Per device per step, from the compiled HLO (this checkout's t2t/hlo.py and hlo_memory.py):
+    the collectives (outside / inside loops, x trip counts), the memory traffic and the roofline
+    lower bound on the chip (the t2t/aot.py datasheet table)."""
+    hlo = _this_checkout('hlo')
+    module = hlo.parse(text)
+    collectives = hlo.collectives(module)
+    flops = hlo.matmul_flops(module)
+    memory = _this_checkout('hlo_memory').memory_bytes(text)
+    coll = sum(c.bytes + c.in_loops_bytes for c in collectives.values())
+    from t2t import aot  # the chip table is the same in every checkout that has it
+
+    chip = getattr(aot, 'CHIPS', {}).get(generation)
+    roofline = {}
+    if chip is not None and hasattr(chip, 'peak_bf16_flops'):
+        compute_s, memory_s = flops / chip.peak_bf16_flops, memory / chip.hbm_bytes_per_s
+        collective_s = coll / chip.ici_bytes_per_s
+        roofline = dict(compute_ms=compute_s * 1e3, memory_ms=memory_s * 1e3,
+                        collective_ms=collective_s * 1e3,
+                        bound_ms=(max(compute_s, memory_s) + collective_s) * 1e3)
+    # Random bits of the rng-bit-generator ops (rbg, unsafe_rbg: result bytes x runs, per
+    # device, by result type); threefry's bits are computed inside fusions and do not appear.
+    runs = hlo.executions(module)
+    rng_ops, rng_bytes = {}, 0.0
+    for name, times in runs.items():
+        for i in module.computations.get(name, ()):
+            if i.opcode == 'rng-bit-generator':
+                rng_bytes += times * hlo.shape_bytes(i.shape)
+                rng_ops[i.shape] = rng_ops.get(i.shape, 0) + times
+    return dict(collectives={k: dataclasses.asdict(c) for k, c in collectives.items()
+                             if c.count or c.in_loops_count},
+                collective_bytes=coll,
+                collective_bytes_in_loops=sum(c.in_loops_bytes for c in collectives.values()),
+                memory_bytes=memory, roofline=roofline, rng_bit_generator_bytes=rng_bytes,
+                rng_bit_generator_shapes=rng_ops)
+
+
+def hlo_main(args) -> int:
+    """The HLO numbers of a kept HLO file, without compiling (e.g. one kept by an older checkout
+    with --code and --hlo_dir)."""
+    import gzip
+
+    os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from t2t import aot
+
+    with gzip.open(args.hlo, 'rt') as f:
+        text = f.read()
+    tpu = aot.parse_slice(args.slice)
+    result = dict(label=args.label, hlo=args.hlo, slice=tpu.name,
+                  **hlo_numbers(text, tpu.generation))
     print('RESULT ' + json.dumps(result), flush=True)
     return 0
 

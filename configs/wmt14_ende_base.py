@@ -21,7 +21,10 @@ def get_config():
     # batches and recomputes nothing; scanned layers compile faster, and with
     # remat='dots_saveable' keep less (v5e-16 1.27, v4-8 3.80 GiB) but recompute every step.
     c.scan_layers = False
-    c.rng_impl = 'rbg'  # dropout keys from the hardware-friendly generator
+    # threefry: under a sharded batch its dropout bits are drawn per shard, inside the dropout
+    # fusions; rbg and unsafe_rbg draw the global batch's bits on every device (an 8-chip
+    # fsdp mesh: 8x the bits, more temporaries and HBM traffic; bench/RESULTS.md, 2026-12-01).
+    c.rng_impl = 'threefry'
     c.checkpoint_every_steps = 2000
     c.keep_checkpoints = 5  # the paper averages the last 5 checkpoints of base
     c.lock()

@@ -23,7 +23,10 @@ def get_config():
     # weights. Unrolled fits larger batches and recomputes nothing; scan_layers=True only
     # compiles faster (288 against 786 s on the 2-core CPU).
     c.scan_layers = False
-    c.rng_impl = 'rbg'  # dropout keys from the hardware-friendly generator
+    # threefry: under a sharded batch its dropout bits are drawn per shard, inside the dropout
+    # fusions; rbg and unsafe_rbg draw the global batch's bits on every device (an 8-chip
+    # fsdp mesh: 8x the bits, more temporaries and HBM traffic; bench/RESULTS.md, 2026-12-01).
+    c.rng_impl = 'threefry'
     c.checkpoint_every_steps = 5000
     c.keep_checkpoints = 20  # the paper averages the last 20 checkpoints of big
     c.lock()

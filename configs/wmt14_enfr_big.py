@@ -20,7 +20,10 @@ def get_config():
     # are in bench/RESULTS.md, 2026-12-01): scanned stacks take more temporaries per chip for the
     # same matmul FLOPs (v5e-16, batch 128: 4.58 against 2.43 GiB) and only compile faster.
     c.scan_layers = False
-    c.rng_impl = 'rbg'  # dropout keys from the hardware-friendly generator
+    # threefry: under a sharded batch its dropout bits are drawn per shard, inside the dropout
+    # fusions; rbg and unsafe_rbg draw the global batch's bits on every device (an 8-chip
+    # fsdp mesh: 8x the bits, more temporaries and HBM traffic; bench/RESULTS.md, 2026-12-01).
+    c.rng_impl = 'threefry'
     c.checkpoint_every_steps = 5000
     c.keep_checkpoints = 20
     c.lock()

@@ -5,6 +5,7 @@
     hlo.while_trip_counts(text)              # {while instruction: trip count, None if unknown}
     runs = hlo.executions(hlo.parse(text))   # {computation: times it runs per run of the entry}
     hlo.collectives(text)                    # {'all-reduce': Collectives(count, bytes, ...), ...}
+    hlo.collective_ops(text)                 # each collective: operand types, in a loop, runs
 
 Why: XLA's cost_analysis() counts a while loop's body once, whatever its trip count, so the FLOPs
 of scanned layers (one body for all the layers of a stack) and of the fused loss's chunk loop are
@@ -252,7 +253,7 @@ def trip_count(instruction: Instruction, module: Module | None = None,
 
 
 def _module(hlo) -> Module:
-    return hlo if isinstance(hlo, Module) else parse(hlo)
+    return parse(hlo) if isinstance(hlo, str) else hlo
 
 
 def while_trip_counts(hlo) -> dict[str, int | None]:
@@ -413,24 +414,49 @@ def _runs_by_loop(module: Module) -> dict[tuple[str, bool], float]:
     return runs
 
 
-def collectives(hlo) -> dict[str, Collectives]:
-    """{kind: Collectives} for each of COLLECTIVE_KINDS, per device per run of the module.
+@dataclasses.dataclass(frozen=True)
+class CollectiveOp:
+    """One collective instruction of the module: its kind, operand types, whether it sits in a
+    while loop and how often it runs per run of the module."""
 
-    Synchronous ops and the async '-start' halves count (never the '-done' halves); a
-    collective wrapped in an async-start's computation counts there. Loops of unknown trip
-    count count once (see `while_trip_counts`).
-    """
+    kind: str  # one of COLLECTIVE_KINDS
+    name: str
+    operand_shapes: tuple[str, ...]
+    in_loop: bool
+    times: float
+    computation: str = ''  # the computation holding it (a loop body, the entry, ...)
+    op_name: str = ''  # jax's op_name metadata: the traced operation it came from
+
+    @property
+    def bytes(self) -> int:
+        return sum(shape_bytes(s) for s in self.operand_shapes)
+
+
+def collective_ops(hlo) -> list[CollectiveOp]:
+    """Every collective of the module (synchronous ops and async '-start' halves, never the
+    '-done' halves; one wrapped in an async-start's computation counts there), with how often it
+    runs: loops by trip count, unknown trip counts once (see `while_trip_counts`)."""
     module = _module(hlo)
-    found = {kind: [0.0, 0.0, 0.0, 0.0] for kind in COLLECTIVE_KINDS}
+    ops = []
     for (name, in_loop), times in _runs_by_loop(module).items():
         body = module.computations.get(name, ())
         shapes = {i.name: i.shape for i in body}
         for i in body:
             kind = i.opcode.removesuffix('-start')
-            if kind not in found:
-                continue
-            size = sum(shape_bytes(shapes[o]) for o in i.operands)
-            counts = found[kind]
-            counts[2 * in_loop] += times
-            counts[2 * in_loop + 1] += times * size
+            if kind in COLLECTIVE_KINDS:
+                op_name = re.search(r'op_name="([^"]*)"', i.attributes)
+                ops.append(CollectiveOp(kind, i.name, tuple(shapes[o] for o in i.operands),
+                                        in_loop, times, name, op_name.group(1) if op_name else ''))
+    return ops
+
+
+def collectives(hlo) -> dict[str, Collectives]:
+    """{kind: Collectives} for each of COLLECTIVE_KINDS, per device per run of the module
+    (the sums of `collective_ops`)."""
+    found = {kind: [0.0, 0.0, 0.0, 0.0] for kind in COLLECTIVE_KINDS}
+    for op in collective_ops(hlo):
+        counts = found[op.kind]
+        counts[2 * op.in_loop] += op.times
+        counts[2 * op.in_loop + 1] += op.times * op.bytes
     return {kind: Collectives(*(int(round(v)) for v in c)) for kind, c in found.items()}
+

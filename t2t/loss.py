@@ -13,17 +13,26 @@ accumulation (dW summed over chunks in float32), so the backward pass neither re
 keeps any logits. Peak memory of the loss: one float32 [B, C, V] chunk (plus its gradient in the
 compute dtype) instead of several float32 [B, T, V] arrays.
 
+Under a mesh that splits the batch over S devices (data x fsdp), the dW carry is [S, V, D], one
+slot per batch shard (a device holds its own slot: [V, D] per device, as before), each device
+adding its own rows to its own slot; the slots are summed once after the loop. A plain [V, D]
+carry is a sum over the sharded batch, which XLA completed with an all-reduce of dW inside the
+loop, once per chunk (bench/RESULTS.md); summed after it, dW is reduced once per step like every
+other gradient. Likewise the weights are cast and gathered whole along d_model once, before the
+loop (under fsdp XLA gathered their shards in every chunk).
+
 Gradients flow through the loss sum only: the NLL and accuracy sums are metrics (stop_gradient).
 The smoothed target distribution is tensor2tensor's: 1 - smoothing on the gold token and
 smoothing / (V - 1) on every other one (tests/plain_loss.py is the plain reference it equals).
 
 Shape letters: B batch rows, T target length, C positions per chunk, N chunks, D d_model,
-V vocabulary.
+V vocabulary, S batch shards (devices the batch is split over; 1 without a mesh).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -54,10 +63,29 @@ def cross_entropy_sums(y_BTD, w_VD, targets_BT, weights_BT, *, smoothing: float,
     return loss_sum, jax.lax.stop_gradient(nll_sum), jax.lax.stop_gradient(correct_sum)
 
 
+def _whole_weights(w_VD, dtype):
+    """The output projection in the compute dtype, whole along d_model on every device (vocab
+    stays split over tensor), made once before the chunk loop: under fsdp XLA otherwise gathers
+    the weights' shards inside the loop, once per chunk."""
+    return nn.with_logical_constraint(w_VD.astype(dtype), ('vocab', None))
+
+
 def _chunk_logits(y_BCD, w_VD):
     logits_BCV = jnp.einsum('bcd,vd->bcv', y_BCD, w_VD.astype(y_BCD.dtype),
                             preferred_element_type=jnp.float32)
     return nn.with_logical_constraint(logits_BCV, ('batch', 'length', 'vocab'))
+
+
+def _batch_shards(rows: int) -> int:
+    """Devices the 'batch' axis is split over under the active mesh and logical axis rules (1
+    without them, or when they do not divide the rows)."""
+    rules, mesh = nn.get_logical_axis_rules(), jax.sharding.get_abstract_mesh()
+    if not rules or mesh.empty:
+        return 1
+    axes = nn.logical_to_mesh_axes(('batch',), rules)[0]
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    shards = math.prod(mesh.shape[a] for a in axes)
+    return shards if rows % shards == 0 else 1
 
 
 def _chunk_terms(smoothing, logits_BCV, targets_BC, weights_BC):
@@ -85,9 +113,11 @@ def _chunk_terms(smoothing, logits_BCV, targets_BC, weights_BC):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _chunked_sums(smoothing, y_NBCD, w_VD, targets_NBC, weights_NBC):
+    w_c_VD = _whole_weights(w_VD, y_NBCD.dtype)
+
     def body(sums, chunk):
         y_BCD, targets_BC, weights_BC = chunk
-        chunk_sums, _ = _chunk_terms(smoothing, _chunk_logits(y_BCD, w_VD), targets_BC,
+        chunk_sums, _ = _chunk_terms(smoothing, _chunk_logits(y_BCD, w_c_VD), targets_BC,
                                      weights_BC)
         return sums + chunk_sums, None
 
@@ -96,12 +126,18 @@ def _chunked_sums(smoothing, y_NBCD, w_VD, targets_NBC, weights_NBC):
 
 
 def _chunked_sums_fwd(smoothing, y_NBCD, w_VD, targets_NBC, weights_NBC):
-    w_c_VD = w_VD.astype(y_NBCD.dtype)
+    w_c_VD = _whole_weights(w_VD, y_NBCD.dtype)
+    _, b, c, d = y_NBCD.shape
+    s = _batch_shards(b)
+
+    def per_shard(x_BCX, last):  # [B, C, X] -> [S, B/S, C, X], S along the batch's devices
+        return nn.with_logical_constraint(x_BCX.reshape(s, b // s, c, x_BCX.shape[-1]),
+                                          ('batch', None, 'length', last))
 
     def body(carry, chunk):
-        sums, dw_VD = carry
+        sums, dw_SVD = carry
         y_BCD, targets_BC, weights_BC = chunk
-        logits_BCV = _chunk_logits(y_BCD, w_VD)
+        logits_BCV = _chunk_logits(y_BCD, w_c_VD)
         chunk_sums, p_BCV = _chunk_terms(smoothing, logits_BCV, targets_BC, weights_BC)
         # d(weighted smoothed loss)/d logits
         #   = w ((conf - low + low V) p - low - (conf - low) 1[gold])
@@ -115,12 +151,18 @@ def _chunked_sums_fwd(smoothing, y_NBCD, w_VD, targets_NBC, weights_NBC):
                                                  ('batch', 'length', 'vocab'))
         dy_BCD = jnp.einsum('bcv,vd->bcd', dlogits_BCV, w_c_VD,
                             preferred_element_type=jnp.float32).astype(y_BCD.dtype)
-        dw_VD = dw_VD + jnp.einsum('bcv,bcd->vd', dlogits_BCV, y_BCD,
-                                   preferred_element_type=jnp.float32)
-        return (sums + chunk_sums, dw_VD), dy_BCD
+        # Each batch shard's rows into its own slot: no sum across devices inside the loop.
+        dw_SVD = dw_SVD + jnp.einsum('sbcv,sbcd->svd', per_shard(dlogits_BCV, 'vocab'),
+                                     per_shard(y_BCD, 'embed'),
+                                     preferred_element_type=jnp.float32)
+        dw_SVD = nn.with_logical_constraint(dw_SVD, ('batch', 'vocab', 'embed'))
+        return (sums + chunk_sums, dw_SVD), dy_BCD
 
-    init = (jnp.zeros(3, jnp.float32), jnp.zeros(w_VD.shape, jnp.float32))
-    (sums, dw_VD), dy_NBCD = jax.lax.scan(body, init, (y_NBCD, targets_NBC, weights_NBC))
+    dw_SVD = nn.with_logical_constraint(jnp.zeros((s, *w_VD.shape), jnp.float32),
+                                        ('batch', 'vocab', 'embed'))
+    init = (jnp.zeros(3, jnp.float32), dw_SVD)
+    (sums, dw_SVD), dy_NBCD = jax.lax.scan(body, init, (y_NBCD, targets_NBC, weights_NBC))
+    dw_VD = dw_SVD[0] if s == 1 else dw_SVD.sum(axis=0)  # the one reduction across devices
     return (sums[0], sums[1], sums[2]), (dy_NBCD, dw_VD)
 
 

@@ -197,7 +197,8 @@ def tpu_dry_run(config, plan, *, find_max_batch: bool = False, max_tries: int = 
     for line in _memory_lines(train, hbm, margin):
         out(line)
     if train.memory is not None:
-        for line in flops_lines(train, mesh.size, config_flops) + collective_lines(train):
+        for line in (flops_lines(train, mesh.size, config_flops) + collective_lines(train)
+                     + aot.roofline_lines(train)):
             out(line)
     if not train.fits(hbm, margin):
         out('predict: not compiled (the train step does not fit)')
@@ -211,7 +212,7 @@ def tpu_dry_run(config, plan, *, find_max_batch: bool = False, max_tries: int = 
         out(line)
     if predict.memory is None:
         return 1
-    for line in collective_lines(predict, run='batch'):
+    for line in collective_lines(predict, run='batch') + aot.roofline_lines(predict, run='batch'):
         out(line)
     # In-training BLEU decodes while the training state (the train step's arguments) is resident.
     p = predict.memory

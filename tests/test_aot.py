@@ -230,6 +230,9 @@ def test_tiny_fits_a_v5e_2x2_and_a_huge_batch_does_not():
     assert summed and sum(n for n, _ in summed) > 0, train['collectives_line']
     assert sum(b for _, b in summed) >= 0.95 * 4 * params, (train['collectives_line'], params)
     assert 'collectives_line' in predict
+    # The roofline bound of each (its arithmetic: tests/test_pod_perf.py).
+    assert out.stdout.count('  roofline LOWER BOUND of the step time (not a measurement; v5e') == 1
+    assert out.stdout.count('  roofline LOWER BOUND of the batch time (not a measurement;') == 1
 
     # 65536 rows per device: the TPU compiler itself finds no room for the temporaries.
     huge = _train_py('--topology=v5e:2x2', '--config.batch_size=262144')

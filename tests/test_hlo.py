@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from t2t import aot, flops, hlo, sharding
+from t2t import aot, flops, hlo, hlo_memory, sharding
 from tests.conftest import tiny_config
 
 
@@ -128,3 +128,25 @@ def test_collectives_counted_per_kind_inside_and_outside_loops():
     text = looped.lower(jnp.ones((8, 16)), jnp.ones((5, 16))).compile().as_text()
     assert hlo.collectives(text)['all-reduce'] == hlo.Collectives(
         in_loops_count=3 * 6, in_loops_bytes=3 * 6 * 64)
+
+
+def test_memory_bytes_match_xla_without_loops_and_count_loop_bodies_by_trip_count():
+    """hlo_memory.memory_bytes: operands + results of the top-level ops, as XLA's 'bytes accessed'
+    counts them; a loop body counts once per trip (XLA's: once), its per-step slice of the
+    stacked weights counted as the slice, not the stack."""
+    a, b, c = jnp.ones((64, 128)), jnp.ones((128, 256)), jnp.ones((64, 256))
+    flat = jax.jit(lambda a, b, c: (jnp.tanh(a @ b) + c, (a * 2).sum(0))).lower(a, b, c).compile()
+    assert hlo_memory.memory_bytes(flat.as_text()) == pytest.approx(
+        flat.cost_analysis()['bytes accessed'], rel=1e-3)
+    x = jnp.ones((32, 64))
+    ours, xla = {}, {}
+    for steps in (5, 9):
+        compiled = jax.jit(_scan_matmuls).lower(jnp.ones((steps, 64, 64)), x).compile()
+        ours[steps] = hlo_memory.memory_bytes(compiled.as_text())
+        xla[steps] = compiled.cost_analysis()['bytes accessed']
+    # A step copies its 64x64 slice out of the stack (read + write), the matmul reads it and the
+    # 32x64 carry and writes a 32x64 result, tanh reads and writes that: f32, plus a few scalars.
+    per_step = (ours[9] - ours[5]) / 4
+    assert per_step == pytest.approx(4 * (3 * 64 * 64 + 4 * 32 * 64), rel=0.01)
+    assert xla[9] == pytest.approx(xla[5], rel=1e-3)  # XLA: one body whatever the trip count
+    assert ours[5] - xla[5] == pytest.approx(4 * per_step, rel=0.01)
