@@ -73,7 +73,7 @@ def main(argv):
           + ' '.join(f'{k}={v:.4g}' for k, v in result.eval_metrics.items()))
 
 
-# --dry_run --topology: TPU ahead-of-time compile (t2t/aot.py, report in t2t/summary.py)
+# --dry_run --topology: TPU ahead-of-time compile (t2t/aot.py, report in t2t/aot_report.py)
 _TOPOLOGY = flags.DEFINE_string(
     'topology', None, 'With --dry_run: compile for this TPU slice on the CPU and report memory '
     'and FLOPs (v4-8, v5e-16, v5p-8, v6e-256, or a topology such as v5e:4x4).')
@@ -88,7 +88,7 @@ _BATCH_STEP = flags.DEFINE_integer(
 
 def _tpu_dry_run(config, summary) -> int:
     """The exit status: 0 fits, 1 does not, 2 bad input (reported before anything compiles)."""
-    from t2t import aot
+    from t2t import aot, aot_report
 
     try:
         plan = aot.plan(config, _TOPOLOGY.value, _BATCH_STEP.value)
@@ -96,8 +96,8 @@ def _tpu_dry_run(config, summary) -> int:
         print(f'train.py: {e}', file=sys.stderr)
         return 2
     print(summary.summarize(config), flush=True)
-    return summary.tpu_dry_run(config, plan, find_max_batch=_FIND_MAX_BATCH.value,
-                               max_tries=_MAX_BATCH_TRIES.value)
+    return aot_report.tpu_dry_run(config, plan, find_max_batch=_FIND_MAX_BATCH.value,
+                                  max_tries=_MAX_BATCH_TRIES.value)
 
 
 if __name__ == '__main__':

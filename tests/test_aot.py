@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from t2t import aot, flops, sharding, summary
+from t2t import aot, aot_report, flops, sharding
 from t2t.model import TransformerConfig, abstract_params, count_params
 from tests.conftest import ROOT
 
@@ -135,7 +135,7 @@ def test_find_max_batch_report_prints_every_try(monkeypatch):
     monkeypatch.setattr(aot, 'compile_train_step', fake_compile)
     plan = aot.Plan(aot.parse_slice('v5e-8'), sharding.make_mesh((-1, 1, 1)), batch_step=8)
     lines = []
-    status = summary.tpu_dry_run(config, plan, find_max_batch=True, max_tries=12,
+    status = aot_report.tpu_dry_run(config, plan, find_max_batch=True, max_tries=12,
                                  out=lines.append)
     text = '\n'.join(lines)
     # 0.95 x 16 GiB per device, 1 MiB of state, 300 MiB per row, 8 devices: 408 rows fit.

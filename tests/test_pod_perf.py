@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from t2t import aot, hlo, metrics, sharding, summary
+from t2t import aot, hlo, metrics, model, sharding
 from t2t.model import TransformerConfig
 from tests.conftest import ROOT
 from tests.test_aot import _env, libtpu_lock
@@ -29,7 +29,7 @@ def _config(mesh_shape):
 
 
 def _param_bytes(config) -> int:
-    return 4 * summary.count_params(summary.abstract_params(TransformerConfig.from_config(config)))
+    return 4 * model.count_params(model.abstract_params(TransformerConfig.from_config(config)))
 
 
 def _vocab_sized(op) -> bool:
