@@ -10,7 +10,12 @@ test suite's) and `nice -n 19`. Each row is appended to OUT.csv and OUT.md as so
 compile ends, so a partial table is usable; rows already in OUT.csv are skipped (resumable).
 
 Meshes (data, fsdp, tensor): data-parallel (chips, 1, 1), fsdp (1, chips, 1), fsdp x tensor
-(1, chips/4, 4) and data x fsdp (8, chips/8, 1) (16 x 16 on 256 chips). Batch: the paper's
+(1, chips/4, 4) and data x fsdp (8, chips/8, 1) (16 x 16 on 256 chips); and two v5e-64 slices
+over the data-center network (DCN), the batch split over the slices (dcn_mesh_shape (2, 1, 1))
+with data or fsdp inside each. The roofline has only the ICI bandwidth: for the DCN rows its
+collective term has only the collectives inside a slice: what crosses DCN (the multi-slice
+runtime's send ops, `dcn-send` in the collective_kinds column, not in collective_gb) has no term,
+so the bound stays a lower bound but leaves that transfer time out. Batch: the paper's
 ~25k target tokens a step, rows = 25000 / max_len rounded to the nearest multiple of the
 mesh's data-parallel devices (data x fsdp), at least one; and 4x that (100k tokens). Every
 row is max_len target positions (the token count assumes full rows, as packed batches nearly
@@ -23,7 +28,8 @@ in loops); the roofline LOWER BOUND's terms (t2t.aot.Roofline: matmul FLOPs / bf
 bytes / HBM bandwidth, collective bytes / ICI bandwidth) and the bound; and the resulting
 upper bound of throughput, target tokens per step / bound / chips. Bounds, not measurements.
 
---tiny: configs/tiny.py on v5e:2x2 with two meshes, for the test that keeps this script working.
+--tiny: configs/tiny.py on v5e:2x2 with two meshes, for the test that keeps this script working;
+--tiny_dcn: the same on two v5e:2x2 slices over DCN.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import argparse
 import csv
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -56,10 +63,12 @@ class Row:
     mesh_name: str
     mesh: tuple[int, int, int]  # (data, fsdp, tensor)
     tokens: int  # target tokens a step asked for
+    dcn: tuple[int, int, int] = (1, 1, 1)  # slices along each mesh axis (data-center network)
 
     @property
-    def key(self) -> tuple[str, str, str, str]:
-        return (self.config, self.slice, str(self.mesh), str(self.tokens))
+    def mesh_label(self) -> str:
+        """The mesh column: the mesh of one slice, times the slices over DCN if more than one."""
+        return str(self.mesh) if self.dcn == (1, 1, 1) else f'{self.mesh} x dcn {self.dcn}'
 
 
 def meshes(chips: int) -> list[tuple[str, tuple[int, int, int]]]:
@@ -81,10 +90,16 @@ def full_plan() -> list[Row]:
         for slice_name, chips in (('v5e-64', 64), ('v5p-128', 64), ('v5e-256', 256)):
             for config in ('wmt14_ende_base', 'wmt14_ende_big'):
                 out += [Row(config, slice_name, n, m, tokens) for n, m in meshes(chips)]
+        if tokens == PAPER_TOKENS:  # two v5e-64 slices, the batch split over the slices
+            out += [Row(config, 'v5e-64', f'dcn data x {n}', m, tokens, (2, 1, 1))
+                    for config in ('wmt14_ende_base', 'wmt14_ende_big')
+                    for n, m in meshes(64)[:2]]
     return out
 
 
-def tiny_plan() -> list[Row]:
+def tiny_plan(dcn: bool = False) -> list[Row]:
+    if dcn:
+        return [Row('tiny', 'v5e-4', 'dcn data x fsdp', (1, 4, 1), 512, (2, 1, 1))]
     return [Row('tiny', 'v5e-4', 'data', (4, 1, 1), 512),
             Row('tiny', 'v5e-4', 'fsdp', (1, 4, 1), 512)]
 
@@ -93,23 +108,51 @@ def tiny_plan() -> list[Row]:
 # One row, in a child process
 
 
-def measure(row: Row) -> dict:
+def measure(row: Row, hlo_dir: str = '') -> dict:
     """Compiles the row's train step for its slice; the table's numbers (see the docstring)."""
     import importlib
 
     sys.path.insert(0, ROOT)
-    from t2t import aot
+    from t2t import aot, hlo, platforms, sharding, startup
+
+    # Multi-slice programs order their DCN transfers with token[] values, which hold no data;
+    # t2t/hlo.py knows only array element types.
+    hlo._DTYPE_BYTES.setdefault('token', 0)
 
     config = importlib.import_module(f'configs.{row.config}').get_config()
-    rows = rows_for(row.tokens, config.max_len, row.mesh)
+    slices = math.prod(row.dcn)
+    dp = tuple(a * b for a, b in zip(row.mesh, row.dcn, strict=True))
+    rows = rows_for(row.tokens, config.max_len, dp)
     with config.unlocked():
         config.mesh_shape = row.mesh
+        config.dcn_mesh_shape = row.dcn
         config.batch_size = rows
-    plan = aot.plan(config, row.slice)
-    train = aot.compile_train_step(config, plan.mesh)
-    hbm = plan.tpu.hbm_bytes
-    out = dict(config=row.config, slice=plan.tpu.name, chips=plan.tpu.chips,
-               mesh_name=row.mesh_name, mesh=str(row.mesh), rows=rows,
+    if slices == 1:
+        plan = aot.plan(config, row.slice)
+        tpu, mesh = plan.tpu, plan.mesh
+    else:  # aot.plan describes one slice; the same slice num_slices times, over DCN
+        tpu = aot.parse_slice(row.slice)
+        platforms.compile_only_tpu(tpu.accelerator_type)
+        from jax.experimental import topologies
+
+        devices = topologies.get_topology_desc(
+            platform='tpu', topology_name=tpu.topology, chip_config_name=tpu.chip.chip_config,
+            chips_per_host_bounds=tpu.chips_per_host_bounds, num_slices=slices).devices
+        mesh = sharding.make_mesh(row.mesh, devices=devices, dcn_mesh_shape=row.dcn)
+        startup.check_training_config(config, mesh)
+    train = aot.compile_train_step(config, mesh)
+    if hlo_dir:
+        import gzip
+
+        os.makedirs(hlo_dir, exist_ok=True)
+        name = f'{row.config}-{row.slice}-{row.mesh_label}-{row.tokens}'
+        with gzip.open(os.path.join(hlo_dir, ''.join(
+                c if c.isalnum() or c in '-.' else '_' for c in name) + '.hlo.gz'), 'wt') as f:
+            f.write(train.hlo_text)
+    hbm = tpu.hbm_bytes
+    chips = tpu.chips * slices
+    out = dict(config=row.config, slice=tpu.name if slices == 1 else f'{slices} x {tpu.name}',
+               chips=chips, mesh_name=row.mesh_name, mesh=row.mesh_label, rows=rows,
                target_tokens=rows * config.max_len, hbm_gib=round(hbm / GIB, 1),
                compile_s=round(train.seconds, 1), requested_tokens=row.tokens)
     if train.memory is None:
@@ -117,31 +160,53 @@ def measure(row: Row) -> dict:
         return out
     m, r = train.memory, train.roofline
     bound = r.seconds
-    kinds = {k: round((c.bytes + c.in_loops_bytes) / 1e9, 4)
+    kinds = {k: _sig((c.bytes + c.in_loops_bytes) / 1e9)
              for k, c in train.collectives.items() if c.count or c.in_loops_count}
+    if slices > 1:
+        kinds['dcn-send'] = _sig(dcn_send_bytes(train.hlo_text) / 1e9)
     out.update(
-        status='ok', argument_gib=round(m.arguments / GIB, 3),
-        temp_gib=round(m.temporaries / GIB, 3), total_gib=round(m.total / GIB, 3),
+        status='ok', argument_gib=_sig(m.arguments / GIB),
+        temp_gib=_sig(m.temporaries / GIB), total_gib=_sig(m.total / GIB),
         fits='yes' if train.fits(hbm) else 'no',
-        collective_gb=round(train.collective_bytes / 1e9, 4),
-        collective_gb_in_loops=round(
-            sum(c.in_loops_bytes for c in train.collectives.values()) / 1e9, 4),
+        collective_gb=_sig(train.collective_bytes / 1e9),
+        collective_gb_in_loops=_sig(
+            sum(c.in_loops_bytes for c in train.collectives.values()) / 1e9),
         collective_kinds=' '.join(f'{k}={v}' for k, v in sorted(kinds.items())),
-        compute_ms=round(r.compute_s * 1e3, 3), memory_ms=round(r.memory_s * 1e3, 3),
-        collective_ms=round(r.collective_s * 1e3, 3), bound_ms=round(bound * 1e3, 3),
-        tokens_per_s_per_chip_bound=round(rows * config.max_len / bound / plan.tpu.chips))
+        compute_ms=_sig(r.compute_s * 1e3), memory_ms=_sig(r.memory_s * 1e3),
+        collective_ms=_sig(r.collective_s * 1e3), bound_ms=_sig(bound * 1e3),
+        tokens_per_s_per_chip_bound=round(rows * config.max_len / bound / chips))
     return out
+
+
+def dcn_send_bytes(text: str) -> float:
+    """Bytes a device sends over DCN per run: the multi-slice runtime's host-transfer sends
+    (each a (data, u32[] context, token[]) tuple; the data counted), loops by trip count. The
+    collectives inside a slice stay all-reduces etc.; t2t/hlo.py counts only those."""
+    from t2t import hlo
+
+    module = hlo.parse(text)
+    total = 0.0
+    for name, times in hlo.executions(module).items():
+        for i in module.computations.get(name, ()):
+            if i.opcode == 'send' and 'megascale' in i.attributes:
+                total += times * (hlo.shape_bytes(i.shape) - 4)
+    return total
+
+
+def _sig(x: float) -> float:
+    return float(f'{x:.4g}')
 
 
 def child_main(spec: str) -> int:
     d = json.loads(spec)
-    row = Row(d['config'], d['slice'], d['mesh_name'], tuple(d['mesh']), d['tokens'])
-    print('RESULT ' + json.dumps(measure(row)), flush=True)
+    row = Row(d['config'], d['slice'], d['mesh_name'], tuple(d['mesh']), d['tokens'],
+              tuple(d.get('dcn', (1, 1, 1))))
+    print('RESULT ' + json.dumps(measure(row, d.get('hlo_dir', ''))), flush=True)
     return 0
 
 
-def run_row(row: Row, timeout: int, nice: int) -> dict:
-    spec = json.dumps(dataclasses.asdict(row))
+def run_row(row: Row, timeout: int, nice: int, hlo_dir: str = '') -> dict:
+    spec = json.dumps(dict(dataclasses.asdict(row), hlo_dir=hlo_dir))
     cmd = ['flock', LIBTPU_LOCK, 'nice', '-n', str(nice), 'timeout', str(timeout),
            sys.executable, os.path.abspath(__file__), '--child', spec]
     env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
@@ -154,7 +219,7 @@ def run_row(row: Row, timeout: int, nice: int) -> dict:
     tail = (proc.stderr.strip().splitlines() or ['no output'])[-1][:200]
     status = (f'timed out after {timeout} s' if proc.returncode == 124
               else f'failed (rc {proc.returncode}): {tail}')
-    return dict(config=row.config, slice=row.slice, mesh_name=row.mesh_name, mesh=str(row.mesh),
+    return dict(config=row.config, slice=row.slice, mesh_name=row.mesh_name, mesh=row.mesh_label,
                 requested_tokens=row.tokens, status=status,
                 compile_s=round(time.time() - start, 1))
 
@@ -194,22 +259,24 @@ def main(argv=None) -> int:
     ap.add_argument('--out', default=os.path.join(ROOT, 'bench', 'mesh_table'),
                     help='writes OUT.csv and OUT.md')
     ap.add_argument('--tiny', action='store_true', help='configs/tiny.py on v5e:2x2, two meshes')
+    ap.add_argument('--tiny_dcn', action='store_true', help='configs/tiny.py on 2 x v5e:2x2')
     ap.add_argument('--only', type=int, default=0, help='at most this many new rows (0: all)')
     ap.add_argument('--timeout', type=int, default=3600, help='seconds per compile')
     ap.add_argument('--nice', type=int, default=19)
+    ap.add_argument('--hlo_dir', default='', help='keep each compiled HLO text here (gzip)')
     ap.add_argument('--child', default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         return child_main(args.child)
-    plan = tiny_plan() if args.tiny else full_plan()
+    plan = tiny_plan(args.tiny_dcn) if args.tiny or args.tiny_dcn else full_plan()
     done = done_keys(args.out + '.csv')
-    todo = [r for r in plan if (r.config, r.slice, str(r.mesh), str(r.tokens)) not in done]
+    todo = [r for r in plan if (r.config, r.slice, r.mesh_label, str(r.tokens)) not in done]
     if args.only:
         todo = todo[:args.only]
     print(f'{len(plan) - len(todo)} rows already in {args.out}.csv, {len(todo)} to compile',
           flush=True)
     for row in todo:
-        result = run_row(row, args.timeout, args.nice)
+        result = run_row(row, args.timeout, args.nice, args.hlo_dir)
         append(args.out, row, result)
         print(json.dumps(result), flush=True)
     return 0
