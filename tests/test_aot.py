@@ -312,3 +312,49 @@ def test_tiny_tpu_flops_count_loops_scanned_or_not():
         assert c['matmul'] == pytest.approx(analytic + causal_rest, rel=0.02), c
     assert scanned['matmul'] == pytest.approx(unrolled['matmul'], rel=1e-3)
     assert scanned['xla'] < 0.7 * analytic  # the old count: each layer stack's body once
+
+
+def test_mesh_table_tiny_rows_are_consistent_and_resumable(tmp_path):
+    """bench/mesh_table.py --tiny (two v5e:2x2 meshes): each compiled row's numbers agree with
+    one another, and a second run compiles nothing (the rows are already there)."""
+    import csv
+
+    out = str(tmp_path / 'mesh')
+    cmd = [sys.executable, 'bench/mesh_table.py', '--tiny', '--out', out, '--nice', '0']
+    first = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True,
+                           timeout=600)
+    assert first.returncode == 0, first.stdout + first.stderr
+    with open(out + '.csv', newline='') as f:
+        rows = {r['mesh_name']: r for r in csv.DictReader(f)}
+    assert sorted(rows) == ['data', 'fsdp']
+    params = count_params(abstract_params(TransformerConfig.from_config(_tiny())))
+    for r in rows.values():
+        assert r['status'] == 'ok' and r['fits'] == 'yes' and r['chips'] == '4', r
+        assert int(r['rows']) == 16 and int(r['target_tokens']) == 16 * 32  # 512 / 32, 4 | 16
+        compute, memory, coll, bound = (float(r[k]) for k in
+                                        ('compute_ms', 'memory_ms', 'collective_ms', 'bound_ms'))
+        assert bound == pytest.approx(max(compute, memory) + coll, rel=2e-3), r
+        assert float(r['collective_ms']) == pytest.approx(
+            float(r['collective_gb']) * 1e9 / aot.CHIPS['v5e'].ici_bytes_per_s * 1e3, rel=2e-3)
+        assert float(r['tokens_per_s_per_chip_bound']) == pytest.approx(
+            512 / (bound / 1e3) / 4, rel=2e-3), r
+        assert float(r['total_gib']) >= float(r['argument_gib']) + float(r['temp_gib']) - 1e-3
+    data, fsdp = rows['data'], rows['fsdp']
+    # Data-parallel: the gradients are summed once a step, the float32 parameters' bytes plus
+    # one more of the shared embedding's (the loss's dW is reduced on its own, test_pod_perf.py).
+    summed = sum(float(v) for k, v in (kv.split('=') for kv in data['collective_kinds'].split())
+                 if k in ('all-reduce', 'reduce-scatter'))
+    config = _tiny()
+    expected = 4 * (params + config.vocab_size * config.d_model)
+    assert summed * 1e9 == pytest.approx(expected, rel=2e-3), (data, params)
+    assert 'all-gather' not in data['collective_kinds']
+    # fsdp gathers the sharded parameters and holds less of the state per chip (at this size
+    # the replicated biases and layer norms are a good part of it).
+    assert 'all-gather' in fsdp['collective_kinds']
+    assert float(fsdp['argument_gib']) < 0.8 * float(data['argument_gib'])
+    again = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True,
+                           timeout=60)
+    assert again.returncode == 0 and '2 rows already in' in again.stdout and \
+        '0 to compile' in again.stdout, again.stdout + again.stderr
+    with open(out + '.md') as f:
+        assert len(f.read().splitlines()) == 4  # header, rule, two rows

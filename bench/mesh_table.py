@@ -1,0 +1,286 @@
+"""Which mesh on which TPU slice: the train step of base and big compiled ahead of time per mesh.
+
+    nice -n 19 .venv/bin/python bench/mesh_table.py --out bench/mesh_table   # hours on 2 cores
+    .venv/bin/python bench/mesh_table.py --tiny --out /tmp/tiny_mesh          # seconds
+
+For each row (config, slice, mesh, batch) the dry run's train step (t2t/aot.py: the config's
+step, state sharded and donated as in training) is compiled for the slice with libtpu's TPU
+compiler on this CPU, in a child process under the libtpu file lock (/tmp/t2t-libtpu.lock, the
+test suite's) and `nice -n 19`. Each row is appended to OUT.csv and OUT.md as soon as its
+compile ends, so a partial table is usable; rows already in OUT.csv are skipped (resumable).
+
+Meshes (data, fsdp, tensor): data-parallel (chips, 1, 1), fsdp (1, chips, 1), fsdp x tensor
+(1, chips/4, 4) and data x fsdp (8, chips/8, 1) (16 x 16 on 256 chips); and two v5e-64 slices
+over the data-center network (DCN), the batch split over the slices (dcn_mesh_shape (2, 1, 1))
+with data or fsdp inside each. The roofline has only the ICI bandwidth: for the DCN rows its
+collective term has only the collectives inside a slice: what crosses DCN (the multi-slice
+runtime's send ops, `dcn-send` in the collective_kinds column, not in collective_gb) has no term,
+so the bound stays a lower bound but leaves that transfer time out. Batch: the paper's
+~25k target tokens a step, rows = 25000 / max_len rounded to the nearest multiple of the
+mesh's data-parallel devices (data x fsdp), at least one; and 4x that (100k tokens). Every
+row is max_len target positions (the token count assumes full rows, as packed batches nearly
+are).
+
+Columns, per chip (one jax device) and per step: memory_analysis arguments / temporaries /
+total (t2t.aot.Memory.total) in GiB and whether the total fits the chip's HBM less
+t2t.aot.HBM_MARGIN; the collectives' operand bytes (t2t/hlo.py, loops by trip count; of them
+in loops); the roofline LOWER BOUND's terms (t2t.aot.Roofline: matmul FLOPs / bf16 peak, HBM
+bytes / HBM bandwidth, collective bytes / ICI bandwidth) and the bound; and the resulting
+upper bound of throughput, target tokens per step / bound / chips. Bounds, not measurements.
+
+--tiny: configs/tiny.py on v5e:2x2 with two meshes, for the test that keeps this script working;
+--tiny_dcn: the same on two v5e:2x2 slices over DCN.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LIBTPU_LOCK = '/tmp/t2t-libtpu.lock'
+PAPER_TOKENS = 25_000  # target tokens per step in the paper (section 5.1)
+GIB = 1 << 30
+
+COLUMNS = ('config', 'slice', 'chips', 'mesh_name', 'mesh', 'rows', 'target_tokens',
+           'status', 'argument_gib', 'temp_gib', 'total_gib', 'hbm_gib', 'fits',
+           'collective_gb', 'collective_gb_in_loops', 'collective_kinds',
+           'compute_ms', 'memory_ms', 'collective_ms', 'bound_ms',
+           'tokens_per_s_per_chip_bound', 'compile_s')
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    config: str  # file under configs/, without .py
+    slice: str  # aot.parse_slice name
+    mesh_name: str
+    mesh: tuple[int, int, int]  # (data, fsdp, tensor)
+    tokens: int  # target tokens a step asked for
+    dcn: tuple[int, int, int] = (1, 1, 1)  # slices along each mesh axis (data-center network)
+
+    @property
+    def mesh_label(self) -> str:
+        """The mesh column: the mesh of one slice, times the slices over DCN if more than one."""
+        return str(self.mesh) if self.dcn == (1, 1, 1) else f'{self.mesh} x dcn {self.dcn}'
+
+
+def meshes(chips: int) -> list[tuple[str, tuple[int, int, int]]]:
+    outer = 16 if chips >= 256 else 8
+    return [('data', (chips, 1, 1)), ('fsdp', (1, chips, 1)),
+            ('fsdp x tensor', (1, chips // 4, 4)), ('data x fsdp', (outer, chips // outer, 1))]
+
+
+def rows_for(tokens: int, max_len: int, mesh: tuple[int, int, int]) -> int:
+    """Batch rows for `tokens` target tokens: the nearest multiple of the data-parallel devices."""
+    unit = mesh[0] * mesh[1]
+    return max(1, round(tokens / max_len / unit)) * unit
+
+
+def full_plan() -> list[Row]:
+    """Most useful first: base on v5e-64, big on v5e-64, v5p-128, v5e-256, then 4x the batch."""
+    out = []
+    for tokens in (PAPER_TOKENS, 4 * PAPER_TOKENS):
+        for slice_name, chips in (('v5e-64', 64), ('v5p-128', 64), ('v5e-256', 256)):
+            for config in ('wmt14_ende_base', 'wmt14_ende_big'):
+                out += [Row(config, slice_name, n, m, tokens) for n, m in meshes(chips)]
+        if tokens == PAPER_TOKENS:  # two v5e-64 slices, the batch split over the slices
+            out += [Row(config, 'v5e-64', f'dcn data x {n}', m, tokens, (2, 1, 1))
+                    for config in ('wmt14_ende_base', 'wmt14_ende_big')
+                    for n, m in meshes(64)[:2]]
+    return out
+
+
+def tiny_plan(dcn: bool = False) -> list[Row]:
+    if dcn:
+        return [Row('tiny', 'v5e-4', 'dcn data x fsdp', (1, 4, 1), 512, (2, 1, 1))]
+    return [Row('tiny', 'v5e-4', 'data', (4, 1, 1), 512),
+            Row('tiny', 'v5e-4', 'fsdp', (1, 4, 1), 512)]
+
+
+# ----------------------------------------------------------------------------------------------
+# One row, in a child process
+
+
+def measure(row: Row, hlo_dir: str = '') -> dict:
+    """Compiles the row's train step for its slice; the table's numbers (see the docstring)."""
+    import importlib
+
+    sys.path.insert(0, ROOT)
+    from t2t import aot, hlo, platforms, sharding, startup
+
+    # Multi-slice programs order their DCN transfers with token[] values, which hold no data;
+    # t2t/hlo.py knows only array element types.
+    hlo._DTYPE_BYTES.setdefault('token', 0)
+
+    config = importlib.import_module(f'configs.{row.config}').get_config()
+    slices = math.prod(row.dcn)
+    dp = tuple(a * b for a, b in zip(row.mesh, row.dcn, strict=True))
+    rows = rows_for(row.tokens, config.max_len, dp)
+    with config.unlocked():
+        config.mesh_shape = row.mesh
+        config.dcn_mesh_shape = row.dcn
+        config.batch_size = rows
+    if slices == 1:
+        plan = aot.plan(config, row.slice)
+        tpu, mesh = plan.tpu, plan.mesh
+    else:  # aot.plan describes one slice; the same slice num_slices times, over DCN
+        tpu = aot.parse_slice(row.slice)
+        platforms.compile_only_tpu(tpu.accelerator_type)
+        from jax.experimental import topologies
+
+        devices = topologies.get_topology_desc(
+            platform='tpu', topology_name=tpu.topology, chip_config_name=tpu.chip.chip_config,
+            chips_per_host_bounds=tpu.chips_per_host_bounds, num_slices=slices).devices
+        mesh = sharding.make_mesh(row.mesh, devices=devices, dcn_mesh_shape=row.dcn)
+        startup.check_training_config(config, mesh)
+    train = aot.compile_train_step(config, mesh)
+    if hlo_dir:
+        import gzip
+
+        os.makedirs(hlo_dir, exist_ok=True)
+        name = f'{row.config}-{row.slice}-{row.mesh_label}-{row.tokens}'
+        with gzip.open(os.path.join(hlo_dir, ''.join(
+                c if c.isalnum() or c in '-.' else '_' for c in name) + '.hlo.gz'), 'wt') as f:
+            f.write(train.hlo_text)
+    hbm = tpu.hbm_bytes
+    chips = tpu.chips * slices
+    out = dict(config=row.config, slice=tpu.name if slices == 1 else f'{slices} x {tpu.name}',
+               chips=chips, mesh_name=row.mesh_name, mesh=row.mesh_label, rows=rows,
+               target_tokens=rows * config.max_len, hbm_gib=round(hbm / GIB, 1),
+               compile_s=round(train.seconds, 1), requested_tokens=row.tokens)
+    if train.memory is None:
+        out.update(status='compiler out of memory', fits='no')
+        return out
+    m, r = train.memory, train.roofline
+    bound = r.seconds
+    kinds = {k: _sig((c.bytes + c.in_loops_bytes) / 1e9)
+             for k, c in train.collectives.items() if c.count or c.in_loops_count}
+    if slices > 1:
+        kinds['dcn-send'] = _sig(dcn_send_bytes(train.hlo_text) / 1e9)
+    out.update(
+        status='ok', argument_gib=_sig(m.arguments / GIB),
+        temp_gib=_sig(m.temporaries / GIB), total_gib=_sig(m.total / GIB),
+        fits='yes' if train.fits(hbm) else 'no',
+        collective_gb=_sig(train.collective_bytes / 1e9),
+        collective_gb_in_loops=_sig(
+            sum(c.in_loops_bytes for c in train.collectives.values()) / 1e9),
+        collective_kinds=' '.join(f'{k}={v}' for k, v in sorted(kinds.items())),
+        compute_ms=_sig(r.compute_s * 1e3), memory_ms=_sig(r.memory_s * 1e3),
+        collective_ms=_sig(r.collective_s * 1e3), bound_ms=_sig(bound * 1e3),
+        tokens_per_s_per_chip_bound=round(rows * config.max_len / bound / chips))
+    return out
+
+
+def dcn_send_bytes(text: str) -> float:
+    """Bytes a device sends over DCN per run: the multi-slice runtime's host-transfer sends
+    (each a (data, u32[] context, token[]) tuple; the data counted), loops by trip count. The
+    collectives inside a slice stay all-reduces etc.; t2t/hlo.py counts only those."""
+    from t2t import hlo
+
+    module = hlo.parse(text)
+    total = 0.0
+    for name, times in hlo.executions(module).items():
+        for i in module.computations.get(name, ()):
+            if i.opcode == 'send' and 'megascale' in i.attributes:
+                total += times * (hlo.shape_bytes(i.shape) - 4)
+    return total
+
+
+def _sig(x: float) -> float:
+    return float(f'{x:.4g}')
+
+
+def child_main(spec: str) -> int:
+    d = json.loads(spec)
+    row = Row(d['config'], d['slice'], d['mesh_name'], tuple(d['mesh']), d['tokens'],
+              tuple(d.get('dcn', (1, 1, 1))))
+    print('RESULT ' + json.dumps(measure(row, d.get('hlo_dir', ''))), flush=True)
+    return 0
+
+
+def run_row(row: Row, timeout: int, nice: int, hlo_dir: str = '') -> dict:
+    spec = json.dumps(dict(dataclasses.asdict(row), hlo_dir=hlo_dir))
+    cmd = ['flock', LIBTPU_LOCK, 'nice', '-n', str(nice), 'timeout', str(timeout),
+           sys.executable, os.path.abspath(__file__), '--child', spec]
+    env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+    env['PYTHONPATH'] = ROOT
+    start = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('RESULT ')]
+    if proc.returncode == 0 and lines:
+        return json.loads(lines[-1][len('RESULT '):])
+    tail = (proc.stderr.strip().splitlines() or ['no output'])[-1][:200]
+    status = (f'timed out after {timeout} s' if proc.returncode == 124
+              else f'failed (rc {proc.returncode}): {tail}')
+    return dict(config=row.config, slice=row.slice, mesh_name=row.mesh_name, mesh=row.mesh_label,
+                requested_tokens=row.tokens, status=status,
+                compile_s=round(time.time() - start, 1))
+
+
+# ----------------------------------------------------------------------------------------------
+# The table files
+
+
+def done_keys(csv_path: str) -> set:
+    if not os.path.exists(csv_path):
+        return set()
+    with open(csv_path, newline='') as f:
+        return {(r['config'], r['slice_asked'], r['mesh'], r['requested_tokens'])
+                for r in csv.DictReader(f)}
+
+
+def append(out: str, row: Row, result: dict) -> None:
+    fields = ('slice_asked', 'requested_tokens') + COLUMNS
+    values = {k: result.get(k, '') for k in COLUMNS}
+    values.update(slice_asked=row.slice, requested_tokens=row.tokens)
+    new = not os.path.exists(out + '.csv')
+    with open(out + '.csv', 'a', newline='') as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        if new:
+            w.writeheader()
+        w.writerow(values)
+    new = not os.path.exists(out + '.md')
+    with open(out + '.md', 'a') as f:
+        if new:
+            f.write('| ' + ' | '.join(COLUMNS) + ' |\n|' + '---|' * len(COLUMNS) + '\n')
+        f.write('| ' + ' | '.join(str(values[k]) for k in COLUMNS) + ' |\n')
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument('--out', default=os.path.join(ROOT, 'bench', 'mesh_table'),
+                    help='writes OUT.csv and OUT.md')
+    ap.add_argument('--tiny', action='store_true', help='configs/tiny.py on v5e:2x2, two meshes')
+    ap.add_argument('--tiny_dcn', action='store_true', help='configs/tiny.py on 2 x v5e:2x2')
+    ap.add_argument('--only', type=int, default=0, help='at most this many new rows (0: all)')
+    ap.add_argument('--timeout', type=int, default=3600, help='seconds per compile')
+    ap.add_argument('--nice', type=int, default=19)
+    ap.add_argument('--hlo_dir', default='', help='keep each compiled HLO text here (gzip)')
+    ap.add_argument('--child', default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        return child_main(args.child)
+    plan = tiny_plan(args.tiny_dcn) if args.tiny or args.tiny_dcn else full_plan()
+    done = done_keys(args.out + '.csv')
+    todo = [r for r in plan if (r.config, r.slice, r.mesh_label, str(r.tokens)) not in done]
+    if args.only:
+        todo = todo[:args.only]
+    print(f'{len(plan) - len(todo)} rows already in {args.out}.csv, {len(todo)} to compile',
+          flush=True)
+    for row in todo:
+        result = run_row(row, args.timeout, args.nice, args.hlo_dir)
+        append(args.out, row, result)
+        print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
