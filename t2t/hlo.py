@@ -359,10 +359,11 @@ def matmul_flops(hlo) -> float:
 
 COLLECTIVE_KINDS = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all',
                     'collective-permute')
-# Bytes per element of the HLO element types (sub-byte types rounded up to a byte).
-_DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 's4': 1, 'u4': 1, 's16': 2, 'u16': 2, 'f16': 2,
-                'bf16': 2, 's32': 4, 'u32': 4, 'f32': 4, 's64': 8, 'u64': 8, 'f64': 8, 'c64': 8,
-                'c128': 16}
+# Bytes per element of the HLO element types (sub-byte types rounded up to a byte). token[] orders
+# a multi-slice program's DCN transfers and holds no data.
+_DTYPE_BYTES = {'token': 0, 'pred': 1, 's8': 1, 'u8': 1, 's4': 1, 'u4': 1, 's16': 2, 'u16': 2,
+                'f16': 2, 'bf16': 2, 's32': 4, 'u32': 4, 'f32': 4, 's64': 8, 'u64': 8, 'f64': 8,
+                'c64': 8, 'c128': 16}
 
 
 def shape_bytes(shape: str) -> int:

@@ -150,3 +150,10 @@ def test_memory_bytes_match_xla_without_loops_and_count_loop_bodies_by_trip_coun
     assert per_step == pytest.approx(4 * (3 * 64 * 64 + 4 * 32 * 64), rel=0.01)
     assert xla[9] == pytest.approx(xla[5], rel=1e-3)  # XLA: one body whatever the trip count
     assert ours[5] - xla[5] == pytest.approx(4 * per_step, rel=0.01)
+
+
+def test_token_values_of_multi_slice_programs_hold_no_bytes():
+    """Multi-slice programs order their DCN transfers with token[]: no data, no error."""
+    assert hlo.shape_bytes('(token[], f32[2,3]{1,0}, bf16[4])') == 2 * 3 * 4 + 4 * 2
+    with pytest.raises(ValueError, match="unknown element type 'q7'"):
+        hlo.shape_bytes('q7[2]')
