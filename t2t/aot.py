@@ -192,11 +192,15 @@ class Plan:
 
 
 def check_tpu_kernel(config) -> None:
-    """ValueError (one line) for an attention kernel a TPU does not have: cudnn calls NVIDIA's
-    cuDNN library. xla and dot_product compile to XLA's own attention, splash to a Pallas kernel."""
-    if config.get('attention_impl', 'xla') == 'cudnn':
-        raise ValueError('--config.attention_impl=cudnn: cuDNN flash attention runs on NVIDIA GPUs '
-                         'only, a TPU slice has none (use xla, dot_product or splash)')
+    """ValueError (one line) for an attention kernel a TPU does not have (the table of which
+    kernel runs where is t2t/cli.py's, the one the entry points check at run time)."""
+    from t2t import cli
+
+    impl = config.get('attention_impl', 'xla')
+    missing = cli.kernel_missing(impl, 'tpu')
+    if missing:
+        raise ValueError(f'--config.attention_impl={impl}: {missing}, a TPU slice has none '
+                         '(use xla, dot_product or splash)')
 
 
 def plan(config, slice_name: str, batch_step: int = 0) -> Plan:

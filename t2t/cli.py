@@ -119,11 +119,19 @@ def check_values(config, prog: str, argv=None) -> None:
         sys.exit(f'{prog}: {_flag_for(message, argv)}{message}')
 
 
+def kernel_missing(impl: str, platform: str) -> str | None:
+    """Why attention_impl's kernel does not run on `platform` ('cpu', 'gpu', 'tpu'), or None."""
+    if impl in _KERNEL_PLATFORMS and platform not in _KERNEL_PLATFORMS[impl]:
+        return _KERNEL_NAMES[impl]
+    return None
+
+
 def check_platform(config, platform: str, prog: str, argv=None) -> None:
     """attention_impl's kernel exists on this process's devices (platform: jax.default_backend());
     one line and exit 1 if not. Not for ahead-of-time TPU compiles, which run on the CPU."""
     argv = sys.argv if argv is None else argv
     impl = config.get('attention_impl', 'xla')
-    if impl in _KERNEL_PLATFORMS and platform not in _KERNEL_PLATFORMS[impl]:
-        sys.exit(f'{prog}: --config.attention_impl={impl}: {_KERNEL_NAMES[impl]}, this process '
+    missing = kernel_missing(impl, platform)
+    if missing:
+        sys.exit(f'{prog}: --config.attention_impl={impl}: {missing}, this process '
                  f'has {platform} devices (use xla or dot_product)')
