@@ -10,7 +10,8 @@ test suite's) and `nice -n 19`. Each row is appended to OUT.csv and OUT.md as so
 compile ends, so a partial table is usable; rows already in OUT.csv are skipped (resumable).
 
 Meshes (data, fsdp, tensor): data-parallel (chips, 1, 1), fsdp (1, chips, 1), fsdp x tensor
-(1, chips/4, 4) and data x fsdp (8, chips/8, 1) (16 x 16 on 256 chips); and two v5e-64 slices
+(1, chips/4, 4) and data x fsdp (8, chips/8, 1) (16 x 16 on 256 chips; 4 x 16 on v5p-128,
+whose 4x4x4 torus cannot hold an axis of 8); and two v5e-64 slices
 over the data-center network (DCN), the batch split over the slices (dcn_mesh_shape (2, 1, 1))
 with data or fsdp inside each. The roofline has only the ICI bandwidth: for the DCN rows its
 collective term has only the collectives inside a slice: what crosses DCN (the multi-slice
@@ -71,8 +72,10 @@ class Row:
         return str(self.mesh) if self.dcn == (1, 1, 1) else f'{self.mesh} x dcn {self.dcn}'
 
 
-def meshes(chips: int) -> list[tuple[str, tuple[int, int, int]]]:
-    outer = 16 if chips >= 256 else 8
+def meshes(chips: int, torus_3d: bool = False) -> list[tuple[str, tuple[int, int, int]]]:
+    """The four meshes of a slice. On a 3-D torus (v4, v5p: 4x4x4 for 64 chips) each mesh axis
+    must be a product of whole torus axes, so data x fsdp is (4, chips/4, 1), not (8, 8, 1)."""
+    outer = 4 if torus_3d else 16 if chips >= 256 else 8
     return [('data', (chips, 1, 1)), ('fsdp', (1, chips, 1)),
             ('fsdp x tensor', (1, chips // 4, 4)), ('data x fsdp', (outer, chips // outer, 1))]
 
@@ -89,7 +92,8 @@ def full_plan() -> list[Row]:
     for tokens in (PAPER_TOKENS, 4 * PAPER_TOKENS):
         for slice_name, chips in (('v5e-64', 64), ('v5p-128', 64), ('v5e-256', 256)):
             for config in ('wmt14_ende_base', 'wmt14_ende_big'):
-                out += [Row(config, slice_name, n, m, tokens) for n, m in meshes(chips)]
+                out += [Row(config, slice_name, n, m, tokens)
+                        for n, m in meshes(chips, torus_3d=slice_name.startswith('v5p'))]
         if tokens == PAPER_TOKENS:  # two v5e-64 slices, the batch split over the slices
             out += [Row(config, 'v5e-64', f'dcn data x {n}', m, tokens, (2, 1, 1))
                     for config in ('wmt14_ende_base', 'wmt14_ende_big')
