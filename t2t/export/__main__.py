@@ -15,6 +15,10 @@ _FORMAT = flags.DEFINE_enum('format', None, ['hf', 'ct2'],
 _OUTPUT = flags.DEFINE_string('output', None, 'The directory to write (new or empty).')
 _QUANTIZATION = flags.DEFINE_string(
     'quantization', '', 'ct2 only: weight type, e.g. int8 or float16 (default float32).')
+_LENGTH_PENALTY = flags.DEFINE_enum(
+    'length_penalty', 'fitted', ['fitted', 'alpha'],
+    "The runtimes' |Y|^a length penalty: fitted: the a closest to t2t's ((5+|Y|)/6)^alpha over "
+    'lengths 1..max_decode_len; alpha: length_penalty_alpha unchanged.')
 
 
 def main(argv):
@@ -31,9 +35,13 @@ def main(argv):
     try:
         out = export.export(_CONFIG.value, _WORKDIR.value, fmt=_FORMAT.value,
                             output=_OUTPUT.value, step=_STEP.value,
-                            average_last=_AVERAGE_LAST.value, quantization=_QUANTIZATION.value)
+                            average_last=_AVERAGE_LAST.value, quantization=_QUANTIZATION.value,
+                            length_penalty=_LENGTH_PENALTY.value)
     except (export.ExportError, checkpoint.CheckpointError, startup.ConfigError) as e:
         sys.exit(f't2t.export: {e}')
+    config = _CONFIG.value
+    print(export.length_penalty_note(_FORMAT.value, config.length_penalty_alpha,
+                                     config.max_decode_len, _LENGTH_PENALTY.value))
     print(out)
 
 

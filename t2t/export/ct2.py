@@ -7,18 +7,27 @@ separate source / target embeddings and an untied output projection. The LayerNo
 written to config.json. The decoder starts from PAD (t2t's start token) and the source gets EOS
 appended, as t2t feeds it.
 
+CTranslate2 reads no decoding options from a model directory: t2t_decoding.json beside the model
+holds translate_batch's keyword arguments closest to t2t's beam search
+(`translate_batch(src, **json.load(...))`).
+
 Differences that remain in decoding (tested in tests/test_export.py, measured in bench/):
 - beam scores: CTranslate2 normalizes by |Y|^length_penalty; t2t by ((5 + |Y|) / 6)^alpha
-  (|Y| with EOS in both), and its search lets a hypothesis end only from the top K candidates
-  of a step (t2t: from all 2K);
+  (|Y| with EOS in both): the recipe's length_penalty is the exponent fitted to t2t's curve
+  (export.fitted_length_penalty), which ranks most but not all beams of different lengths as
+  t2t does. CTranslate2's search lets a hypothesis end only from the top K candidates of a step
+  (t2t: from all 2K);
 - PAD must be kept out of the output with suppress_sequences=[['<pad>']] (t2t never emits it);
 - one max_decoding_length per call instead of t2t's source length + max_decode_extra.
 """
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
+from t2t.export import CT2_DECODING_FILE
 from t2t.export.weights import Attention, Linear, Norm, Weights
 from t2t.ids import EOS_ID, PAD_ID, UNK_ID
 from t2t.model import TransformerConfig
@@ -105,9 +114,18 @@ def build_spec(w: Weights, cfg: TransformerConfig, pieces: list[str]):
     return spec
 
 
+def decoding_options(*, beam_size: int, length_penalty: float, max_decode_len: int,
+                     pieces: list[str]) -> dict:
+    """translate_batch's keyword arguments closest to t2t's beam search (module docstring)."""
+    return dict(beam_size=beam_size, length_penalty=length_penalty,
+                max_decoding_length=max_decode_len, suppress_sequences=[[pieces[PAD_ID]]])
+
+
 def write(out_dir: str, weights: Weights, cfg: TransformerConfig, *, spm_path: str,
-          pieces: list[str], quantization: str | None = None) -> str:
-    """Writes model.bin, config.json, shared_vocabulary.json and the sentencepiece model."""
+          pieces: list[str], beam_size: int, length_penalty: float, max_decode_len: int,
+          quantization: str | None = None) -> str:
+    """Writes model.bin, config.json, shared_vocabulary.json, the sentencepiece model and the
+    decoding recipe t2t_decoding.json."""
     import os
 
     spec = build_spec(weights, cfg, pieces)
@@ -116,4 +134,9 @@ def write(out_dir: str, weights: Weights, cfg: TransformerConfig, *, spm_path: s
     spec.optimize(quantization=quantization)
     os.makedirs(out_dir, exist_ok=True)
     spec.save(out_dir)
+    with open(os.path.join(out_dir, CT2_DECODING_FILE), 'w', encoding='utf-8') as f:
+        json.dump(decoding_options(beam_size=beam_size, length_penalty=length_penalty,
+                                   max_decode_len=max_decode_len, pieces=pieces),
+                  f, indent=2, ensure_ascii=False)
+        f.write('\n')
     return out_dir

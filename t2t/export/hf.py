@@ -11,10 +11,10 @@ What the format cannot say, and what it changes:
   the tested models this moves logits by < 1e-4 (tests/test_export.py).
 - MarianTokenizer runs Moses punctuation normalization before sentencepiece; t2t does not. Text
   that the normalizer changes (e.g. typographic quotes, some spacing) tokenizes differently.
-- generate()'s beam search ranks finished beams by sum log p / |Y|^alpha; t2t by the GNMT
-  penalty ((5 + |Y|) / 6)^alpha (|Y| with EOS in both). Equal alpha, different curves: beams of
-  different lengths may rank differently (8 of 300 sentences of a trained toy model at alpha
-  0.6, none at alpha 0: tests/test_export.py, docs/export.md).
+- generate()'s beam search ranks finished beams by sum log p / |Y|^length_penalty; t2t by the
+  GNMT penalty ((5 + |Y|) / 6)^alpha (|Y| with EOS in both). The written length_penalty is the
+  exponent fitted to t2t's curve (export.fitted_length_penalty); the curves still differ, so
+  beams of different lengths may rank differently (tests/test_export.py, docs/export.md).
 - t2t allows each sentence source length + max_decode_extra tokens (at most max_decode_len);
   generate() has one max_new_tokens for the batch: max_decode_len is written.
 """
@@ -115,10 +115,10 @@ def marian_config(cfg: TransformerConfig, vocab_size: int) -> dict:
     )
 
 
-def generation_config(*, beam_size: int, alpha: float, max_decode_len: int) -> dict:
+def generation_config(*, beam_size: int, length_penalty: float, max_decode_len: int) -> dict:
     """generate()'s defaults closest to t2t's beam search (module docstring: the differences)."""
     return dict(
-        num_beams=beam_size, length_penalty=alpha,
+        num_beams=beam_size, length_penalty=length_penalty,
         # t2t stops only when no alive beam can still win (decode.py): transformers' exhaustive
         # criterion; PAD is never generated (t2t sets its log-prob to -inf, unrenormalized).
         early_stopping='never', bad_words_ids=[[PAD_ID]],
@@ -129,7 +129,7 @@ def generation_config(*, beam_size: int, alpha: float, max_decode_len: int) -> d
 
 
 def write(out_dir: str, weights: Weights, cfg: TransformerConfig, *, spm_path: str,
-          pieces: list[str], beam_size: int, alpha: float, max_decode_len: int,
+          pieces: list[str], beam_size: int, length_penalty: float, max_decode_len: int,
           source_lang: str = '', target_lang: str = '') -> str:
     """Writes the MarianMT directory; returns out_dir. Needs safetensors, not torch."""
     from safetensors.numpy import save_file
@@ -147,7 +147,7 @@ def write(out_dir: str, weights: Weights, cfg: TransformerConfig, *, spm_path: s
 
     dump('config.json', marian_config(cfg, len(pieces)))
     dump('generation_config.json', generation_config(
-        beam_size=beam_size, alpha=alpha, max_decode_len=max_decode_len))
+        beam_size=beam_size, length_penalty=length_penalty, max_decode_len=max_decode_len))
     # One shared sentencepiece model serves both sides; vocab.json maps its pieces to its ids.
     for name in ('source.spm', 'target.spm'):
         shutil.copyfile(spm_path, os.path.join(out_dir, name))
