@@ -23,6 +23,7 @@ from flax.core import meta
 
 from t2t import decode, evaluation, export, inference, loop
 from t2t.data.tokenizer import train_tokenizer
+from t2t.export import ct2 as export_ct2
 from t2t.export import weights
 from t2t.ids import EOS_ID, PAD_ID
 from t2t.model import Transformer, TransformerConfig, shift_right, sinusoidal_table
@@ -183,7 +184,7 @@ def test_length_penalty_note_says_what_is_written(tokenizer, tmp_path):
                            beam_size=3, alpha=0.6, max_decode_len=40, length_penalty=mode)
         with open(os.path.join(hf, 'generation_config.json')) as f:
             generation = json.load(f)
-        with open(os.path.join(ct2, export.CT2_DECODING_FILE)) as f:
+        with open(os.path.join(ct2, export_ct2.DECODING_FILE)) as f:
             recipe = json.load(f)
         assert (generation['length_penalty'], generation['num_beams']) == (want, 3)
         assert recipe == dict(beam_size=3, length_penalty=want, max_decoding_length=40,
@@ -296,7 +297,7 @@ def test_trained_model_exports_carry_the_fitted_length_penalty(trained):
     a = export.fitted_length_penalty(trained['alpha'], trained['max_decode_len'])
     with open(os.path.join(trained['hf'], 'generation_config.json')) as f:
         assert json.load(f)['length_penalty'] == a
-    with open(os.path.join(trained['ct2'], export.CT2_DECODING_FILE)) as f:
+    with open(os.path.join(trained['ct2'], export_ct2.DECODING_FILE)) as f:
         assert json.load(f)['length_penalty'] == a
 
 

@@ -2,8 +2,8 @@
 
 In-process: the workdir I/O layer, the metric writer (resume truncation included) and the
 writability probe. The pod scenario (2 processes x 4 CPU devices, train.py with
---workdir=gs://..., SIGKILL, resume, evaluate.py --watch / --all / --average_last on 2 processes)
-is in test_gcs_pod.py.
+--workdir=gs://..., SIGKILL, resume, evaluate.py --watch / --average_last on 2 processes)
+is in test_multiprocess.py.
 """
 
 import os

@@ -1,5 +1,7 @@
 """The model against the paper: attention, masks, positions, caching, parameter counts."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +24,12 @@ SMALL = dict(vocab_size=40, d_model=32, d_ff=64, num_heads=4, num_encoder_layers
 
 
 def _init(cfg, src, tgt):
-    return nn.unbox(Transformer(cfg).init(jax.random.key(0), src, tgt)['params'])
+    return nn.unbox(jax.jit(Transformer(cfg).init)(jax.random.key(0), src, tgt)['params'])
+
+
+def _apply(model, variables, *args, **kwargs):
+    """model.apply compiled whole: op-by-op dispatch of a Transformer costs seconds a call."""
+    return jax.jit(functools.partial(model.apply, **kwargs))(variables, *args)
 
 
 def _ids(rng, shape, low=2, high=40):
@@ -68,15 +75,18 @@ def test_decoder_is_causal_through_gradients():
     tgt = jnp.asarray([[3, 4, 5, 6, 7, 8, 9]], jnp.int32)  # distinct: one table row per position
     params = _init(cfg, src, tgt)
     model = Transformer(cfg)
-    encoded = model.apply({'params': params}, src, method=Transformer.encode)
+    encoded = _apply(model, {'params': params}, src, method=Transformer.encode)
     table_VD = params['target_embedder']['embedding']
 
-    def output_t(table, t):
-        p = dict(params, target_embedder={'embedding': table})
-        return model.apply({'params': p}, encoded, src, tgt, method=Transformer.decode)[0, t].sum()
+    @jax.jit
+    def grad_of_output_t(table, t):
+        def output_t(table):
+            p = {'params': dict(params, target_embedder={'embedding': table})}
+            return model.apply(p, encoded, src, tgt, method=Transformer.decode)[0, t].sum()
+        return jax.grad(output_t)(table)
 
     for t in range(tgt.shape[1]):
-        grad_VD = jax.grad(output_t)(table_VD, t)
+        grad_VD = grad_of_output_t(table_VD, t)
         per_target = np.asarray(jnp.abs(grad_VD[tgt[0]]).sum(-1))
         # Targets are shifted right: output t sees targets 0..t-1 and never t or later.
         assert np.all(per_target[t:] == 0), (t, per_target)
@@ -89,10 +99,10 @@ def test_padding_the_source_leaves_real_positions_unchanged():
     src, tgt = _ids(rng, (2, 5)), _ids(rng, (2, 6))
     params = _init(cfg, src, tgt)
     model = Transformer(cfg)
-    logits = model.apply({'params': params}, src, tgt)
+    logits = _apply(model, {'params': params}, src, tgt)
     src_padded = jnp.pad(src, ((0, 0), (0, 4)), constant_values=PAD_ID)
     tgt_padded = jnp.pad(tgt, ((0, 0), (0, 3)), constant_values=PAD_ID)
-    logits_padded = model.apply({'params': params}, src_padded, tgt_padded)
+    logits_padded = _apply(model, {'params': params}, src_padded, tgt_padded)
     np.testing.assert_allclose(logits_padded[:, :6], logits, atol=1e-5)
 
 
@@ -103,7 +113,7 @@ def test_packed_batch_equals_sequences_one_by_one():
         pairs = [(_ids(rng, (1, 4)), _ids(rng, (1, 3))), (_ids(rng, (1, 3)), _ids(rng, (1, 5)))]
         params = _init(cfg, *pairs[0])
         model = Transformer(cfg)
-        singles = [model.apply({'params': params}, s, t) for s, t in pairs]
+        singles = [_apply(model, {'params': params}, s, t) for s, t in pairs]
 
         def pack(parts, length):
             ids = jnp.concatenate([p[0] for p in parts])
@@ -114,7 +124,7 @@ def test_packed_batch_equals_sequences_one_by_one():
 
         src, src_seg, src_pos = pack([s for s, _ in pairs], 9)
         tgt, tgt_seg, tgt_pos = pack([t for _, t in pairs], 10)
-        packed = model.apply({'params': params}, src, tgt, src_pos, tgt_pos, src_seg, tgt_seg)
+        packed = _apply(model, {'params': params}, src, tgt, src_pos, tgt_pos, src_seg, tgt_seg)
         np.testing.assert_allclose(packed[0, :3], singles[0][0], atol=1e-5)
         np.testing.assert_allclose(packed[0, 3:8], singles[1][0], atol=1e-5)
 
@@ -144,19 +154,20 @@ def test_cached_decoding_equals_teacher_forcing(variant):
     tgt = _ids(rng, (2, 6))
     params = _init(cfg, src, tgt)
     model = Transformer(cfg)
-    want = model.apply({'params': params}, src, tgt)
+    want = _apply(model, {'params': params}, src, tgt)
 
     decoder = Transformer(cfg.replace(decode=True, decode_len=tgt.shape[1]))
-    encoded = model.apply({'params': params}, src, method=Transformer.encode)
+    encoded = _apply(model, {'params': params}, src, method=Transformer.encode)
     prev = jnp.zeros((2, 1), jnp.int32)
-    _, variables = decoder.apply({'params': params}, encoded, src, prev,
-                                 method=Transformer.decode_step, mutable=['cache', 'cross_cache'])
+    _, variables = _apply(decoder, {'params': params}, encoded, src, prev,
+                          method=Transformer.decode_step, mutable=['cache', 'cross_cache'])
     cache, cross_cache = variables['cache'], variables['cross_cache']
+    step = jax.jit(functools.partial(decoder.apply, method=Transformer.decode_step,
+                                     mutable=['cache']))
     steps = []
     for t in range(tgt.shape[1]):
-        logits, updated = decoder.apply(
-            {'params': params, 'cache': cache, 'cross_cache': cross_cache}, encoded, src, prev,
-            method=Transformer.decode_step, mutable=['cache'])
+        logits, updated = step(
+            {'params': params, 'cache': cache, 'cross_cache': cross_cache}, encoded, src, prev)
         cache = updated['cache']
         steps.append(logits[:, 0])
         prev = tgt[:, t:t + 1]
@@ -169,9 +180,9 @@ def test_bfloat16_compute_keeps_float32_params_and_logits():
     src, tgt = _ids(rng, (2, 5)), _ids(rng, (2, 4))
     params = _init(cfg, src, tgt)
     assert {x.dtype for x in jax.tree_util.tree_leaves(params)} == {jnp.dtype('float32')}
-    logits = Transformer(cfg).apply({'params': params}, src, tgt)
+    logits = _apply(Transformer(cfg), {'params': params}, src, tgt)
     assert logits.dtype == jnp.float32
-    ref = Transformer(TransformerConfig(**SMALL)).apply({'params': params}, src, tgt)
+    ref = _apply(Transformer(TransformerConfig(**SMALL)), {'params': params}, src, tgt)
     # bfloat16 keeps 8 significant bits: each rounding is within 2^-9 (0.2%) relative, and the
     # logits come out of about 20 roundings in sequence (2 + 2 layers of projections, softmax
     # inputs, FFN, the final matmul's inputs); independent errors add up to about

@@ -10,8 +10,9 @@ localhost, tests/gcs_server.py), as on a TPU pod slice:
       disk: it gets the vocabulary from process 0
   A2  train.py on 2 processes resumes A1: steps 3 -> 6 on mesh (2, 1, 2) x dcn (1, 2, 1), i.e. a
       (2, 2, 2) mesh whose fsdp axis spans the processes (process 0 feeds rows 0,1,4,5 of 8)
-  E2  evaluate.py on 2 processes: --watch, --all, --average_last=2, reading the bucket and
-      writing their records there; then the bucket's A is copied to a local directory
+  E2  evaluate.py on 2 processes: --watch (every checkpoint, as --all would, each through
+      evaluation.evaluate_params) and --average_last=2, reading the bucket and writing their
+      records there; then the bucket's A is copied to a local directory
   ref loop.train_and_evaluate in this process: 1 process x 8 devices, mesh (1, 8, 1), steps 0 -> 8
 and in this process, from those checkpoints: A's step 6 -> 8 on 1 process, mesh (1, 8, 1);
 ref's step 3 -> 6 on (8, 1, 1); ref's step 3 -> 6 on 1 device, then 6 -> 8 on 8 devices; and
@@ -46,6 +47,7 @@ from t2t import checkpoint, checkpoint_read, evaluation, loop, metrics, sharding
 from t2t import workdir as wd
 from t2t.data import identity, pipeline
 from tests import gcs_server, toy_corpus
+from tests.conftest import TEST_XLA_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # max_eval_len 16: evaluation buckets of 8 and 16 tokens only (9 of 21 test sentences are skipped
@@ -84,7 +86,7 @@ def _two_processes(script: str, args: list[str], data_dirs: list[str], log_dir) 
     processes' stderr tails when one fails or the time runs out."""
     port = _free_port()
     env = {**os.environ, 'JAX_PLATFORMS': 'cpu',
-           'XLA_FLAGS': '--xla_force_host_platform_device_count=4',
+           'XLA_FLAGS': f'{TEST_XLA_FLAGS} --xla_force_host_platform_device_count=4',
            'JAX_COMPILATION_CACHE_DIR': str(log_dir / 'jax-cache'),
            'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',
            'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES': '-1'}
@@ -158,7 +160,7 @@ def _killed_in_save(corpus, args_overrides, workdir, data_dirs, log_dir, at: int
     Returns both return codes."""
     port, procs = _free_port(), []
     env = {**os.environ, 'JAX_PLATFORMS': 'cpu',
-           'XLA_FLAGS': '--xla_force_host_platform_device_count=4',
+           'XLA_FLAGS': f'{TEST_XLA_FLAGS} --xla_force_host_platform_device_count=4',
            'JAX_COMPILATION_CACHE_DIR': str(log_dir / 'jax-cache')}
     for i in range(2):
         spec = {'corpus': {k: str(v) for k, v in corpus.items() if k != 'validation_texts'},
@@ -220,7 +222,6 @@ def _run_scenario(root) -> dict:
         runs['a2_stdout'] = _two_processes('train.py', [*resume, f'--workdir={a}'], dirs, root)[0]
         evaluate = [*_flags(corpus), f'--workdir={a}']
         runs['watch_stdout'] = _two_processes('evaluate.py', [*evaluate, '--watch'], dirs, root)[0]
-        runs['all_stdout'] = _two_processes('evaluate.py', [*evaluate, '--all'], dirs, root)[0]
         runs['average_stdout'] = _two_processes('evaluate.py', [*evaluate, '--average_last=2'],
                                                 dirs, root)[0]
         runs['bucket'] = _bucket_facts(a)
@@ -351,7 +352,7 @@ def test_the_bucket_workdir_survives_a_kill_and_holds_every_record_once(pod):
     assert sorted(s for tag, s, _ in bucket['events'] if tag == 'loss') == list(range(1, 7))
     assert bucket['finished'] == {'step': 6, 'stopped_by': 'num_train_steps'}
     assert bucket['vocab']  # the run's vocabulary, beside its checkpoints
-    # evaluate.py --watch, --all and --average_last=2 on 2 processes wrote to the bucket, once.
+    # evaluate.py --watch and --average_last=2 on 2 processes wrote to the bucket, once.
     assert sorted(bucket['scores']) == ['avg2-3-6', 'step-3', 'step-6']
     assert sorted(bucket['hypotheses']) == [f'hypotheses-test-{label}.txt'
                                             for label in ('avg2-3-6', 'step-3', 'step-6')]
@@ -359,7 +360,7 @@ def test_the_bucket_workdir_survives_a_kill_and_holds_every_record_once(pod):
     assert [json.loads(line)['step'] for line in bucket['watch_text'].splitlines()] == [3, 6]
     assert 'training finished at step 6 (num_train_steps); evaluated 2 new checkpoints' in \
         pod['watch_stdout']
-    assert '== avg2-3-6 on' in pod['average_stdout'] and '== step-3 on' in pod['all_stdout']
+    assert '== avg2-3-6 on' in pod['average_stdout'] and '== step-3 on' in pod['watch_stdout']
     assert not pod['local_gs_dir']  # nothing went to a local directory named 'gs:'
 
 

@@ -23,7 +23,6 @@ import numpy as np
 
 FORMATS = ('hf', 'ct2')
 LENGTH_PENALTIES = ('fitted', 'alpha')
-CT2_DECODING_FILE = 't2t_decoding.json'  # translate_batch's options, beside the ct2 model
 
 
 class ExportError(Exception):
@@ -63,9 +62,11 @@ def runtime_length_penalty(alpha: float, max_decode_len: int, mode: str = 'fitte
 def length_penalty_note(fmt: str, alpha: float, max_decode_len: int,
                         mode: str = 'fitted') -> str:
     """One line: the length penalty the export wrote, what it stands for, and where it is."""
+    from t2t.export.ct2 import DECODING_FILE
+
     a = runtime_length_penalty(alpha, max_decode_len, mode)
     where = ("generate()'s default in generation_config.json" if fmt == 'hf'
-             else f'in {CT2_DECODING_FILE}: pass length_penalty={a} to translate_batch')
+             else f'in {DECODING_FILE}: pass length_penalty={a} to translate_batch')
     if mode == 'fitted':
         return (f"length penalty: |Y|^{a}, the least-squares fit of t2t's ((5+|Y|)/6)^{alpha} "
                 f'over lengths 1-{max_decode_len} ({where})')

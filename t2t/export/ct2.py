@@ -27,10 +27,11 @@ import json
 
 import numpy as np
 
-from t2t.export import CT2_DECODING_FILE
 from t2t.export.weights import Attention, Linear, Norm, Weights
 from t2t.ids import EOS_ID, PAD_ID, UNK_ID
 from t2t.model import TransformerConfig
+
+DECODING_FILE = 't2t_decoding.json'  # translate_batch's options, beside the model
 
 SPM_FILE = 'sentencepiece.model'
 
@@ -134,7 +135,7 @@ def write(out_dir: str, weights: Weights, cfg: TransformerConfig, *, spm_path: s
     spec.optimize(quantization=quantization)
     os.makedirs(out_dir, exist_ok=True)
     spec.save(out_dir)
-    with open(os.path.join(out_dir, CT2_DECODING_FILE), 'w', encoding='utf-8') as f:
+    with open(os.path.join(out_dir, DECODING_FILE), 'w', encoding='utf-8') as f:
         json.dump(decoding_options(beam_size=beam_size, length_penalty=length_penalty,
                                    max_decode_len=max_decode_len, pieces=pieces),
                   f, indent=2, ensure_ascii=False)
