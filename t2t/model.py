@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
+from t2t import sharding
 from t2t.attention import MultiHeadAttention, make_attention_mask
 from t2t.dropout import Dropout
 from t2t.ids import PAD_ID
@@ -287,9 +288,18 @@ class Embedder(nn.Module):
             )
         self.dropout = Dropout(cfg.dropout_rate)
 
-    def __call__(self, ids_BL, positions_BL):
+    def __call__(self, ids_BL, positions_BL, table_SVD=None):
+        """table_SVD: this table's copies per batch shard (Transformer.features), each shard's
+        rows looked up in its own copy; None: the table itself."""
         cfg = self.config
-        x_BLD = jnp.take(self.embedding, ids_BL, axis=0)
+        if table_SVD is None:
+            x_BLD = jnp.take(self.embedding, ids_BL, axis=0)
+        else:
+            s, b, length = table_SVD.shape[0], *ids_BL.shape
+            ids_SBL = nn.with_logical_constraint(ids_BL.reshape(s, b // s, length),
+                                                 ('batch', None, 'length'))
+            x_SBLD = jax.vmap(lambda t_VD, i_BL: jnp.take(t_VD, i_BL, axis=0))(table_SVD, ids_SBL)
+            x_BLD = x_SBLD.reshape(b, length, -1)
         if cfg.scale_embeddings:
             x_BLD = x_BLD * math.sqrt(cfg.d_model)
         if cfg.position_embedding in ('sinusoidal', 'learned'):
@@ -365,24 +375,25 @@ class Transformer(nn.Module):
         if not cfg.tie_output:
             self.output_projection = OutputProjection(cfg, name='output_projection')
 
-    def encode(self, inputs_BS, inputs_positions_BS=None, inputs_segment_ids_BS=None):
-        """Encoder output [B, S, D]."""
+    def encode(self, inputs_BS, inputs_positions_BS=None, inputs_segment_ids_BS=None,
+               table_SVD=None):
+        """Encoder output [B, S, D]; table_SVD: see Embedder."""
         valid_BS = inputs_BS != PAD_ID
         mask_B1SS = make_attention_mask(self.config.attention_impl, valid_BS, valid_BS,
                                         inputs_segment_ids_BS, inputs_segment_ids_BS)
         if inputs_positions_BS is None:
             inputs_positions_BS = _arange_like(inputs_BS)
-        x_BSD = self.source_embedder(inputs_BS, inputs_positions_BS)
+        x_BSD = self.source_embedder(inputs_BS, inputs_positions_BS, table_SVD)
         x_BSD = _run_stack(self.encoder_layers, x_BSD, mask_B1SS, inputs_positions_BS)
         if self.config.pre_ln:
             x_BSD = self.encoder_norm(x_BSD)
         return x_BSD
 
     def decoder_output(self, encoded_BSD, inputs_BS, targets_BT, targets_positions_BT=None,
-                       inputs_segment_ids_BS=None, targets_segment_ids_BT=None):
+                       inputs_segment_ids_BS=None, targets_segment_ids_BT=None, table_SVD=None):
         """The teacher-forced decoder's last hidden states [B, T, D] (compute dtype).
 
-        `targets_BT` are the gold targets; they are shifted right here.
+        `targets_BT` are the gold targets; they are shifted right here. table_SVD: see Embedder.
         """
         cfg = self.config
         if cfg.decode:
@@ -398,7 +409,7 @@ class Transformer(nn.Module):
         cross_mask_B1TS = make_attention_mask(cfg.attention_impl, tgt_valid_BT, src_valid_BS,
                                               targets_segment_ids_BT, inputs_segment_ids_BS)
         return self._decoder_stack(y_in_BT, encoded_BSD, self_mask_B1TT, cross_mask_B1TS,
-                                   targets_positions_BT, None)
+                                   targets_positions_BT, None, table_SVD)
 
     def decode(self, encoded_BSD, inputs_BS, targets_BT, targets_positions_BT=None,
                inputs_segment_ids_BS=None, targets_segment_ids_BT=None):
@@ -427,8 +438,8 @@ class Transformer(nn.Module):
         return self.logits(y_B1D)
 
     def _decoder_stack(self, y_in_BT, encoded_BSD, self_mask, cross_mask, positions_BT,
-                       cache_index):
-        y_BTD = self.target_embedder(y_in_BT, positions_BT)
+                       cache_index, table_SVD=None):
+        y_BTD = self.target_embedder(y_in_BT, positions_BT, table_SVD)
         y_BTD = _run_stack(self.decoder_layers, y_BTD, encoded_BSD, self_mask, cross_mask,
                            positions_BT, cache_index)
         if self.config.pre_ln:
@@ -449,12 +460,25 @@ class Transformer(nn.Module):
     def features(self, inputs_BS, targets_BT, inputs_positions_BS=None,
                  targets_positions_BT=None, inputs_segment_ids_BS=None,
                  targets_segment_ids_BT=None):
-        """(decoder output [B, T, D], output projection [V, D]): the training pass without the
-        logits, which the loss computes chunk by chunk (t2t/loss.py)."""
-        encoded_BSD = self.encode(inputs_BS, inputs_positions_BS, inputs_segment_ids_BS)
+        """(decoder output [B, T, D], output projection [V, D] or [S, V, D]): the training pass
+        without the logits, which the loss computes chunk by chunk (t2t/loss.py).
+
+        When the batch is split over S > 1 data-parallel devices (sharding.embedding_copies), the
+        lookups read one copy of their table per batch shard (sharding.per_batch_shard), and so
+        does the loss when the output is tied: the shared embedding's gradient is then reduced
+        across devices once, not once per read."""
+        cfg, s = self.config, sharding.embedding_copies(inputs_BS.shape[0])
+        target_SVD = source_SVD = w = None
+        if s > 1:
+            target_SVD = sharding.per_batch_shard(self.target_embedder.embedding, s)
+            source_SVD = target_SVD if cfg.share_embeddings else sharding.per_batch_shard(
+                self.source_embedder.embedding, s)
+            w = target_SVD if cfg.tie_output else None
+        encoded_BSD = self.encode(inputs_BS, inputs_positions_BS, inputs_segment_ids_BS,
+                                  source_SVD)
         y_BTD = self.decoder_output(encoded_BSD, inputs_BS, targets_BT, targets_positions_BT,
-                                    inputs_segment_ids_BS, targets_segment_ids_BT)
-        return y_BTD, self.output_weights()
+                                    inputs_segment_ids_BS, targets_segment_ids_BT, target_SVD)
+        return y_BTD, self.output_weights() if w is None else w
 
     def __call__(self, inputs_BS, targets_BT, inputs_positions_BS=None, targets_positions_BT=None,
                  inputs_segment_ids_BS=None, targets_segment_ids_BT=None):

@@ -131,10 +131,12 @@ def test_train_step_temporaries_per_device_fall_as_fsdp_grows():
         temp[fsdp] = compiled.memory_analysis().temp_size_in_bytes
     print(f'train-step temporaries per device by fsdp size: {temp}')
     # What FSDP cannot shard stays: the weights it gathers for each use, the activations, and the
-    # fused loss's dW: one float32 [V, D] slot per batch shard on its device, summed once after
-    # the chunk loop (t2t/loss.py) instead of all-reduced in every chunk. From fsdp 4 to 8 that
-    # slot can outweigh what sharding saves on this tiny model (seen: +107 kB of a 256 kB slot).
+    # fused loss's dW: one float32 [V, D] slot per batch shard on its device (t2t/loss.py; with
+    # data parallelism the lookups' gradients add into it too), summed once a step. From fsdp 4
+    # to 8 that slot can outweigh what sharding saves on this tiny model (seen: +137 kB of a
+    # 256 kB slot). Data parallelism alone no longer keeps the embedding's three gradient parts
+    # apart for their reductions (seen: 1.97 MB, 2.99 MB before), so fsdp 8 saves nothing
+    # against it here: fsdp 2 and 4 do.
     dw_slot = 4 * config.vocab_size * config.d_model
-    assert temp[1] > temp[2] > temp[4], temp
+    assert temp[1] > temp[2] >= temp[4], temp
     assert temp[8] < temp[4] + dw_slot, temp
-    assert temp[8] < 0.8 * temp[1], temp
