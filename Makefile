@@ -51,7 +51,7 @@ demo: $(STAMP)
 	$(BIN)/python bench/learning_curve.py --workdir=$(WORKDIR)
 
 test: $(STAMP) $(TPU_STAMP) $(EXPORT_STAMP)
-	JAX_PLATFORMS=cpu $(BIN)/pytest -n 2 --durations=15 tests
+	JAX_PLATFORMS=cpu $(BIN)/pytest -n 2 --dist loadgroup --durations=15 tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -5,8 +5,9 @@
     python bench/translate_speed.py --config=configs/default.py --random_init ...
     python bench/translate_speed.py --tiny --out_dir=DIR   # seconds: tests/test_bench.py
 
-Each runtime translates file to file, text in and text out, beam 4 (config.beam_size), alpha
-config.length_penalty_alpha, on this CPU:
+Each runtime translates file to file, text in and text out, beam 4 (config.beam_size), on this
+CPU; t2t divides by ((5 + |Y|) / 6)^config.length_penalty_alpha, the exports' runtimes by
+|Y|^a with the exponent the export writes (export.runtime_length_penalty: fitted to t2t's):
 - t2t: evaluate.py --translate's code (t2t/translate.py: length-sorted windows, token-budget
   batches over a few bucketed shapes, the jitted beam search), first run (compiles included)
   and a second, warm run of the same file;
@@ -112,10 +113,17 @@ def run_t2t(config, params, tokenizer, src, out, token_budget):
                                token_budget=token_budget, progress=False, mesh=mesh)
 
 
+def runtime_penalty(config) -> float:
+    """The |Y|^a exponent the export writes for CTranslate2 and generate()."""
+    from t2t import export
+
+    return export.runtime_length_penalty(config.length_penalty_alpha, config.max_decode_len)
+
+
 def run_ct2(translator, sp, config, src, out, token_budget):
     translator.translate_file(
         src, out, max_batch_size=token_budget, batch_type='tokens', read_batch_size=50_000,
-        beam_size=config.beam_size, length_penalty=config.length_penalty_alpha,
+        beam_size=config.beam_size, length_penalty=runtime_penalty(config),
         max_decoding_length=config.max_decode_len, suppress_sequences=[['<pad>']],
         source_tokenize_fn=lambda line: sp.encode(line, out_type=str),
         target_detokenize_fn=lambda pieces: sp.decode(pieces).replace('\n', ' '))  # as t2t
@@ -134,7 +142,7 @@ def run_hf(model, hf_tokenizer, config, src, out, batch):
                 continue
             inputs = hf_tokenizer([lines[i] for i in index], return_tensors='pt', padding=True)
             ids = model.generate(**inputs, num_beams=config.beam_size,
-                                 length_penalty=config.length_penalty_alpha,
+                                 length_penalty=runtime_penalty(config),
                                  max_new_tokens=config.max_decode_len)
             for i, text in zip(index, hf_tokenizer.batch_decode(ids, skip_special_tokens=True),
                                strict=True):
@@ -185,6 +193,7 @@ def main(argv):
     load = ' '.join(open('/proc/loadavg').read().split()[:3])
     common = dict(model=used, d_model=config.d_model, layers=config.num_encoder_layers,
                   beam=config.beam_size, alpha=config.length_penalty_alpha,
+                  runtime_length_penalty=runtime_penalty(config),
                   devices=sharding.make_mesh((-1, 1, 1)).size, jax=jax.__version__)
 
     exported = {}

@@ -18,6 +18,9 @@ from t2t import aot, aot_report, flops, sharding
 from t2t.model import TransformerConfig, abstract_params, count_params
 from tests.conftest import ROOT
 
+# One xdist worker runs every test that compiles with libtpu (--dist loadgroup), one at a time
+# (libtpu_lock: bench/mesh_table.py takes it too), while the other goes on with the rest.
+pytestmark = pytest.mark.xdist_group('libtpu')
 LIBTPU_LOCK = '/tmp/t2t-libtpu.lock'
 # What libtpu prints on a host without TPU chips when jax tries the TPU backend.
 LIBTPU_NOISE = ('TPU_WORKER_HOSTNAMES', 'INVALID_ARGUMENT', 'TPU accelerator type', 'libtpu')

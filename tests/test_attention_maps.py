@@ -9,6 +9,9 @@ from t2t import attention_maps, checkpoint, optim, sharding, train_lib
 from t2t.model import Transformer, TransformerConfig
 from tests import toy_corpus
 
+# Its module fixtures are computed once: all its tests run on one xdist worker (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group(__name__)
+
 
 def test_sowing_is_off_by_default_and_changes_nothing():
     config = TransformerConfig(vocab_size=20, d_model=16, d_ff=32, num_heads=2,

@@ -13,6 +13,9 @@ from t2t import workdir as wd
 from t2t.data import cache, identity, pipeline
 from tests import toy_corpus
 
+# Its module fixtures are computed once: all its tests run on one xdist worker (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group(__name__)
+
 # One device: the data checks are the point, and one device compiles fastest.
 SETTINGS = dict(num_train_steps=2, log_every_steps=1, eval_every_steps=100,
                 checkpoint_every_steps=2, eval_bleu_sentences=0, num_eval_batches=1,

@@ -26,6 +26,10 @@ from t2t.model import Transformer, TransformerConfig
 from tests.conftest import ROOT
 from tests.test_aot import _env, libtpu_lock
 
+# One xdist worker runs every test that compiles with libtpu (--dist loadgroup), one at a time
+# (libtpu_lock), while the other goes on with the rest; and its module fixtures are computed once.
+pytestmark = pytest.mark.xdist_group('libtpu')
+
 CFG = TransformerConfig(vocab_size=40, d_model=16, d_ff=32, num_heads=2, num_encoder_layers=1,
                         num_decoder_layers=1, max_position=32, deterministic=True)
 SETTINGS = dict(beam_size=3, alpha=0.6, max_decode_len=12, max_decode_extra=4)

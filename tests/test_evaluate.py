@@ -15,6 +15,9 @@ from configs import tiny
 from t2t import bleu, checkpoint, checkpoint_read, data, evaluation, optim, sharding, train_lib
 from tests import toy_corpus
 
+# Its module fixtures are computed once: all its tests run on one xdist worker (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group(__name__)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _config(root, **overrides):
     c = tiny.get_config()

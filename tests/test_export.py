@@ -29,6 +29,9 @@ from t2t.ids import EOS_ID, PAD_ID
 from t2t.model import Transformer, TransformerConfig, shift_right, sinusoidal_table
 from tests import toy_corpus
 
+# Its module fixtures are computed once: all its tests run on one xdist worker (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group(__name__)
+
 
 @pytest.fixture(scope='module')
 def tokenizer(tmp_path_factory):

@@ -11,6 +11,9 @@ from t2t.data.pipeline import EvalSplit
 from t2t.ids import EOS_ID, PAD_ID
 from t2t.model import Transformer, TransformerConfig
 
+# Its module fixtures are computed once: all its tests run on one xdist worker (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group(__name__)
+
 CFG = TransformerConfig(vocab_size=48, d_model=32, d_ff=64, num_heads=4, num_encoder_layers=2,
                         num_decoder_layers=2, max_position=64, deterministic=True)
 # One decode setting for every compiled test, so the cached predict functions are shared.

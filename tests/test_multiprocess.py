@@ -49,6 +49,9 @@ from t2t.data import identity, pipeline
 from tests import gcs_server, toy_corpus
 from tests.conftest import TEST_XLA_FLAGS
 
+# Its module fixtures are computed once: all its tests run on one xdist worker (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group(__name__)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # max_eval_len 16: evaluation buckets of 8 and 16 tokens only (9 of 21 test sentences are skipped
 # as longer, and counted), so each decoder compiles twice, not three times.

@@ -24,6 +24,9 @@ from t2t.ids import EOS_ID, PAD_ID
 from t2t.model import Transformer, TransformerConfig
 from tests.conftest import tiny_config
 
+# Its module fixtures are computed once: all its tests run on one xdist worker (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group(__name__)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

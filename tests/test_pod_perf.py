@@ -16,6 +16,10 @@ from t2t.model import TransformerConfig
 from tests.conftest import ROOT
 from tests.test_aot import _env, libtpu_lock
 
+# One xdist worker runs every test that compiles with libtpu (--dist loadgroup), one at a time
+# (libtpu_lock), while the other goes on with the rest; and its module fixtures are computed once.
+pytestmark = pytest.mark.xdist_group('libtpu')
+
 VOCAB = 512  # no other dimension of the model below is 512: dW's collectives are recognizable
 CHUNKS = 4  # 32 target positions, 8 per chunk of the loss
 

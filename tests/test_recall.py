@@ -10,6 +10,9 @@ from configs import recall_toy
 from t2t import attention_maps, loop
 from t2t.data import EOS_ID, UNK_ID, cache, recall, sources
 
+# Its module fixtures are computed once: all its tests run on one xdist worker (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group(__name__)
+
 
 def _config(tmp_path, **overrides):
     c = recall_toy.get_config()

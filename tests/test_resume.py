@@ -34,6 +34,9 @@ from t2t import (
 )
 from tests import toy_corpus
 
+# Its module fixtures are computed once: all its tests run on one xdist worker (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group(__name__)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Checkpoints every 3 steps, logs every 2: a resume usually starts inside a log interval.
 SETTINGS = dict(num_train_steps=8, log_every_steps=2, eval_every_steps=4, checkpoint_every_steps=3,

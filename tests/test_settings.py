@@ -47,6 +47,9 @@ from tests.test_reference import (
     spec_of,
 )
 
+# Its module fixtures are computed once: all its tests run on one xdist worker (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group(__name__)
+
 # ----------------------------------------------------------------------------------------------
 # Decoding settings through config_predict_fn
 

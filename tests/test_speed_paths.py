@@ -176,6 +176,7 @@ def _libtpu_lock():
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+@pytest.mark.xdist_group('libtpu')  # with the other libtpu tests, on one worker (test_aot.py)
 def test_splash_attention_train_step_compiles_for_a_tpu_slice():
     import libtpu  # noqa: F401  (make test installs jax[tpu]: XLA's TPU compiler, no TPU needed)
     os.environ.setdefault('TPU_SKIP_MDS_QUERY', '1')

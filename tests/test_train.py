@@ -16,6 +16,9 @@ from t2t import checkpoint, checkpoint_read, loop, metrics, optim, sharding, sta
 from tests import plain_loss, toy_corpus
 from tests.conftest import tiny_config
 
+# Its module fixtures are computed once: all its tests run on one xdist worker (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group(__name__)
+
 
 def test_label_smoothed_loss_equals_hand_computation():
     rng = np.random.default_rng(0)
