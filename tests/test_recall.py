@@ -3,6 +3,7 @@ attending to source position 0."""
 
 import pickle
 
+import jax
 import numpy as np
 import pytest
 
@@ -62,13 +63,14 @@ def test_tokenizer_has_fixed_ids_and_the_sentencepiece_interface(tmp_path):
 
 @pytest.fixture(scope='module')
 def trained(tmp_path_factory):
-    """A small recall model trained to its end (shared with test_attention_maps)."""
+    """A small recall model trained to its end, on one device (nothing here is about sharding;
+    8 virtual devices on 2 cores only add partitioning work to every step)."""
     root = tmp_path_factory.mktemp('recall')
     config = _config(root, recall_train_examples=4000, recall_eval_examples=256,
                      num_train_steps=150, log_every_steps=50, eval_every_steps=150,
                      checkpoint_every_steps=150)
     workdir = str(root / 'run')
-    result = loop.train_and_evaluate(config, workdir)
+    result = loop.train_and_evaluate(config, workdir, devices=jax.devices()[:1])
     return config, workdir, result
 
 
