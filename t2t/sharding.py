@@ -136,15 +136,21 @@ def data_parallel_size(mesh: Mesh) -> int:
     return mesh.shape['data'] * mesh.shape['fsdp']
 
 
-def batch_shards(rows: int) -> int:
-    """Devices the 'batch' axis is split over under the active mesh and logical axis rules (1
-    without them, or when they do not divide the rows)."""
+def _devices_along(logical_name: str) -> int:
+    """Devices a logical axis is split over under the active mesh and logical axis rules (1
+    without them)."""
     rules, mesh = nn.get_logical_axis_rules(), jax.sharding.get_abstract_mesh()
     if not rules or mesh.empty:
         return 1
-    axes = nn.logical_to_mesh_axes(('batch',), rules)[0]
+    axes = nn.logical_to_mesh_axes((logical_name,), rules)[0]
     axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-    shards = math.prod(mesh.shape[a] for a in axes)
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def batch_shards(rows: int) -> int:
+    """Devices the 'batch' axis is split over under the active mesh and logical axis rules (1
+    without them, or when they do not divide the rows)."""
+    shards = _devices_along('batch')
     return shards if rows % shards == 0 else 1
 
 
@@ -154,12 +160,7 @@ def embedding_copies(rows: int) -> int:
     fsdp alone XLA already reduces the tied embedding's gradient parts together, and the copies
     only added HBM traffic (base on v5e-8, mesh 1,8,1: +0.43 GB a step, the same reductions)."""
     shards = batch_shards(rows)
-    if shards == 1:
-        return 1
-    axes = nn.logical_to_mesh_axes(('embed',), nn.get_logical_axis_rules())[0]
-    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-    mesh = jax.sharding.get_abstract_mesh()
-    return shards if shards > math.prod(mesh.shape[a] for a in axes) else 1
+    return shards if shards > _devices_along('embed') else 1
 
 
 def per_batch_shard(w_VD, shards: int):
