@@ -56,7 +56,12 @@ def runtime_length_penalty(alpha: float, max_decode_len: int, mode: str = 'fitte
     alpha, see LENGTH_PENALTIES)."""
     if mode not in LENGTH_PENALTIES:
         raise ExportError(f'--length_penalty={mode!r}; one of {LENGTH_PENALTIES}')
-    return fitted_length_penalty(alpha, max_decode_len) if mode == 'fitted' else float(alpha)
+    if mode == 'alpha':
+        return float(alpha)
+    try:
+        return fitted_length_penalty(alpha, max_decode_len)
+    except ValueError as e:
+        raise ExportError(str(e)) from e
 
 
 def length_penalty_note(fmt: str, alpha: float, max_decode_len: int,
@@ -83,10 +88,7 @@ def write(fmt: str, output: str, params, model_config, tokenizer, *, beam_size: 
 
     if fmt not in FORMATS:
         raise ExportError(f'--format={fmt!r}; one of {FORMATS}')
-    try:
-        penalty = runtime_length_penalty(alpha, max_decode_len, length_penalty)
-    except ValueError as e:
-        raise ExportError(str(e)) from e
+    penalty = runtime_length_penalty(alpha, max_decode_len, length_penalty)
     if quantization and fmt != 'ct2':
         raise ExportError('--quantization applies to --format=ct2 only')
     if os.path.exists(output) and os.listdir(output):
@@ -117,8 +119,8 @@ def export(config, workdir: str, *, fmt: str, output: str, step: int | None = No
 
     if fmt not in FORMATS:
         raise ExportError(f'--format={fmt!r}; one of {FORMATS}')
-    if length_penalty not in LENGTH_PENALTIES:
-        raise ExportError(f'--length_penalty={length_penalty!r}; one of {LENGTH_PENALTIES}')
+    # a bad mode or length is one line before any checkpoint is read
+    runtime_length_penalty(config.length_penalty_alpha, config.max_decode_len, length_penalty)
     if not output:
         raise ExportError('--output is required')
     model_config = TransformerConfig.from_config(config)

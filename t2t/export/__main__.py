@@ -5,18 +5,20 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from t2t.export import FORMATS, LENGTH_PENALTIES
+
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Experiment config.')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'The training workdir (holds checkpoints/).')
 _STEP = flags.DEFINE_integer('step', None, 'Export this checkpoint step (default: the latest).')
 _AVERAGE_LAST = flags.DEFINE_integer('average_last', 0,
                                      'Export the mean of the last N checkpoints.')
-_FORMAT = flags.DEFINE_enum('format', None, ['hf', 'ct2'],
+_FORMAT = flags.DEFINE_enum('format', None, list(FORMATS),
                             'hf: transformers MarianMT directory; ct2: CTranslate2 model.')
 _OUTPUT = flags.DEFINE_string('output', None, 'The directory to write (new or empty).')
 _QUANTIZATION = flags.DEFINE_string(
     'quantization', '', 'ct2 only: weight type, e.g. int8 or float16 (default float32).')
 _LENGTH_PENALTY = flags.DEFINE_enum(
-    'length_penalty', 'fitted', ['fitted', 'alpha'],
+    'length_penalty', 'fitted', list(LENGTH_PENALTIES),
     "The runtimes' |Y|^a length penalty: fitted: the a closest to t2t's ((5+|Y|)/6)^alpha over "
     'lengths 1..max_decode_len; alpha: length_penalty_alpha unchanged.')
 
