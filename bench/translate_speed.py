@@ -9,8 +9,8 @@ Each runtime translates file to file, text in and text out, beam 4 (config.beam_
 CPU; t2t divides by ((5 + |Y|) / 6)^config.length_penalty_alpha, the exports' runtimes by
 |Y|^a with the exponent the export writes (export.runtime_length_penalty: fitted to t2t's):
 - t2t: evaluate.py --translate's code (t2t/translate.py: length-sorted windows, token-budget
-  batches over a few bucketed shapes, the jitted beam search), first run (compiles included)
-  and a second, warm run of the same file;
+  batches over a few bucketed shapes, the jitted beam search), for each input a first run
+  (its shapes' compiles included: first_run_s) and a second, warm run of the same file;
 - ct2-float32, ct2-int8: CTranslate2 `Translator.translate_file` of the `--format=ct2` export,
   sentencepiece tokenize/detokenize callbacks, batches of --token_budget tokens, 2 threads;
 - hf: transformers `generate()` of the `--format=hf` export with MarianTokenizer, sentences
@@ -23,6 +23,7 @@ One `RESULT {json}` line per measurement and a markdown table at the end.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -230,13 +231,12 @@ def main(argv):
         return os.path.join(out_dir, f'{name}.{runtime}.out')
 
     if 't2t' in _RUNTIMES.value:
-        cold = timed(lambda: run_t2t(config, params, tokenizer, inputs['test'],
-                                     out_path('t2t', 'test'), token_budget))
-        for name in inputs:
-            wall, cpu = timed(lambda name=name: run_t2t(config, params, tokenizer, inputs[name],
-                                                        out_path('t2t', name), token_budget))
-            record('t2t', name, wall, cpu,
-                   {'first_run_s': round(cold[0], 2)} if name == 'test' else None)
+        for name in inputs:  # each input's batch shapes compile in its first run
+            run = functools.partial(run_t2t, config, params, tokenizer, inputs[name],
+                                    out_path('t2t', name), token_budget)
+            cold, _ = timed(run)
+            wall, cpu = timed(run)
+            record('t2t', name, wall, cpu, {'first_run_s': round(cold, 2)})
     for runtime in ('ct2-float32', 'ct2-int8'):
         if runtime not in _RUNTIMES.value:
             continue

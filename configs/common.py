@@ -113,6 +113,9 @@ def base_config() -> ml_collections.ConfigDict:
     # when no hypothesis of that sentence ended in EOS; 'compete' ranks it with the EOS ones.
     c.beam_unfinished = 'fallback'
     c.max_decode_extra = 50  # max output length = source length + this
+    # Beam search drops finished sentences from the batch: it compacts to halves of it as they
+    # end, down to this many sentences (0: the whole batch to the end; t2t/decode.py).
+    c.beam_shrink_floor = 8
     c.max_decode_len = 256  # static length bound of the decode buffers
 
     # --- devices

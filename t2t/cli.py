@@ -101,7 +101,8 @@ def check_values(config, prog: str, argv=None) -> None:
     """The config's values a model and a mesh can be built from; one line and exit 1 if not.
 
     Runs the model config's own checks (t2t/model.py: dropout rates, head split, known
-    implementations) and the mesh shapes' form, before any data or compile.
+    implementations), the mesh shapes' form and the beam search's sizes, before any data or
+    compile.
     """
     from t2t.model import TransformerConfig
 
@@ -114,6 +115,9 @@ def check_values(config, prog: str, argv=None) -> None:
                                           for n in shape):
                 raise ValueError(f'{key}={shape!r} is not a tuple of positive integers (or one '
                                  f'-1: the devices left), e.g. --config.{key}=1,-1,1')
+        for key, least in (('beam_size', 1), ('beam_shrink_floor', 0)):
+            if key in config and config[key] < least:
+                raise ValueError(f'{key}={config[key]} must be >= {least}')
     except ValueError as e:
         message = str(e).splitlines()[0]
         sys.exit(f'{prog}: {_flag_for(message, argv)}{message}')

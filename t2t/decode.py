@@ -2,15 +2,19 @@
 
 The model is seen only through a closure
 
-    tokens_to_logits(ids_N1: int32[N, 1], cache) -> (logits_NV: float[N, V], new_cache)
+    tokens_to_logits(ids_N1: int32[N, 1], cache, constants) -> (logits_NV: float[N, V], new_cache)
 
 that feeds one token per row, advances its decode cache by one position and returns the logits
-of the next token. Rows are beams flattened batch-major: row n = b * K + k. The first token fed
-is 0 (PAD acts as BOS, as the model shifts targets right with 0). PAD is never generated: its
-log-probability is set to -inf (not renormalized), so a hypothesis is tokens, EOS, then 0s.
+of the next token. `constants` are what the model reads per row but never changes (the
+encoder's keys/values, the source mask): the same for every beam of an example, so they are
+never reordered by beam, only tiled once and compacted with their example.
+
+Rows are beams flattened batch-major: row n = b * K + k. The first token fed is 0 (PAD acts as
+BOS, as the model shifts targets right with 0). PAD is never generated: its log-probability is
+set to -inf (not renormalized), so a hypothesis is tokens, EOS, then 0s.
 
 The cache handed to `beam_search` is the model's decode cache for B sequences: every leaf of
-ndim >= 1 has leading dim B (e.g. the encoder output and the self-attention key/value buffers);
+ndim >= 1 has leading dim B (e.g. the self-attention key/value buffers);
 leaves of ndim 0 (e.g. a shared cache index) are shared by all rows. `beam_search` repeats each
 example's leaves K times itself and re-gathers them by parent beam after every step; the model
 glue only runs the encoder once and initialises the cache for B sequences.
@@ -22,7 +26,17 @@ called inside `jax.jit` with `tokens_to_logits` closed over, e.g.
     def predict(params, cache, max_lengths, *, beam_size, max_decode_len):
         return beam_search(functools.partial(tokens_to_logits, params), cache, ...)
 
-One compile per (batch_size, beam_size, max_decode_len); `max_lengths` and `alpha` may be traced.
+One compile per (batch_size, beam_size, max_decode_len, shrink_to); `max_lengths` and `alpha`
+may be traced.
+
+Compaction (beam_search's `shrink_to`, CTranslate2 and fairseq drop finished examples from the
+batch too): static shapes cannot shrink, so the search runs in stages of fewer and fewer
+examples, each its own while loop. A stage ends when no more of its examples are still
+searching than the next stage holds; those are gathered (state, cache, constants) into the
+smaller batch, the others' results are written out. A batch whose examples end at different
+steps then pays for the long ones with few rows instead of all of them. Rows are independent,
+so the hypotheses are those of the one-stage search (up to the float rounding a matmul of
+another batch size may bring).
 
 Shape letters:
   B  batch size
@@ -35,6 +49,7 @@ Shape letters:
   V  vocabulary size
 """
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -50,7 +65,7 @@ NEG_INF = float('-inf')
 # What a hypothesis cut at its length limit without EOS counts for (see `beam_search`).
 UNFINISHED_RULES = ('fallback', 'compete')
 
-TokensToLogits = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
+TokensToLogits = Callable[[jax.Array, Any, Any], tuple[jax.Array, Any]]
 
 
 def length_penalty(length, alpha):
@@ -65,30 +80,29 @@ def length_penalty(length, alpha):
 
 
 def _length_limits(batch_size, max_decode_len, max_lengths):
-    """int32[B] number of tokens each example may generate, within the static buffer."""
+    """int32[B] number of tokens each example may generate, within the static buffer. A limit
+    of 0 (nothing to decode: a padding row) ends the example before the first step."""
     if max_lengths is None:
         return jnp.full((batch_size,), max_decode_len, jnp.int32)
     max_lengths = jnp.asarray(max_lengths, jnp.int32)
     if max_lengths.shape != (batch_size,):
         raise ValueError(f'max_lengths has shape {max_lengths.shape}, expected ({batch_size},)')
-    return jnp.clip(max_lengths, 1, max_decode_len)
+    return jnp.clip(max_lengths, 0, max_decode_len)
 
 
-def _tile_beams(cache, batch_size, beam_size):
-    """Repeats each example's cache rows beam_size times: [B, ...] -> [B * K, ...]."""
-
-    def tile(path, x):
-        x = jnp.asarray(x)
-        if x.ndim == 0:
-            return x
-        if x.shape[0] != batch_size:
+def _check_leaves(tree, batch_size, what):
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+        if jnp.ndim(x) and jnp.shape(x)[0] != batch_size:
             raise ValueError(
-                f'cache leaf {jax.tree_util.keystr(path)} has shape {x.shape}; leaves must be '
-                f'scalars or have leading dim batch_size={batch_size}'
+                f'{what} leaf {jax.tree_util.keystr(path)} has shape {jnp.shape(x)}; leaves must '
+                f'be scalars or have leading dim batch_size={batch_size}'
             )
-        return jnp.repeat(x, beam_size, axis=0)
 
-    return jax.tree_util.tree_map_with_path(tile, cache)
+
+def _per_row(tree, batch_size, beam_size):
+    """Repeats each example's rows beam_size times: leaves [B, ...] -> [B * K, ...]."""
+    return jax.tree.map(
+        lambda x: x if jnp.ndim(x) == 0 else jnp.repeat(jnp.asarray(x), beam_size, axis=0), tree)
 
 
 def _gather_beams(x_BK, beam_idx_BJ):
@@ -104,9 +118,15 @@ def _gather_cache(cache, beam_idx_BK):
     return jax.tree.map(lambda x: x if x.ndim == 0 else jnp.take(x, rows_N, axis=0), cache)
 
 
+def _gather_examples(tree, example_idx_E, beam_size):
+    """Keeps examples example_idx (in that order) of leaves [B * K, ...]: -> [E * K, ...]."""
+    rows_N = (example_idx_E[:, None] * beam_size + jnp.arange(beam_size)).reshape(-1)
+    return jax.tree.map(lambda x: x if x.ndim == 0 else jnp.take(x, rows_N, axis=0), tree)
+
+
 @struct.dataclass
 class BeamState:
-    """Loop carry of `beam_search`."""
+    """Loop carry of `beam_search`, for the examples of the current stage (B of them)."""
 
     step: jax.Array  # int32[]: tokens generated so far; alive_seqs[:, :, step] is fed next
     alive_seqs_BKT: jax.Array  # int32: BOS, then the tokens of the unfinished beams
@@ -115,6 +135,9 @@ class BeamState:
     finished_seqs_BKT: jax.Array  # int32: ended hypotheses, EOS then 0 padding
     finished_scores_BK: jax.Array  # float32: log-prob / length penalty, sorted best first
     finished_flags_BK: jax.Array  # bool: slot holds a real hypothesis
+    limit_B: jax.Array  # int32: the tokens this example may generate
+    origin_B: jax.Array  # int32: the example's row in the batch beam_search was given
+    constants: Any  # the model's per-row constants, leaves [N, ...] (or scalars)
 
 
 def beam_search(
@@ -128,29 +151,37 @@ def beam_search(
     max_decode_len: int,
     max_lengths=None,
     unfinished: str = 'fallback',
+    constants=None,
+    shrink_to: tuple[int, ...] = (),
 ):
     """Beam search with the GNMT length penalty (alive / finished, 2K top-k per step).
 
     Args:
-      tokens_to_logits: (ids_N1 int32[N, 1], cache) -> (logits_NV float[N, V], new_cache), N = B*K.
+      tokens_to_logits: (ids_N1 int32[N, 1], cache, constants) -> (logits_NV float[N, V],
+        new_cache), N = B*K.
       cache: the decode cache for B sequences; leaves of ndim >= 1 have leading dim B, scalar
         leaves are shared. Tiled to B * K rows here and gathered by parent beam every step.
       batch_size, beam_size, max_decode_len, eos_id: static ints. max_decode_len is the buffer
         length: the most tokens (EOS included) any hypothesis may have.
       alpha: length-penalty exponent (0.6 in the paper); a float or a traced scalar.
       max_lengths: optional int32[B], each example's own token limit (the paper: source length
-        + 50), clipped to [1, max_decode_len].
+        + 50), clipped to [0, max_decode_len]; 0 decodes nothing (all slots -inf, sequences 0s).
       unfinished: static, what a hypothesis cut at its example's limit without EOS counts for.
         'fallback' (tensor2tensor's rule, the default): it is finished only if no hypothesis of
         that example ended in EOS, so the best EOS hypothesis always wins when there is one.
         'compete': it is finished like one that emitted EOS there and competes on score.
+      constants: optional pytree the model reads per row but never changes; leaves of ndim >= 1
+        have leading dim B. Tiled to B * K rows once, handed to tokens_to_logits as they are.
+      shrink_to: static, decreasing batch sizes below batch_size that the search compacts to
+        once no more examples are still searching (module docstring); () searches in one stage.
 
     A hypothesis ends when it emits EOS or reaches its example's limit; one cut at the limit is
     scored like one that emitted EOS there (|Y| = limit), so if no beam emits EOS the best
-    sequences at the limit are returned (under either rule). The loop stops as soon as, for every
-    example, no alive beam can still beat the worst of its K finished hypotheses (log-probs only
-    fall, so the best an alive beam can reach is its log-prob over the largest penalty ahead), or
-    when every example is at its limit. Early stopping never changes the result.
+    sequences at the limit are returned (under either rule). An example stops searching as soon
+    as no alive beam can still beat the worst of its K finished hypotheses (log-probs only
+    fall, so the best an alive beam can reach is its log-prob over the largest penalty ahead);
+    the loop stops when every example has, or at max_decode_len. Early stopping never changes
+    the result.
 
     Returns:
       sequences int32[B, K, max_decode_len]: generated tokens (BOS excluded), EOS, then 0s;
@@ -161,26 +192,35 @@ def beam_search(
     if unfinished not in UNFINISHED_RULES:
         raise ValueError(f'unfinished={unfinished!r}, expected one of {UNFINISHED_RULES}')
     B, K, L = batch_size, beam_size, max_decode_len
+    ladder = (B, *shrink_to)
+    if any(not 0 < small < big for big, small in itertools.pairwise(ladder)):
+        raise ValueError(f'shrink_to={shrink_to} must decrease from batch_size={B} and stay >= 1')
+    _check_leaves(cache, B, 'cache')
+    _check_leaves(constants, B, 'constants')
     T = L + 1
     limit_B = _length_limits(B, L, max_lengths)
 
-    # Only beam 0 is live at first; the others would duplicate it.
-    init_log_probs_BK = jnp.tile(jnp.array([0.0] + [NEG_INF] * (K - 1), jnp.float32), (B, 1))
+    # Only beam 0 is live at first; the others would duplicate it. None when nothing to decode.
+    first_BK = jnp.tile(jnp.array([0.0] + [NEG_INF] * (K - 1), jnp.float32), (B, 1))
     state = BeamState(
         step=jnp.array(0, jnp.int32),
         alive_seqs_BKT=jnp.full((B, K, T), PAD_ID, jnp.int32),
-        alive_log_probs_BK=init_log_probs_BK,
-        alive_cache=_tile_beams(cache, B, K),
+        alive_log_probs_BK=jnp.where(limit_B[:, None] > 0, first_BK, NEG_INF),
+        alive_cache=_per_row(cache, B, K),
         finished_seqs_BKT=jnp.full((B, K, T), PAD_ID, jnp.int32),
         finished_scores_BK=jnp.full((B, K), NEG_INF, jnp.float32),
         finished_flags_BK=jnp.zeros((B, K), jnp.bool_),
+        limit_B=limit_B,
+        origin_B=jnp.arange(B, dtype=jnp.int32),
+        constants=_per_row(constants, B, K),
     )
 
-    def cond_fn(state: BeamState):
+    def searching(state: BeamState):
+        """bool[B]: an alive beam of the example can still beat its worst finished one."""
         # Largest penalty over the lengths still reachable (monotone in length, either sign of
         # alpha); dividing a non-positive log-prob by it gives the best reachable score.
         max_penalty_B = jnp.maximum(
-            length_penalty(state.step + 1, alpha), length_penalty(limit_B, alpha)
+            length_penalty(state.step + 1, alpha), length_penalty(state.limit_B, alpha)
         )
         best_alive_B = jnp.max(state.alive_log_probs_BK, axis=1) / max_penalty_B
         worst_finished_B = jnp.where(
@@ -188,13 +228,13 @@ def beam_search(
             jnp.min(state.finished_scores_BK, axis=1),
             NEG_INF,
         )
-        can_improve_B = best_alive_B > worst_finished_B
-        return (state.step < L) & jnp.any(can_improve_B)
+        return best_alive_B > worst_finished_B
 
     def body_fn(state: BeamState):
         i = state.step
+        B = state.limit_B.shape[0]
         ids_N1 = state.alive_seqs_BKT[:, :, i].reshape(B * K, 1)
-        logits_NV, cache = tokens_to_logits(ids_N1, state.alive_cache)
+        logits_NV, cache = tokens_to_logits(ids_N1, state.alive_cache, state.constants)
         V = logits_NV.shape[-1]
         log_probs_BKV = jax.nn.log_softmax(logits_NV.astype(jnp.float32)).reshape(B, K, V)
         log_probs_BKV = log_probs_BKV.at[:, :, PAD_ID].set(NEG_INF)  # never generated
@@ -207,7 +247,7 @@ def beam_search(
         seqs_BCT = _gather_beams(state.alive_seqs_BKT, parent_BC).at[:, :, i + 1].set(token_BC)
 
         length = i + 1
-        ended_BC = (token_BC == eos_id) | (length >= limit_B[:, None])
+        ended_BC = (token_BC == eos_id) | (length >= state.limit_B[:, None])
 
         # Alive: the best K candidates that have not ended.
         alive_log_probs_BK, alive_pos_BK = lax.top_k(
@@ -235,7 +275,7 @@ def beam_search(
         pool_seqs_BMT = jnp.concatenate([state.finished_seqs_BKT, seqs_BCT], axis=1)
         finished_scores_BK, finished_pos_BK = lax.top_k(pool_scores_BM, K)
 
-        return BeamState(
+        return state.replace(
             step=i + 1,
             alive_seqs_BKT=alive_seqs_BKT,
             alive_log_probs_BK=alive_log_probs_BK,
@@ -245,8 +285,34 @@ def beam_search(
             finished_flags_BK=_gather_beams(pool_flags_BM, finished_pos_BK),
         )
 
-    state = lax.while_loop(cond_fn, body_fn, state)
-    return state.finished_seqs_BKT[:, :, 1:], state.finished_scores_BK
+    out_seqs_BKT = jnp.full((B, K, T), PAD_ID, jnp.int32)
+    out_scores_BK = jnp.full((B, K), NEG_INF, jnp.float32)
+    for next_rows in (*shrink_to, 0):
+
+        def cond_fn(state: BeamState, next_rows=next_rows):
+            # Searching examples fit the next stage: compact first (the last stage: none left).
+            return (state.step < L) & (jnp.sum(searching(state)) > next_rows)
+
+        state = lax.while_loop(cond_fn, body_fn, state)
+        # Every example's hypotheses as they stand; those kept are overwritten by a later stage.
+        out_seqs_BKT = out_seqs_BKT.at[state.origin_B].set(state.finished_seqs_BKT)
+        out_scores_BK = out_scores_BK.at[state.origin_B].set(state.finished_scores_BK)
+        if next_rows:
+            # The searching examples first (in order), then finished ones to fill the rows:
+            # those stay finished, their hypotheses are written again unchanged.
+            keep_E = jnp.argsort(~searching(state), stable=True)[:next_rows]
+            state = state.replace(
+                alive_seqs_BKT=state.alive_seqs_BKT[keep_E],
+                alive_log_probs_BK=state.alive_log_probs_BK[keep_E],
+                alive_cache=_gather_examples(state.alive_cache, keep_E, K),
+                finished_seqs_BKT=state.finished_seqs_BKT[keep_E],
+                finished_scores_BK=state.finished_scores_BK[keep_E],
+                finished_flags_BK=state.finished_flags_BK[keep_E],
+                limit_B=state.limit_B[keep_E],
+                origin_B=state.origin_B[keep_E],
+                constants=_gather_examples(state.constants, keep_E, K),
+            )
+    return out_seqs_BKT[:, :, 1:], out_scores_BK
 
 
 @struct.dataclass
@@ -267,12 +333,13 @@ def greedy_search(
     eos_id: int,
     max_decode_len: int,
     max_lengths=None,
+    constants=None,
 ):
     """Greedy (argmax) decoding with the conventions of `beam_search`, one row per example (N = B).
 
-    The cache is used as given (leading dim B, no tiling). An example stops at EOS or at its
-    limit (max_lengths clipped to [1, max_decode_len]); later positions are 0. The loop stops
-    when all examples have stopped.
+    The cache and constants are used as given (leading dim B, no tiling). An example stops at
+    EOS or at its limit (max_lengths clipped to [0, max_decode_len]); later positions are 0. The
+    loop stops when all examples have stopped.
 
     Returns:
       sequences int32[B, max_decode_len]: generated tokens (BOS excluded), EOS, then 0s.
@@ -283,7 +350,7 @@ def greedy_search(
         step=jnp.array(0, jnp.int32),
         seqs_BT=jnp.full((B, L + 1), PAD_ID, jnp.int32),
         cache=cache,
-        finished_B=jnp.zeros((B,), jnp.bool_),
+        finished_B=limit_B == 0,
     )
 
     def cond_fn(state: GreedyState):
@@ -291,7 +358,8 @@ def greedy_search(
 
     def body_fn(state: GreedyState):
         i = state.step
-        logits_BV, cache = tokens_to_logits(state.seqs_BT[:, i][:, None], state.cache)
+        logits_BV, cache = tokens_to_logits(state.seqs_BT[:, i][:, None], state.cache,
+                                           constants)
         token_B = jnp.argmax(logits_BV.at[:, PAD_ID].set(NEG_INF), axis=-1).astype(jnp.int32)
         token_B = jnp.where(state.finished_B, 0, token_B)
         finished_B = state.finished_B | (token_B == eos_id) | (i + 1 >= limit_B)

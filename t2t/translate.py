@@ -91,10 +91,9 @@ def window_batches(ids: list[list[int]], *, max_len: int, token_budget: int,
     padding rows have index -1. A bucket's batches have one shape, its last one up to
     TAIL_HALVINGS smaller ones (fewer rows of padding to decode).
 
-    Padding rows repeat the batch's last source: an empty source would be decoded to its own
-    limit (source length 0 + max_decode_extra) and keep the search of the whole batch running
-    after every real row has ended; a copy ends when that row does. Rows are independent, so
-    the real rows' outputs do not change."""
+    Padding rows are empty (all PAD): the search decodes nothing for them and drops them from
+    the batch at its first compaction (inference.make_predict_fn's shrink_floor). Rows are
+    independent, so the real rows' outputs do not change."""
     todo = sorted((i for i, row in enumerate(ids) if row), key=lambda i: len(ids[i]))
     for length, group in itertools.groupby(todo, key=lambda i: bucket_length(len(ids[i]),
                                                                              max_len)):
@@ -108,7 +107,6 @@ def window_batches(ids: list[list[int]], *, max_len: int, token_budget: int,
             for r, i in enumerate(chunk):
                 inputs[r, :len(ids[i])] = ids[i]
                 index[r] = i
-            inputs[len(chunk):] = inputs[len(chunk) - 1]
             yield {'inputs': inputs, 'index': index}
 
 

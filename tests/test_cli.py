@@ -30,6 +30,8 @@ def _run(*args) -> subprocess.CompletedProcess:
     ('d_model', 30, 'd_model=30 is not divisible by num_heads=4'),
     ('attention_impl', 'flash', "attention_impl='flash'; one of"),
     ('mesh_shape', ('1,x',), "mesh_shape=('1,x',) is not a tuple of positive integers"),
+    ('beam_shrink_floor', -1, 'train.py: --config.beam_shrink_floor=-1: beam_shrink_floor=-1 '
+                              'must be >= 0'),
 ])
 def test_an_invalid_value_is_one_line_naming_the_key(key, value, says):
     config = tiny.get_config()

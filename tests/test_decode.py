@@ -37,7 +37,8 @@ def init_cache(offset_B, max_decode_len):
     }
 
 
-def tokens_to_logits(table_RV, ids_N1, cache):
+def tokens_to_logits(table_RV, ids_N1, cache, constants):
+    del constants  # the toy model reads none
     index = cache['index']
     history_NT = cache['history_BT'].at[:, index].set(ids_N1[:, 0])
     pos_T = jnp.arange(history_NT.shape[1])
@@ -288,8 +289,8 @@ def _scripted_model(target_B, steps):
     The cache counts steps per row; `steps` records how often the model is called.
     """
 
-    def tokens_to_logits(ids_N1, cache):
-        del ids_N1
+    def tokens_to_logits(ids_N1, cache, constants):
+        del ids_N1, constants
         jax.debug.callback(lambda: steps.append(1))
         count_N, target_N = cache['count'], cache['target']
         want_N = jnp.where(count_N >= target_N - 1, EOS, 2 + count_N % 3)
@@ -354,7 +355,7 @@ def test_eos_per_example_and_early_stop():
 def test_unknown_unfinished_rule_is_an_error():
     with pytest.raises(ValueError, match="unfinished='first'"):
         decode.beam_search(
-            lambda ids, c: (jnp.zeros((ids.shape[0], V)), c), {}, batch_size=1,
+            lambda ids, c, _: (jnp.zeros((ids.shape[0], V)), c), {}, batch_size=1,
             beam_size=2, alpha=0.6, eos_id=EOS, max_decode_len=4, unfinished='first',
         )
 
@@ -363,7 +364,7 @@ def test_cache_leaf_with_wrong_leading_dim_is_an_error():
     cache = {'keys': jnp.zeros((5, 2))}
     with pytest.raises(ValueError, match='batch_size=3'):
         decode.beam_search(
-            lambda ids, c: (jnp.zeros((ids.shape[0], V)), c), cache, batch_size=3,
+            lambda ids, c, _: (jnp.zeros((ids.shape[0], V)), c), cache, batch_size=3,
             beam_size=2, alpha=0.6, eos_id=EOS, max_decode_len=4,
         )
 
@@ -378,8 +379,8 @@ def test_early_stop_bound_uses_the_largest_penalty_ahead():
     logits_SV[1:4, 2] = 0.0
     logits_SV[4:, EOS] = 0.0
 
-    def tokens_to_logits(ids_N1, cache):
-        del ids_N1
+    def tokens_to_logits(ids_N1, cache, constants):
+        del ids_N1, constants
         return jnp.asarray(logits_SV)[cache['count']], {'count': cache['count'] + 1}
 
     beam = jax.jit(
@@ -394,3 +395,51 @@ def test_early_stop_bound_uses_the_largest_penalty_ahead():
     seqs_BKL, scores_BK = beam(0.0)
     np.testing.assert_array_equal(seqs_BKL[0, 0], [EOS, 0, 0, 0, 0, 0])
     np.testing.assert_allclose(scores_BK[0, 0], np.log(0.6), rtol=1e-5)
+
+
+def test_compaction_returns_the_one_stage_search_and_feeds_fewer_rows():
+    # Twelve examples whose limits (0 to 9) end their searches at different steps; the offset
+    # is a constant (never reordered by beam, only compacted with its example). Compacting to
+    # 6, 3, 1 examples returns exactly the one-stage hypotheses and scores, which are those of
+    # exhaustive search where the beam is wide enough; the model is fed far fewer rows.
+    L, K = 9, 3
+    table = _table(11)
+    offset_B = jnp.arange(12, dtype=jnp.int32) * 5
+    limits = jnp.array([3, 9, 1, 0, 5, 2, 9, 4, 1, 7, 2, 6], jnp.int32)
+    rows_fed = []
+
+    def with_constant_offset(ids_N1, cache, constants):
+        jax.debug.callback(lambda n: rows_fed.append(int(n)), ids_N1.shape[0])
+        logits_NV, new_cache = tokens_to_logits(
+            table, ids_N1, {**cache, 'offset_B': constants['offset_B']}, None)
+        return logits_NV, {k: v for k, v in new_cache.items() if k != 'offset_B'}
+
+    cache = {k: v for k, v in init_cache(offset_B, L).items() if k != 'offset_B'}
+    results, fed = {}, {}
+    for shrink_to in [(), (6, 3, 1)]:
+        rows_fed.clear()
+        search = functools.partial(
+            decode.beam_search, with_constant_offset, cache, batch_size=12, beam_size=K,
+            alpha=0.6, eos_id=EOS, max_decode_len=L, max_lengths=limits,
+            constants={'offset_B': offset_B}, shrink_to=shrink_to)
+        results[shrink_to] = jax.block_until_ready(jax.jit(search)())
+        jax.effects_barrier()
+        fed[shrink_to] = sum(rows_fed)
+    (seqs_BKL, scores_BK), (small_seqs, small_scores) = results[()], results[(6, 3, 1)]
+    np.testing.assert_array_equal(small_seqs, seqs_BKL)
+    np.testing.assert_array_equal(small_scores, scores_BK)
+    assert fed[(6, 3, 1)] < 0.6 * fed[()], fed
+    np.testing.assert_array_equal(seqs_BKL[3], 0)  # limit 0: nothing decoded
+    assert np.all(np.asarray(scores_BK[3]) == -np.inf)
+    for b in [2, 5, 8, 10]:  # limits 1, 2: K = 3 keeps all 3 unfinished prefixes, exact
+        score, seq = exhaustive(table, int(offset_B[b]), int(limits[b]), 0.6, 'fallback')[0]
+        np.testing.assert_array_equal(seqs_BKL[b, 0], _pad(seq, L))
+        np.testing.assert_allclose(scores_BK[b, 0], score, rtol=1e-5, atol=1e-5)
+
+
+def test_shrink_to_must_decrease():
+    with pytest.raises(ValueError, match=r'shrink_to=\(4, 4\)'):
+        decode.beam_search(
+            lambda ids, c, _: (jnp.zeros((ids.shape[0], V)), c), {}, batch_size=8,
+            beam_size=2, alpha=0.6, eos_id=EOS, max_decode_len=4, shrink_to=(4, 4),
+        )

@@ -119,6 +119,27 @@ def test_each_example_stops_at_source_length_plus_extra(params, inputs_BS, greed
     np.testing.assert_array_equal(got.capped_B, [True, False, False, False])
 
 
+def test_compacted_search_and_padding_rows(params, inputs_BS):
+    # Real rows interleaved with empty (padding) ones: the search decodes nothing for those, and
+    # compacting the batch as examples end (down to 1 row) returns the one-stage search's
+    # hypotheses, scores and flags.
+    padded_BS = np.zeros((8, inputs_BS.shape[1]), np.int32)
+    padded_BS[::2] = inputs_BS
+    got = {}
+    for floor in (0, 1):
+        predict = inference.make_predict_fn(CFG, beam_size=2, shrink_floor=floor, **SETTINGS)
+        got[floor] = jax.device_get(predict(params, padded_BS))
+    one, compacted = got[0], got[1]
+    np.testing.assert_array_equal(compacted.ids_BL, one.ids_BL)
+    np.testing.assert_allclose(compacted.score_B, one.score_B, rtol=1e-5)
+    np.testing.assert_array_equal(compacted.hit_limit_B, one.hit_limit_B)
+    np.testing.assert_array_equal(one.ids_BL[1::2], 0)
+    assert not one.hit_limit_B[1::2].any() and np.all(one.score_B[1::2] == -np.inf)
+    assert np.all(np.isfinite(one.score_B[::2])) and (one.ids_BL[::2] != 0).any(1).all()
+    assert inference.shrink_ladder(512, 8) == (128, 32, 8) and inference.shrink_ladder(8, 1) == (2,)
+    assert inference.shrink_ladder(8, 0) == () and inference.shrink_ladder(6, 1) == ()
+
+
 def test_sharded_params_decode_like_unsharded(inputs_BS):
     mesh = sharding.make_mesh((2, 2, 2))
     sharded, _ = sharding.init_sharded(_init_boxed, mesh, jax.random.key(0))

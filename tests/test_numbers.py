@@ -228,7 +228,7 @@ def test_beam_and_greedy_never_generate_pad():
     V, B, L = 9, 3, 7
     table_V = jax.random.normal(jax.random.key(1), (V,))
 
-    def prefers_pad(ids_N1, cache):
+    def prefers_pad(ids_N1, cache, constants):
         n = ids_N1.shape[0]
         noise_NV = jax.random.normal(jax.random.fold_in(jax.random.key(2), cache['i']), (n, V))
         logits_NV = table_V + noise_NV
