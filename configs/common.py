@@ -112,6 +112,10 @@ def base_config() -> ml_collections.ConfigDict:
     # A hypothesis cut at its length limit without EOS: 'fallback' (tensor2tensor) counts it only
     # when no hypothesis of that sentence ended in EOS; 'compete' ranks it with the EOS ones.
     c.beam_unfinished = 'fallback'
+    # When a sentence's search stops: 'bound' (tensor2tensor) once no alive hypothesis can beat
+    # the worst of its beam_size finished ones, exact; 'k_finished' (fairseq, CTranslate2) once
+    # beam_size hypotheses have finished: sooner, and a hypothesis that would win later is lost.
+    c.beam_stop = 'bound'
     c.max_decode_extra = 50  # max output length = source length + this
     # Beam search drops finished sentences from the batch: it compacts to halves of it as they
     # end, down to this many sentences (0: the whole batch to the end; t2t/decode.py).

@@ -104,6 +104,7 @@ def check_values(config, prog: str, argv=None) -> None:
     implementations), the mesh shapes' form and the beam search's sizes, before any data or
     compile.
     """
+    from t2t import decode
     from t2t.model import TransformerConfig
 
     argv = sys.argv if argv is None else argv
@@ -118,6 +119,10 @@ def check_values(config, prog: str, argv=None) -> None:
         for key, least in (('beam_size', 1), ('beam_shrink_floor', 0)):
             if key in config and config[key] < least:
                 raise ValueError(f'{key}={config[key]} must be >= {least}')
+        for key, choices in (('beam_unfinished', decode.UNFINISHED_RULES),
+                             ('beam_stop', decode.STOP_RULES)):
+            if key in config and config[key] not in choices:
+                raise ValueError(f'{key}={config[key]!r}; one of {choices}')
     except ValueError as e:
         message = str(e).splitlines()[0]
         sys.exit(f'{prog}: {_flag_for(message, argv)}{message}')

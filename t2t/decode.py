@@ -64,6 +64,8 @@ NEG_INF = float('-inf')
 
 # What a hypothesis cut at its length limit without EOS counts for (see `beam_search`).
 UNFINISHED_RULES = ('fallback', 'compete')
+# When an example stops searching (see `beam_search`).
+STOP_RULES = ('bound', 'k_finished')
 
 TokensToLogits = Callable[[jax.Array, Any, Any], tuple[jax.Array, Any]]
 
@@ -151,6 +153,7 @@ def beam_search(
     max_decode_len: int,
     max_lengths=None,
     unfinished: str = 'fallback',
+    stop: str = 'bound',
     constants=None,
     shrink_to: tuple[int, ...] = (),
 ):
@@ -170,6 +173,11 @@ def beam_search(
         'fallback' (tensor2tensor's rule, the default): it is finished only if no hypothesis of
         that example ended in EOS, so the best EOS hypothesis always wins when there is one.
         'compete': it is finished like one that emitted EOS there and competes on score.
+      stop: static, when an example stops searching. 'bound' (tensor2tensor's, the default):
+        when no alive beam can still beat the worst of its K finished hypotheses, which never
+        changes the result. 'k_finished' (fairseq, CTranslate2, transformers' early_stopping):
+        as soon as K hypotheses have finished, earlier; an alive beam that would have won later
+        is lost.
       constants: optional pytree the model reads per row but never changes; leaves of ndim >= 1
         have leading dim B. Tiled to B * K rows once, handed to tokens_to_logits as they are.
       shrink_to: static, decreasing batch sizes below batch_size that the search compacts to
@@ -177,11 +185,11 @@ def beam_search(
 
     A hypothesis ends when it emits EOS or reaches its example's limit; one cut at the limit is
     scored like one that emitted EOS there (|Y| = limit), so if no beam emits EOS the best
-    sequences at the limit are returned (under either rule). An example stops searching as soon
-    as no alive beam can still beat the worst of its K finished hypotheses (log-probs only
-    fall, so the best an alive beam can reach is its log-prob over the largest penalty ahead);
-    the loop stops when every example has, or at max_decode_len. Early stopping never changes
-    the result.
+    sequences at the limit are returned (under either rule). Under stop='bound' an example stops
+    searching as soon as no alive beam can still beat the worst of its K finished hypotheses
+    (log-probs only fall, so the best an alive beam can reach is its log-prob over the largest
+    penalty ahead): that early stop never changes the result. The loop stops when every example
+    has stopped, or at max_decode_len.
 
     Returns:
       sequences int32[B, K, max_decode_len]: generated tokens (BOS excluded), EOS, then 0s;
@@ -191,6 +199,8 @@ def beam_search(
     """
     if unfinished not in UNFINISHED_RULES:
         raise ValueError(f'unfinished={unfinished!r}, expected one of {UNFINISHED_RULES}')
+    if stop not in STOP_RULES:
+        raise ValueError(f'stop={stop!r}, expected one of {STOP_RULES}')
     B, K, L = batch_size, beam_size, max_decode_len
     ladder = (B, *shrink_to)
     if any(not 0 < small < big for big, small in itertools.pairwise(ladder)):
@@ -216,7 +226,8 @@ def beam_search(
     )
 
     def searching(state: BeamState):
-        """bool[B]: an alive beam of the example can still beat its worst finished one."""
+        """bool[B]: an alive beam of the example can still beat its worst finished one (and,
+        under stop='k_finished', fewer than K hypotheses have finished)."""
         # Largest penalty over the lengths still reachable (monotone in length, either sign of
         # alpha); dividing a non-positive log-prob by it gives the best reachable score.
         max_penalty_B = jnp.maximum(
@@ -228,7 +239,10 @@ def beam_search(
             jnp.min(state.finished_scores_BK, axis=1),
             NEG_INF,
         )
-        return best_alive_B > worst_finished_B
+        can_improve_B = best_alive_B > worst_finished_B
+        if stop == 'k_finished':
+            return can_improve_B & ~jnp.all(state.finished_flags_BK, axis=1)
+        return can_improve_B
 
     def body_fn(state: BeamState):
         i = state.step

@@ -86,8 +86,8 @@ def shrink_ladder(rows: int, floor: int) -> tuple[int, ...]:
 def make_predict_fn(model_config: TransformerConfig, *, beam_size: int, alpha: float,
                     max_decode_len: int, max_decode_extra: int, greedy: bool = False,
                     num_valid_ids: int | None = None, eos_id: int = EOS_ID,
-                    beam_unfinished: str = 'fallback', shrink_floor: int = 0,
-                    mesh=None) -> Predict:
+                    beam_unfinished: str = 'fallback', beam_stop: str = 'bound',
+                    shrink_floor: int = 0, mesh=None) -> Predict:
     """A jitted predict(params, inputs_BS) -> Prediction with the best beam (or greedy output).
 
     mesh: decode on every device of it, the batch split over all its axes (inputs_BS: a global
@@ -101,10 +101,12 @@ def make_predict_fn(model_config: TransformerConfig, *, beam_size: int, alpha: f
     from it up are never generated. eos_id=-1 disables EOS (benchmarks force full-length
     output). beam_unfinished: `decode.beam_search`'s `unfinished` rule for a hypothesis cut at
     its length limit without EOS ('fallback': only when no hypothesis ended in EOS, as
-    tensor2tensor; 'compete'). shrink_floor: beam search drops ended examples from the batch,
-    compacting it to quarters down to this many examples (`shrink_ladder`; 0: never): a batch
-    then pays for its longest sentences with few rows; each stage compiles once more. Cached,
-    so every caller with the same settings shares one function and its compiled buckets.
+    tensor2tensor; 'compete'). beam_stop: its `stop` rule ('bound': exact, tensor2tensor;
+    'k_finished': as soon as beam_size hypotheses ended, as fairseq and CTranslate2).
+    shrink_floor: beam search drops ended examples from the batch, compacting it to quarters
+    down to this many examples (`shrink_ladder`; 0: never): a batch then pays for its longest
+    sentences with few rows; each stage compiles once more. Cached, so every caller with the
+    same settings shares one function and its compiled buckets.
     """
     if beam_size < 1 or max_decode_len < 1 or max_decode_extra < 0 or shrink_floor < 0:
         raise ValueError(f'beam_size={beam_size}, max_decode_len={max_decode_len} must be >= 1 '
@@ -113,6 +115,8 @@ def make_predict_fn(model_config: TransformerConfig, *, beam_size: int, alpha: f
     if beam_unfinished not in decode.UNFINISHED_RULES:
         raise ValueError(f'beam_unfinished={beam_unfinished!r}, expected one of '
                          f'{decode.UNFINISHED_RULES}')
+    if beam_stop not in decode.STOP_RULES:
+        raise ValueError(f'beam_stop={beam_stop!r}, expected one of {decode.STOP_RULES}')
     if max_decode_len > model_config.max_position:  # positions beyond the table would clamp
         raise ValueError(f'max_decode_len={max_decode_len} exceeds the model\'s max_position='
                          f'{model_config.max_position}')
@@ -163,7 +167,7 @@ def make_predict_fn(model_config: TransformerConfig, *, beam_size: int, alpha: f
             seqs_BKL, scores_BK = decode.beam_search(
                 tokens_to_logits, variables['cache'], batch_size=B, beam_size=beam_size,
                 alpha=alpha, eos_id=eos_id, max_decode_len=L, max_lengths=limit_B,
-                unfinished=beam_unfinished, constants=constants,
+                unfinished=beam_unfinished, stop=beam_stop, constants=constants,
                 shrink_to=shrink_ladder(B, shrink_floor))
             ids_BL, score_B = seqs_BKL[:, 0], scores_BK[:, 0]
         hit_limit_B = ~jnp.any(ids_BL == eos_id, axis=1) & (src_len_B > 0)
@@ -189,7 +193,7 @@ def config_predict_fn(config, model_config: TransformerConfig, *, num_valid_ids:
         model_config, beam_size=config.beam_size, alpha=config.length_penalty_alpha,
         max_decode_len=config.max_decode_len, max_decode_extra=config.max_decode_extra,
         num_valid_ids=num_valid_ids, beam_unfinished=config.beam_unfinished,
-        shrink_floor=config.beam_shrink_floor, mesh=mesh)
+        beam_stop=config.beam_stop, shrink_floor=config.beam_shrink_floor, mesh=mesh)
 
 
 def feed(inputs_BS, mesh=None):

@@ -32,6 +32,8 @@ def _run(*args) -> subprocess.CompletedProcess:
     ('mesh_shape', ('1,x',), "mesh_shape=('1,x',) is not a tuple of positive integers"),
     ('beam_shrink_floor', -1, 'train.py: --config.beam_shrink_floor=-1: beam_shrink_floor=-1 '
                               'must be >= 0'),
+    ('beam_stop', 'never', "--config.beam_stop=never: beam_stop='never'; one of ('bound', "
+                           "'k_finished')"),
 ])
 def test_an_invalid_value_is_one_line_naming_the_key(key, value, says):
     config = tiny.get_config()

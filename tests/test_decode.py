@@ -384,10 +384,10 @@ def test_early_stop_bound_uses_the_largest_penalty_ahead():
         return jnp.asarray(logits_SV)[cache['count']], {'count': cache['count'] + 1}
 
     beam = jax.jit(
-        lambda alpha: decode.beam_search(
+        lambda alpha, stop='bound': decode.beam_search(
             tokens_to_logits, {'count': jnp.zeros((1,), jnp.int32)}, batch_size=1, beam_size=1,
-            alpha=alpha, eos_id=EOS, max_decode_len=6,
-        )
+            alpha=alpha, eos_id=EOS, max_decode_len=6, stop=stop,
+        ), static_argnames='stop',
     )
     seqs_BKL, scores_BK = beam(2.0)
     np.testing.assert_array_equal(seqs_BKL[0, 0], [2, 2, 2, 2, EOS, 0])
@@ -395,6 +395,44 @@ def test_early_stop_bound_uses_the_largest_penalty_ahead():
     seqs_BKL, scores_BK = beam(0.0)
     np.testing.assert_array_equal(seqs_BKL[0, 0], [EOS, 0, 0, 0, 0, 0])
     np.testing.assert_allclose(scores_BK[0, 0], np.log(0.6), rtol=1e-5)
+    # 'k_finished' stops once K = 1 hypothesis has finished: at step 0, with EOS, the long
+    # hypothesis that 'bound' finds (and that wins) is never seen.
+    seqs_BKL, scores_BK = beam(2.0, 'k_finished')
+    np.testing.assert_array_equal(seqs_BKL[0, 0], [EOS, 0, 0, 0, 0, 0])
+    np.testing.assert_allclose(scores_BK[0, 0], np.log(0.6) / _pen(1, 2.0), rtol=1e-5)
+
+
+def test_k_finished_stops_once_k_hypotheses_ended():
+    # The scripted model: per example, a path of log-prob ~0 ending in EOS at its target step;
+    # every deviation costs ~-50. With K = 2 a deviation's EOS finishes at steps 0 and 1, so
+    # 'k_finished' stops after 2 steps and returns the better deviation, [2, EOS] (-50 over the
+    # penalty of 2), where the scripted path ends later; example 1's path is [EOS] itself.
+    # 'bound' searches on (8 steps) and finds every scripted path.
+    L, K = 16, 2
+    target_B = jnp.array([3, 1, 7, 6], jnp.int32)
+    results = {}
+    for stop in decode.STOP_RULES:
+        steps = []
+        tokens_to_logits, cache = _scripted_model(target_B, steps)
+        seqs_BKL, scores_BK = jax.block_until_ready(jax.jit(functools.partial(
+            decode.beam_search, tokens_to_logits, cache, batch_size=4, beam_size=K, alpha=0.6,
+            eos_id=EOS, max_decode_len=L, stop=stop))())
+        jax.effects_barrier()
+        results[stop] = (np.asarray(seqs_BKL[:, 0]), np.asarray(scores_BK[:, 0]), len(steps))
+    seqs_BL, scores_B, steps = results['k_finished']
+    assert steps == 2 and results['bound'][2] == 8
+    for b, want in enumerate([[2, EOS], [EOS], [2, EOS], [2, EOS]]):
+        np.testing.assert_array_equal(seqs_BL[b], _pad(want, L))
+    np.testing.assert_allclose(scores_B[[0, 2, 3]], -50 / _pen(2, 0.6), rtol=1e-3)
+    np.testing.assert_array_equal(results['bound'][0][2], _pad([2, 3, 4, 2, 3, 4, EOS], L))
+
+
+def test_unknown_stop_rule_is_an_error():
+    with pytest.raises(ValueError, match="stop='never'"):
+        decode.beam_search(
+            lambda ids, c, _: (jnp.zeros((ids.shape[0], V)), c), {}, batch_size=1,
+            beam_size=2, alpha=0.6, eos_id=EOS, max_decode_len=4, stop='never',
+        )
 
 
 def test_compaction_returns_the_one_stage_search_and_feeds_fewer_rows():

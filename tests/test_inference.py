@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
+from configs import tiny
 from t2t import decode, inference, sharding
 from t2t.data.pipeline import EvalSplit
 from t2t.ids import EOS_ID, PAD_ID
@@ -138,6 +139,17 @@ def test_compacted_search_and_padding_rows(params, inputs_BS):
     assert np.all(np.isfinite(one.score_B[::2])) and (one.ids_BL[::2] != 0).any(1).all()
     assert inference.shrink_ladder(512, 8) == (128, 32, 8) and inference.shrink_ladder(8, 1) == (2,)
     assert inference.shrink_ladder(8, 0) == () and inference.shrink_ladder(6, 1) == ()
+
+
+def test_config_decoding_keys_reach_the_predict_function(monkeypatch):
+    config = tiny.get_config()
+    config.unlock()
+    config.update(beam_stop='k_finished', beam_shrink_floor=2, beam_unfinished='compete')
+    seen = {}
+    monkeypatch.setattr(inference, 'make_predict_fn', lambda cfg, **kwargs: seen.update(kwargs))
+    inference.config_predict_fn(config, CFG, num_valid_ids=48)
+    assert seen['beam_stop'] == 'k_finished' and seen['shrink_floor'] == 2
+    assert seen['beam_unfinished'] == 'compete' and seen['beam_size'] == config.beam_size
 
 
 def test_sharded_params_decode_like_unsharded(inputs_BS):
