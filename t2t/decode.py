@@ -156,6 +156,8 @@ def beam_search(
     stop: str = 'bound',
     constants=None,
     shrink_to: tuple[int, ...] = (),
+    cache_lengths: tuple[int, ...] = (),
+    grow_cache: Callable[[Any, int], Any] | None = None,
 ):
     """Beam search with the GNMT length penalty (alive / finished, 2K top-k per step).
 
@@ -182,6 +184,11 @@ def beam_search(
         have leading dim B. Tiled to B * K rows once, handed to tokens_to_logits as they are.
       shrink_to: static, decreasing batch sizes below batch_size that the search compacts to
         once no more examples are still searching (module docstring); () searches in one stage.
+      cache_lengths, grow_cache: a model whose cache can grow (static increasing ints, and
+        (cache, length) -> cache): the cache handed in holds cache_lengths[0] positions; the
+        whole batch runs at most that many steps with it, then grow_cache extends it to the
+        next length, ..., and last to max_decode_len. Most sentences end early, and a short
+        cache is cheaper to reorder and attend over at every step.
 
     A hypothesis ends when it emits EOS or reaches its example's limit; one cut at the limit is
     scored like one that emitted EOS there (|Y| = limit), so if no beam emits EOS the best
@@ -205,6 +212,8 @@ def beam_search(
     ladder = (B, *shrink_to)
     if any(not 0 < small < big for big, small in itertools.pairwise(ladder)):
         raise ValueError(f'shrink_to={shrink_to} must decrease from batch_size={B} and stay >= 1')
+    if any(long <= short for short, long in itertools.pairwise((0, *cache_lengths))):
+        raise ValueError(f'cache_lengths={cache_lengths} must increase from 1')
     _check_leaves(cache, B, 'cache')
     _check_leaves(constants, B, 'constants')
     T = L + 1
@@ -298,6 +307,15 @@ def beam_search(
             finished_scores_BK=finished_scores_BK,
             finished_flags_BK=_gather_beams(pool_flags_BM, finished_pos_BK),
         )
+
+    lengths = [n for n in cache_lengths if n < L] if grow_cache is not None else []
+    for length, grown in itertools.pairwise([*lengths, L]):
+        # The whole batch's first steps with a short cache, then grow it (once per length).
+        def short_cond_fn(state: BeamState, length=length, next_rows=(*shrink_to, 0)[0]):
+            return (state.step < length) & (jnp.sum(searching(state)) > next_rows)
+
+        state = lax.while_loop(short_cond_fn, body_fn, state)
+        state = state.replace(alive_cache=grow_cache(state.alive_cache, grown))
 
     out_seqs_BKT = jnp.full((B, K, T), PAD_ID, jnp.int32)
     out_scores_BK = jnp.full((B, K), NEG_INF, jnp.float32)

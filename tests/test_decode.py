@@ -475,6 +475,43 @@ def test_compaction_returns_the_one_stage_search_and_feeds_fewer_rows():
         np.testing.assert_allclose(scores_BK[b, 0], score, rtol=1e-5, atol=1e-5)
 
 
+def test_a_growing_cache_returns_the_one_stage_search():
+    # The toy model's history buffer starts 3 positions long: the whole batch runs 3 steps with
+    # it, then it is padded to L (and the batch compacted as examples end). Same hypotheses and
+    # scores as with the whole buffer from the start; the short buffer was really used.
+    L, K = 9, 3
+    table = _table(5)
+    offset_B = jnp.arange(6, dtype=jnp.int32) * 3
+    limits = jnp.array([9, 2, 7, 4, 9, 1], jnp.int32)
+    lengths_seen = set()
+
+    def model(ids_N1, cache, constants):
+        lengths_seen.add(cache['history_BT'].shape[1])
+        return tokens_to_logits(table, ids_N1, cache, constants)
+
+    def grow(cache, length):
+        history = cache['history_BT']
+        return {**cache, 'history_BT': jnp.pad(history, ((0, 0), (0, length - history.shape[1])))}
+
+    full = init_cache(offset_B, L)
+    short = {**full, 'history_BT': full['history_BT'][:, :3]}
+    runs, seen = {}, {}
+    for name, cache, kwargs in [('one', full, {}),
+                                ('grown', short, dict(cache_lengths=(3,), grow_cache=grow,
+                                                      shrink_to=(3,)))]:
+        runs[name] = jax.jit(functools.partial(
+            decode.beam_search, model, cache, batch_size=6, beam_size=K, alpha=0.6, eos_id=EOS,
+            max_decode_len=L, max_lengths=limits, **kwargs))()
+        seen[name] = set(lengths_seen)
+        lengths_seen.clear()
+    np.testing.assert_array_equal(runs['grown'][0], runs['one'][0])
+    np.testing.assert_array_equal(runs['grown'][1], runs['one'][1])
+    assert seen == {'one': {L + 1}, 'grown': {3, L}}, seen  # grown to max_decode_len
+    with pytest.raises(ValueError, match=r'cache_lengths=\(4, 2\)'):
+        decode.beam_search(model, short, batch_size=6, beam_size=K, alpha=0.6, eos_id=EOS,
+                           max_decode_len=L, cache_lengths=(4, 2), grow_cache=grow)
+
+
 def test_shrink_to_must_decrease():
     with pytest.raises(ValueError, match=r'shrink_to=\(4, 4\)'):
         decode.beam_search(
