@@ -10,7 +10,8 @@ CPU; t2t divides by ((5 + |Y|) / 6)^config.length_penalty_alpha, the exports' ru
 |Y|^a with the exponent the export writes (export.runtime_length_penalty: fitted to t2t's):
 - t2t: evaluate.py --translate's code (t2t/translate.py: length-sorted windows, token-budget
   batches over a few bucketed shapes, the jitted beam search), for each input a first run
-  (its shapes' compiles included: first_run_s) and a second, warm run of the same file;
+  (its shapes' compiles included: first_run_s) and a second, warm run of the same file
+  (--t2t_runs=1: the first run only, for inputs where the compiles are a small part);
 - ct2-float32, ct2-int8: CTranslate2 `Translator.translate_file` of the `--format=ct2` export,
   sentencepiece tokenize/detokenize callbacks, batches of --token_budget tokens, 2 threads;
 - hf: transformers `generate()` of the `--format=hf` export with MarianTokenizer, sentences
@@ -53,6 +54,9 @@ _TOKEN_BUDGET = flags.DEFINE_integer('token_budget', 0, 'Source tokens per batch
                                      'CTranslate2 (0: t2t.translate.DEFAULT_TOKEN_BUDGET).')
 _HF_BATCH = flags.DEFINE_integer('hf_batch', 32, 'Sentences per generate() call.')
 _HF_REPEATED = flags.DEFINE_bool('hf_repeated', False, 'Run generate() on the repeated input.')
+_T2T_RUNS = flags.DEFINE_integer('t2t_runs', 2, 't2t runs per input: 2 = the first (compiles '
+                                 'included) and a warm one, measured; 1 = the first only '
+                                 '(100k lines: the compiles are a small part).')
 _THREADS = 2  # this machine's cores
 
 
@@ -194,6 +198,7 @@ def main(argv):
     load = ' '.join(open('/proc/loadavg').read().split()[:3])
     common = dict(model=used, d_model=config.d_model, layers=config.num_encoder_layers,
                   beam=config.beam_size, alpha=config.length_penalty_alpha,
+                  t2t_beam_stop=config.beam_stop,
                   runtime_length_penalty=runtime_penalty(config),
                   devices=sharding.make_mesh((-1, 1, 1)).size, jax=jax.__version__)
 
@@ -234,9 +239,11 @@ def main(argv):
         for name in inputs:  # each input's batch shapes compile in its first run
             run = functools.partial(run_t2t, config, params, tokenizer, inputs[name],
                                     out_path('t2t', name), token_budget)
-            cold, _ = timed(run)
-            wall, cpu = timed(run)
-            record('t2t', name, wall, cpu, {'first_run_s': round(cold, 2)})
+            wall, cpu = first = timed(run)
+            if _T2T_RUNS.value > 1:
+                wall, cpu = timed(run)
+            record('t2t', name, wall, cpu, {'first_run_s': round(first[0], 2),
+                                            'warm': _T2T_RUNS.value > 1})
     for runtime in ('ct2-float32', 'ct2-int8'):
         if runtime not in _RUNTIMES.value:
             continue

@@ -71,6 +71,7 @@ Predict = Callable[[object, object], Prediction]
 # + 8 (the same outputs); 3.9 with + 16. Two growth steps (+ 4, then twice that) gained nothing
 # beyond the noise and compiled once more.
 SHORT_CACHE_OVER_SOURCE = 8
+SHORT_CACHE_MIN_SAVING = 16  # positions below L, or the whole buffer from the start
 
 
 def _self_attention_buffers(cache):
@@ -158,7 +159,9 @@ def make_predict_fn(model_config: TransformerConfig, *, beam_size: int, alpha: f
         # Beam search starts with a cache of `first` positions and grows it to L once (decode.py's
         # cache_lengths): most sentences end before, and every step's reorder and attention
         # cost follows the cache's length.
-        first = L if greedy else min(L, S + SHORT_CACHE_OVER_SOURCE)
+        first = S + SHORT_CACHE_OVER_SOURCE
+        if greedy or L - first < SHORT_CACHE_MIN_SAVING:  # not worth its loop's compile
+            first = L
 
         def decoder_for(length):
             return Transformer(config.replace(decode=True, decode_len=length))

@@ -142,17 +142,18 @@ def test_compacted_search_and_padding_rows(params, inputs_BS):
 
 
 def test_a_short_first_cache_decodes_like_the_whole_buffer(params, inputs_BS, monkeypatch):
-    # Limits of up to 8 + 20 tokens, EOS never emitted: every search outgrows the first cache
-    # (the bucket's 8 + 8 positions) and runs on after it grew. Same as the whole buffer.
+    # Limits of source + 32 tokens (at most 40), EOS never emitted: every search outgrows the
+    # first cache (the bucket's 8 + 8 positions) and runs on after it grew to 40. Same as the
+    # whole buffer from the start.
     params = _suppress(params, [PAD_ID, EOS_ID])
-    settings = dict(alpha=0.6, max_decode_len=30, max_decode_extra=20, beam_size=2)
+    settings = dict(alpha=0.6, max_decode_len=40, max_decode_extra=32, beam_size=2)
     grown = jax.device_get(inference.make_predict_fn(CFG, shrink_floor=1, **settings)(
         params, inputs_BS))
     monkeypatch.setattr(inference, 'SHORT_CACHE_OVER_SOURCE', 100)  # no short cache
     whole = jax.device_get(inference.make_predict_fn(CFG, **settings)(params, inputs_BS))
     np.testing.assert_array_equal(grown.ids_BL, whole.ids_BL)
     np.testing.assert_allclose(grown.score_B, whole.score_B, rtol=1e-5)
-    assert ((whole.ids_BL != PAD_ID).sum(1) == [n + 20 for n in SRC_LENS]).all()
+    assert ((whole.ids_BL != PAD_ID).sum(1) == [min(n + 32, 40) for n in SRC_LENS]).all()
 
 
 def test_config_decoding_keys_reach_the_predict_function(monkeypatch):
