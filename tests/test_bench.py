@@ -42,13 +42,15 @@ def test_decode_speed_runs_a_forced_beam_search():
 
 def test_translate_speed_runs_every_runtime(tmp_path):
     # A random tiny model: t2t's streaming translator, both CTranslate2 weight types, generate().
-    results = _results('bench/translate_speed.py', '--tiny', f'--out_dir={tmp_path}')
+    results = _results('bench/translate_speed.py', '--tiny', '--t2t_runs=1',
+                       f'--out_dir={tmp_path}')
     assert [(r['runtime'], r['input']) for r in results] == [
         ('t2t', 'test'), ('t2t', 'repeated'), ('ct2-float32', 'test'), ('ct2-float32', 'repeated'),
         ('ct2-int8', 'test'), ('ct2-int8', 'repeated'), ('hf', 'test')]
     for r in results:
         assert r['lines'] == (24 if r['input'] == 'test' else 48) and r['sent_s'] > 0, r
         assert 0 <= r.get('same_as_t2t', 0) <= 1 and r['beam'] == 4
+        assert r['t2t_beam_stop'] == 'bound' and r.get('warm') in (None, False)
     # The exported float32 model decodes a random model's test lines as t2t does (greedy
     # parity and beam ties on trained models: tests/test_export.py).
     assert results[2]['same_as_t2t'] >= 0.9, results[2]
