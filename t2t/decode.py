@@ -282,7 +282,9 @@ def beam_search(
 
         # Finished: the best K of the old finished and the candidates that ended now. Old ones
         # come first so ties keep them (top_k prefers the lower index).
-        new_flags_BC = ended_BC & (top_log_probs_BC > NEG_INF)
+        # An example that has stopped keeps its hypotheses: under 'k_finished' a later step could
+        # still improve them, which would make its answer depend on how long its batch runs.
+        new_flags_BC = ended_BC & (top_log_probs_BC > NEG_INF) & searching(state)[:, None]
         if unfinished == 'fallback':
             # Cut hypotheses arrive only at the example's last step, when the finished pool holds
             # EOS ones only: they join only if neither the pool nor this step has one. A few

@@ -48,9 +48,9 @@ def tokens_to_logits(table_RV, ids_N1, cache, constants):
     return table_RV[h_N], new_cache
 
 
-@functools.partial(jax.jit, static_argnames=('beam_size', 'max_decode_len', 'unfinished'))
+@functools.partial(jax.jit, static_argnames=('beam_size', 'max_decode_len', 'unfinished', 'stop'))
 def run_beam(table_RV, offset_B, max_lengths_B, alpha, *, beam_size, max_decode_len,
-             unfinished='fallback'):
+             unfinished='fallback', stop='bound'):
     return decode.beam_search(
         functools.partial(tokens_to_logits, table_RV),
         init_cache(offset_B, max_decode_len),
@@ -61,6 +61,7 @@ def run_beam(table_RV, offset_B, max_lengths_B, alpha, *, beam_size, max_decode_
         max_decode_len=max_decode_len,
         max_lengths=max_lengths_B,
         unfinished=unfinished,
+        stop=stop,
     )
 
 
@@ -425,6 +426,23 @@ def test_k_finished_stops_once_k_hypotheses_ended():
         np.testing.assert_array_equal(seqs_BL[b], _pad(want, L))
     np.testing.assert_allclose(scores_B[[0, 2, 3]], -50 / _pen(2, 0.6), rtol=1e-3)
     np.testing.assert_array_equal(results['bound'][0][2], _pad([2, 3, 4, 2, 3, 4, EOS], L))
+
+
+def test_a_stopped_example_keeps_its_hypotheses_whatever_its_batch():
+    # An example that has stopped stays in the batch while others search on; under
+    # 'k_finished' later steps could still find better hypotheses for it, which would make its
+    # answer depend on its batch. Each example of a batch returns what it returns alone.
+    L, K = 8, 2
+    table = _table(3)
+    offset_B = jnp.arange(8, dtype=jnp.int32) * 7
+    limits = jnp.array([8, 3, 8, 2, 8, 5, 8, 4], jnp.int32)
+    for stop in decode.STOP_RULES:
+        batch = run_beam(table, offset_B, limits, 0.6, beam_size=K, max_decode_len=L, stop=stop)
+        for b in range(8):
+            alone = run_beam(table, offset_B[b:b + 1], limits[b:b + 1], 0.6, beam_size=K,
+                             max_decode_len=L, stop=stop)
+            np.testing.assert_array_equal(batch[0][b], alone[0][0], err_msg=f'{stop} {b}')
+            np.testing.assert_array_equal(batch[1][b], alone[1][0], err_msg=f'{stop} {b}')
 
 
 def test_unknown_stop_rule_is_an_error():
