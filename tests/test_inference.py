@@ -120,40 +120,31 @@ def test_each_example_stops_at_source_length_plus_extra(params, inputs_BS, greed
     np.testing.assert_array_equal(got.capped_B, [True, False, False, False])
 
 
-def test_compacted_search_and_padding_rows(params, inputs_BS):
-    # Real rows interleaved with empty (padding) ones: the search decodes nothing for those, and
-    # compacting the batch as examples end (down to 1 row) returns the one-stage search's
-    # hypotheses, scores and flags.
+def test_compaction_short_cache_and_padding_rows_decode_like_one_plain_search(
+        params, inputs_BS, monkeypatch):
+    # Real rows interleaved with empty (padding) ones, EOS never emitted, limits of source + 32
+    # tokens (at most 40): the search decodes nothing for padding, drops the others from the
+    # batch as they reach their limits (compacting it to 2 rows), and every search outgrows its
+    # first cache (the bucket's 8 + 8 positions) and runs on after it grew to 40. Hypotheses,
+    # scores and flags are those of one stage with the whole buffer from the start.
+    params = _suppress(params, [PAD_ID, EOS_ID])
     padded_BS = np.zeros((8, inputs_BS.shape[1]), np.int32)
     padded_BS[::2] = inputs_BS
-    got = {}
-    for floor in (0, 1):
-        predict = inference.make_predict_fn(CFG, beam_size=2, shrink_floor=floor, **SETTINGS)
-        got[floor] = jax.device_get(predict(params, padded_BS))
-    one, compacted = got[0], got[1]
-    np.testing.assert_array_equal(compacted.ids_BL, one.ids_BL)
-    np.testing.assert_allclose(compacted.score_B, one.score_B, rtol=1e-5)
-    np.testing.assert_array_equal(compacted.hit_limit_B, one.hit_limit_B)
-    np.testing.assert_array_equal(one.ids_BL[1::2], 0)
-    assert not one.hit_limit_B[1::2].any() and np.all(one.score_B[1::2] == -np.inf)
-    assert np.all(np.isfinite(one.score_B[::2])) and (one.ids_BL[::2] != 0).any(1).all()
+    settings = dict(alpha=0.6, max_decode_len=40, max_decode_extra=32, beam_size=2)
+    staged = jax.device_get(inference.make_predict_fn(CFG, shrink_floor=1, **settings)(
+        params, padded_BS))
+    monkeypatch.setattr(inference, 'SHORT_CACHE_OVER_SOURCE', 100)  # no short cache
+    plain = jax.device_get(inference.make_predict_fn(CFG, **settings)(params, padded_BS))
+    np.testing.assert_array_equal(staged.ids_BL, plain.ids_BL)
+    np.testing.assert_allclose(staged.score_B, plain.score_B, rtol=1e-5)
+    np.testing.assert_array_equal(staged.hit_limit_B, plain.hit_limit_B)
+    lengths = (plain.ids_BL != PAD_ID).sum(1)
+    np.testing.assert_array_equal(lengths[::2], [min(n + 32, 40) for n in SRC_LENS])
+    np.testing.assert_array_equal(lengths[1::2], 0)  # padding: nothing decoded, not flagged
+    assert plain.hit_limit_B[::2].all() and not plain.hit_limit_B[1::2].any()
+    assert np.all(np.isfinite(plain.score_B[::2])) and np.all(plain.score_B[1::2] == -np.inf)
     assert inference.shrink_ladder(512, 8) == (128, 32, 8) and inference.shrink_ladder(8, 1) == (2,)
     assert inference.shrink_ladder(8, 0) == () and inference.shrink_ladder(6, 1) == ()
-
-
-def test_a_short_first_cache_decodes_like_the_whole_buffer(params, inputs_BS, monkeypatch):
-    # Limits of source + 32 tokens (at most 40), EOS never emitted: every search outgrows the
-    # first cache (the bucket's 8 + 8 positions) and runs on after it grew to 40. Same as the
-    # whole buffer from the start.
-    params = _suppress(params, [PAD_ID, EOS_ID])
-    settings = dict(alpha=0.6, max_decode_len=40, max_decode_extra=32, beam_size=2)
-    grown = jax.device_get(inference.make_predict_fn(CFG, shrink_floor=1, **settings)(
-        params, inputs_BS))
-    monkeypatch.setattr(inference, 'SHORT_CACHE_OVER_SOURCE', 100)  # no short cache
-    whole = jax.device_get(inference.make_predict_fn(CFG, **settings)(params, inputs_BS))
-    np.testing.assert_array_equal(grown.ids_BL, whole.ids_BL)
-    np.testing.assert_allclose(grown.score_B, whole.score_B, rtol=1e-5)
-    assert ((whole.ids_BL != PAD_ID).sum(1) == [min(n + 32, 40) for n in SRC_LENS]).all()
 
 
 def test_config_decoding_keys_reach_the_predict_function(monkeypatch):
