@@ -190,6 +190,8 @@ def evaluate_params(config, params, tokenizer, eval_split, *, split: str, label:
         'capped_at_max_decode_len': len(result.capped),
         'beam_size': config.beam_size,
         'length_penalty_alpha': config.length_penalty_alpha,
+        'beam_unfinished': config.beam_unfinished,
+        'beam_stop': config.beam_stop,
         'max_decode_extra': config.max_decode_extra,
         'max_decode_len': config.max_decode_len,
         'decode_seconds': round(result.seconds, 3),
@@ -197,8 +199,9 @@ def evaluate_params(config, params, tokenizer, eval_split, *, split: str, label:
         'hypotheses_file': str(hyp_path),
     }
 
+    stop = '' if config.beam_stop == 'bound' else f', stop {config.beam_stop}'
     echo(f'== {label} on {eval_split.name} ({n} sentences, beam {config.beam_size}, '
-         f'alpha {config.length_penalty_alpha}, {result.sentences_per_s:.1f} sentences/s)')
+         f'alpha {config.length_penalty_alpha}{stop}, {result.sentences_per_s:.1f} sentences/s)')
     echo(bleu.format_report(scores))
     echo(f'skipped (longer than max_eval_len={config.max_eval_len}, scored as empty): '
          f'{len(eval_split.skipped)}; ended at the length limit without EOS: '

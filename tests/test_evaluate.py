@@ -79,6 +79,7 @@ def test_latest_checkpoint_writes_scores_and_hypotheses_in_order(run_dir):
     hypotheses = _read_lines(os.path.join(workdir, 'hypotheses-test-step-2.txt'))
     assert len(hypotheses) == record['sentences'] == 13
     assert record['skipped_too_long'] == 1 and hypotheses[3] == ''
+    assert record['beam_stop'] == 'bound' and record['beam_unfinished'] == 'fallback'
     assert all(hypotheses[:3]) and all(hypotheses[4:])
     # A random model never says EOS on purpose: the limit counts must be reported, not hidden.
     assert 0 <= record['capped_at_max_decode_len'] <= record['hit_length_limit'] <= 13
