@@ -49,6 +49,9 @@ Shape letters:
   V  vocabulary size
 """
 
+from __future__ import annotations
+
+import dataclasses
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -113,17 +116,15 @@ def _gather_beams(x_BK, beam_idx_BJ):
     return x_BK[batch_idx_B1, beam_idx_BJ]
 
 
+def _take_rows(tree, rows_N):
+    """Leaves [N, ...] with row n taken from row rows_N[n] (scalar leaves as they are)."""
+    return jax.tree.map(lambda x: x if x.ndim == 0 else jnp.take(x, rows_N, axis=0), tree)
+
+
 def _gather_cache(cache, beam_idx_BK):
     """Re-orders the flat cache rows [B * K, ...] so row b * K + k holds beam beam_idx[b, k]."""
     batch_size, beam_size = beam_idx_BK.shape
-    rows_N = (jnp.arange(batch_size)[:, None] * beam_size + beam_idx_BK).reshape(-1)
-    return jax.tree.map(lambda x: x if x.ndim == 0 else jnp.take(x, rows_N, axis=0), cache)
-
-
-def _gather_examples(tree, example_idx_E, beam_size):
-    """Keeps examples example_idx (in that order) of leaves [B * K, ...]: -> [E * K, ...]."""
-    rows_N = (example_idx_E[:, None] * beam_size + jnp.arange(beam_size)).reshape(-1)
-    return jax.tree.map(lambda x: x if x.ndim == 0 else jnp.take(x, rows_N, axis=0), tree)
+    return _take_rows(cache, (jnp.arange(batch_size)[:, None] * beam_size + beam_idx_BK).ravel())
 
 
 @struct.dataclass
@@ -140,6 +141,14 @@ class BeamState:
     limit_B: jax.Array  # int32: the tokens this example may generate
     origin_B: jax.Array  # int32: the example's row in the batch beam_search was given
     constants: Any  # the model's per-row constants, leaves [N, ...] (or scalars)
+
+    def keep_examples(self, keep_E, beam_size: int) -> BeamState:
+        """The state of examples keep_E only, in that order (rows [N, ...] move K at a time)."""
+        rows_N = (keep_E[:, None] * beam_size + jnp.arange(beam_size)).ravel()
+        per_example = {f.name: getattr(self, f.name)[keep_E] for f in dataclasses.fields(self)
+                       if f.name not in ('step', 'alive_cache', 'constants')}
+        return self.replace(alive_cache=_take_rows(self.alive_cache, rows_N),
+                            constants=_take_rows(self.constants, rows_N), **per_example)
 
 
 def beam_search(
@@ -310,42 +319,30 @@ def beam_search(
             finished_flags_BK=_gather_beams(pool_flags_BM, finished_pos_BK),
         )
 
+    def search(state: BeamState, steps: int, next_rows: int) -> BeamState:
+        """Steps until `steps` or until the searching examples fit in next_rows (0: none left)."""
+        return lax.while_loop(
+            lambda state: (state.step < steps) & (jnp.sum(searching(state)) > next_rows),
+            body_fn, state)
+
+    # The whole batch's first steps with a short cache, then grown (once per length).
     lengths = [n for n in cache_lengths if n < L] if grow_cache is not None else []
     for length, grown in itertools.pairwise([*lengths, L]):
-        # The whole batch's first steps with a short cache, then grow it (once per length).
-        def short_cond_fn(state: BeamState, length=length, next_rows=(*shrink_to, 0)[0]):
-            return (state.step < length) & (jnp.sum(searching(state)) > next_rows)
-
-        state = lax.while_loop(short_cond_fn, body_fn, state)
+        state = search(state, length, (*shrink_to, 0)[0])
         state = state.replace(alive_cache=grow_cache(state.alive_cache, grown))
 
     out_seqs_BKT = jnp.full((B, K, T), PAD_ID, jnp.int32)
     out_scores_BK = jnp.full((B, K), NEG_INF, jnp.float32)
     for next_rows in (*shrink_to, 0):
-
-        def cond_fn(state: BeamState, next_rows=next_rows):
-            # Searching examples fit the next stage: compact first (the last stage: none left).
-            return (state.step < L) & (jnp.sum(searching(state)) > next_rows)
-
-        state = lax.while_loop(cond_fn, body_fn, state)
+        state = search(state, L, next_rows)
         # Every example's hypotheses as they stand; those kept are overwritten by a later stage.
         out_seqs_BKT = out_seqs_BKT.at[state.origin_B].set(state.finished_seqs_BKT)
         out_scores_BK = out_scores_BK.at[state.origin_B].set(state.finished_scores_BK)
         if next_rows:
             # The searching examples first (in order), then finished ones to fill the rows:
             # those stay finished, their hypotheses are written again unchanged.
-            keep_E = jnp.argsort(~searching(state), stable=True)[:next_rows]
-            state = state.replace(
-                alive_seqs_BKT=state.alive_seqs_BKT[keep_E],
-                alive_log_probs_BK=state.alive_log_probs_BK[keep_E],
-                alive_cache=_gather_examples(state.alive_cache, keep_E, K),
-                finished_seqs_BKT=state.finished_seqs_BKT[keep_E],
-                finished_scores_BK=state.finished_scores_BK[keep_E],
-                finished_flags_BK=state.finished_flags_BK[keep_E],
-                limit_B=state.limit_B[keep_E],
-                origin_B=state.origin_B[keep_E],
-                constants=_gather_examples(state.constants, keep_E, K),
-            )
+            state = state.keep_examples(
+                jnp.argsort(~searching(state), stable=True)[:next_rows], K)
     return out_seqs_BKT[:, :, 1:], out_scores_BK
 
 

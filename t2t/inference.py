@@ -76,7 +76,7 @@ SHORT_CACHE_MIN_SAVING = 16  # positions below L, or the whole buffer from the s
 
 def _self_attention_buffers(cache):
     return [(path, x) for path, x in jax.tree_util.tree_leaves_with_path(cache)
-            if jax.tree_util.keystr(path[-1:]) in ("['cached_key']", "['cached_value']")]
+            if path[-1].key in ('cached_key', 'cached_value')]
 
 
 def _cache_length(cache) -> int:
@@ -153,7 +153,9 @@ def make_predict_fn(model_config: TransformerConfig, *, beam_size: int, alpha: f
         L = min(max_decode_len, S + max_decode_extra)  # static: the longest limit in this bucket
         src_len_B = jnp.sum(inputs_BS != PAD_ID, axis=1).astype(jnp.int32)
         wanted_B = src_len_B + max_decode_extra
-        limit_B = jnp.minimum(wanted_B, max_decode_len)
+        # A row without source tokens is padding (a real source holds EOS at least): limit 0
+        # decodes nothing for it.
+        limit_B = jnp.where(src_len_B > 0, jnp.minimum(wanted_B, max_decode_len), 0)
 
         encoded_BSD = encoder.apply({'params': params}, inputs_BS, method=Transformer.encode)
         # Beam search starts with a cache of `first` positions and grows it to L once (decode.py's
@@ -189,9 +191,6 @@ def make_predict_fn(model_config: TransformerConfig, *, beam_size: int, alpha: f
                 logits_NV = jnp.where(valid_V, logits_NV, -1e9)
             return logits_NV, new_vars['cache']
 
-        # A row without source tokens is padding (a real source holds EOS at least): limit 0
-        # decodes nothing for it.
-        limit_B = jnp.where(src_len_B > 0, limit_B, 0)
         score_B = None
         if greedy:
             ids_BL = decode.greedy_search(

@@ -353,11 +353,16 @@ def test_eos_per_example_and_early_stop():
     assert len(steps) == 6  # all examples have stopped after example 3's EOS
 
 
-def test_unknown_unfinished_rule_is_an_error():
-    with pytest.raises(ValueError, match="unfinished='first'"):
+@pytest.mark.parametrize('bad, says', [
+    (dict(unfinished='first'), "unfinished='first'"),
+    (dict(stop='never'), "stop='never'"),
+    (dict(shrink_to=(4, 4)), r'shrink_to=\(4, 4\)'),
+])
+def test_unknown_rule_or_bad_stages_is_an_error(bad, says):
+    with pytest.raises(ValueError, match=says):
         decode.beam_search(
-            lambda ids, c, _: (jnp.zeros((ids.shape[0], V)), c), {}, batch_size=1,
-            beam_size=2, alpha=0.6, eos_id=EOS, max_decode_len=4, unfinished='first',
+            lambda ids, c, _: (jnp.zeros((ids.shape[0], V)), c), {}, batch_size=8,
+            beam_size=2, alpha=0.6, eos_id=EOS, max_decode_len=4, **bad,
         )
 
 
@@ -445,14 +450,6 @@ def test_a_stopped_example_keeps_its_hypotheses_whatever_its_batch():
             np.testing.assert_array_equal(batch[1][b], alone[1][0], err_msg=f'{stop} {b}')
 
 
-def test_unknown_stop_rule_is_an_error():
-    with pytest.raises(ValueError, match="stop='never'"):
-        decode.beam_search(
-            lambda ids, c, _: (jnp.zeros((ids.shape[0], V)), c), {}, batch_size=1,
-            beam_size=2, alpha=0.6, eos_id=EOS, max_decode_len=4, stop='never',
-        )
-
-
 def test_compaction_returns_the_one_stage_search_and_feeds_fewer_rows():
     # Twelve examples whose limits (0 to 9) end their searches at different steps; the offset
     # is a constant (never reordered by beam, only compacted with its example). Compacting to
@@ -528,11 +525,3 @@ def test_a_growing_cache_returns_the_one_stage_search():
     with pytest.raises(ValueError, match=r'cache_lengths=\(4, 2\)'):
         decode.beam_search(model, short, batch_size=6, beam_size=K, alpha=0.6, eos_id=EOS,
                            max_decode_len=L, cache_lengths=(4, 2), grow_cache=grow)
-
-
-def test_shrink_to_must_decrease():
-    with pytest.raises(ValueError, match=r'shrink_to=\(4, 4\)'):
-        decode.beam_search(
-            lambda ids, c, _: (jnp.zeros((ids.shape[0], V)), c), {}, batch_size=8,
-            beam_size=2, alpha=0.6, eos_id=EOS, max_decode_len=4, shrink_to=(4, 4),
-        )
