@@ -6,9 +6,12 @@ before data is read or anything compiles (not absl's or ml_collections' tracebac
     train.py: --config.foo: no such config key in configs/tiny.py
     train.py: --config.num_layers: no such config key in configs/tiny.py (did you mean scan_layers?)
     train.py: --config.dropout_rate=abc: could not convert string to float: 'abc'
-    train.py: --config.dropout_rate=1.5: dropout_rate=1.5 is not in [0, 1)
+    train.py: dropout_rate=1.5 must be in [0, 1)
+    train.py: num_eval_batches=0 must be >= 1, or -1 for all
     train.py: --config.attention_impl=splash: splash attention runs on TPU only, this process has
         cpu devices (use xla or dot_product)
+
+The value rules live in one table, t2t/config_checks.py.
 
     from t2t import cli
     if __name__ == '__main__':
@@ -89,43 +92,23 @@ def run(main, prog: str) -> None:
     app.run(main, flags_parser=functools.partial(parse_flags, prog=prog))
 
 
-def _flag_for(message: str, argv) -> str:
-    """The --config.key=value a value error is about (the key its message starts with)."""
-    for key, value in reversed(_overrides(argv)):
-        if message.startswith(key.split('.')[-1]):
-            return f'--config.{key}={value}: '
-    return ''
+def check_values(config, prog: str) -> None:
+    """The config's values a run can be built from; one line and exit 1 if not.
 
-
-def check_values(config, prog: str, argv=None) -> None:
-    """The config's values a model and a mesh can be built from; one line and exit 1 if not.
-
-    Runs the model config's own checks (t2t/model.py: dropout rates, head split, known
-    implementations), the mesh shapes' form and the beam search's sizes, before any data or
-    compile.
+    The first rule of t2t/config_checks.py's table that the config breaks, then what the model's
+    and the train step's dataclasses (TransformerConfig, StepConfig) still refuse: before any
+    data or compile. Whether the mesh fits the devices is known once they are: startup.make_mesh.
     """
-    from t2t import decode
-    from t2t.model import TransformerConfig
+    from t2t import config_checks, train_lib
 
-    argv = sys.argv if argv is None else argv
-    try:
-        TransformerConfig.from_config(config)
-        for key in ('mesh_shape', 'dcn_mesh_shape'):
-            shape = config.get(key)
-            if shape is not None and not all(isinstance(n, int) and (n >= 1 or n == -1)
-                                          for n in shape):
-                raise ValueError(f'{key}={shape!r} is not a tuple of positive integers (or one '
-                                 f'-1: the devices left), e.g. --config.{key}=1,-1,1')
-        for key, least in (('beam_size', 1), ('beam_shrink_floor', 0)):
-            if key in config and config[key] < least:
-                raise ValueError(f'{key}={config[key]} must be >= {least}')
-        for key, choices in (('beam_unfinished', decode.UNFINISHED_RULES),
-                             ('beam_stop', decode.STOP_RULES)):
-            if key in config and config[key] not in choices:
-                raise ValueError(f'{key}={config[key]!r}; one of {choices}')
-    except ValueError as e:
-        message = str(e).splitlines()[0]
-        sys.exit(f'{prog}: {_flag_for(message, argv)}{message}')
+    line = config_checks.problem(config)
+    if line is None:
+        try:
+            train_lib.StepConfig.from_config(config)  # and TransformerConfig inside it
+        except ValueError as e:
+            line = str(e).splitlines()[0]
+    if line:
+        sys.exit(f'{prog}: {line}')
 
 
 def kernel_missing(impl: str, platform: str) -> str | None:

@@ -137,11 +137,6 @@ def make_predict_fn(model_config: TransformerConfig, *, beam_size: int, alpha: f
         raise ValueError(f'beam_size={beam_size}, max_decode_len={max_decode_len} must be >= 1 '
                          f'and max_decode_extra={max_decode_extra}, shrink_floor={shrink_floor} '
                          '>= 0')
-    if beam_unfinished not in decode.UNFINISHED_RULES:
-        raise ValueError(f'beam_unfinished={beam_unfinished!r}, expected one of '
-                         f'{decode.UNFINISHED_RULES}')
-    if beam_stop not in decode.STOP_RULES:
-        raise ValueError(f'beam_stop={beam_stop!r}, expected one of {decode.STOP_RULES}')
     if max_decode_len > model_config.max_position:  # positions beyond the table would clamp
         raise ValueError(f'max_decode_len={max_decode_len} exceeds the model\'s max_position='
                          f'{model_config.max_position}')

@@ -193,7 +193,7 @@ def train_and_evaluate(config, workdir: str, devices=None) -> TrainResult:
     from t2t import data  # grain / tfds / sentencepiece stay out of the model path
 
     startup.check_writable(workdir)
-    mesh = sharding.make_mesh(config.mesh_shape, devices, config.dcn_mesh_shape)
+    mesh = startup.make_mesh(config, devices)  # one that cannot be: a ConfigError, here
     _say(f'mesh {dict(mesh.shape)} over {mesh.size} {mesh.devices.flat[0].platform} devices '
          f'({jax.process_count()} processes)')
     startup.check_training_config(config, mesh)

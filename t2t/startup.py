@@ -4,25 +4,31 @@ Each failure is a ConfigError (a ValueError) with a one-line message that names 
 the path, so train.py and evaluate.py can print it instead of a traceback.
 """
 
-# Every length a config asks the model to handle; positions 0 .. length - 1 index the table.
-LENGTH_KEYS = ('max_len', 'max_eval_len', 'max_decode_len')
-
 
 class ConfigError(ValueError):
     """A config value or a path the run cannot work with."""
 
 
-def check_lengths(config, keys=LENGTH_KEYS) -> None:
-    """Each length fits the position table (max_position rows) of a sinusoidal/learned model.
+def check_lengths(config) -> None:
+    """Each length the config asks for (config_checks.LENGTH_KEYS) fits the position table
+    (max_position rows): the rule of t2t/config_checks.py, for callers that skip the CLI's."""
+    from t2t import config_checks
 
-    A longer sequence would read positions beyond the table (the model refuses them at trace time
-    too; see model.Embedder). Checked for rotary positions as well, so that a config is valid or
-    not whatever its position_embedding.
-    """
-    for key in keys:
-        if config[key] > config.max_position:
-            raise ConfigError(f'{key}={config[key]} exceeds max_position={config.max_position} '
-                              f'(--config.{key} or --config.max_position)')
+    line = config_checks.problem(config, config_checks.LENGTH_KEYS)
+    if line:
+        raise ConfigError(line)
+
+
+def make_mesh(config, devices=None):
+    """sharding.make_mesh of config.mesh_shape and dcn_mesh_shape over `devices` (default: all);
+    a mesh the devices cannot form (3 devices asked of 1, slices of unequal size) is a
+    ConfigError, one line, before data or compile."""
+    from t2t import sharding
+
+    try:
+        return sharding.make_mesh(config.mesh_shape, devices, config.dcn_mesh_shape)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
 
 
 def check_training_config(config, mesh) -> None:
