@@ -58,7 +58,7 @@ def main(argv):
             raise app.UsageError('--config and --workdir are required (or --summarize=DIR)')
         from t2t import cli
 
-        cli.check_values(_CONFIG.value, 'sweep.py')  # each point's values: points.make_points
+        cli.check_values(_CONFIG.value, 'sweep.py')  # a point's own values: its train.py
         config_path = config_flags.get_config_filename(flags.FLAGS['config'])
         overrides = config_flags.get_override_values(flags.FLAGS['config'])
         return runner.run(config_path, _CONFIG.value, _WORKDIR.value or 'SWEEP_DIR',

@@ -60,8 +60,8 @@ def resolve_mesh_shape(mesh_shape: Sequence[int], num_devices: int,
             raise ValueError(f'mesh_shape={tuple(shape)} does not divide {num_devices} {where}')
         shape[shape.index(-1)] = num_devices // known
     if math.prod(shape) != num_devices:
-        raise ValueError(f'mesh_shape={tuple(shape)} needs {math.prod(shape)} devices, '
-                         f'{num_devices} {where} are present')
+        raise ValueError(f'mesh_shape={tuple(shape)} needs {math.prod(shape)} {where}, the run has '
+                         f'{num_devices} (-1 in it takes what is left)')
     return tuple(shape)
 
 

@@ -1,13 +1,16 @@
-"""A bad --config.key=value is one line naming the key, before any data or compile (t2t/cli.py)."""
+"""A bad --config.key=value is one line naming the key, before any data or compile (t2t/cli.py,
+the rules in t2t/config_checks.py)."""
 
+import importlib
 import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 from configs import tiny
-from t2t import cli
+from t2t import cli, config_checks, exits, startup
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,27 +28,109 @@ def _run(*args) -> subprocess.CompletedProcess:
                           timeout=120, env={'JAX_PLATFORMS': 'cpu', 'PATH': '/usr/bin:/bin'})
 
 
-@pytest.mark.parametrize('key, value, says', [
-    ('dropout_rate', 1.5, 'train.py: --config.dropout_rate=1.5: dropout_rate=1.5 is not in [0, 1)'),
-    ('d_model', 30, 'd_model=30 is not divisible by num_heads=4'),
-    ('attention_impl', 'flash', "attention_impl='flash'; one of"),
-    ('mesh_shape', ('1,x',), "mesh_shape=('1,x',) is not a tuple of positive integers"),
-    ('beam_shrink_floor', -1, 'train.py: --config.beam_shrink_floor=-1: beam_shrink_floor=-1 '
-                              'must be >= 0'),
-    ('beam_stop', 'never', "--config.beam_stop=never: beam_stop='never'; one of ('bound', "
-                           "'k_finished')"),
-])
-def test_an_invalid_value_is_one_line_naming_the_key(key, value, says):
+# (key, value, the line): the values of issue 32 that gave a traceback (most after data
+# preparation and compilation) or were accepted, then those that already gave one line, then more.
+BAD_VALUES = [
+    ('num_eval_batches', 0, 'num_eval_batches=0 must be >= 1, or -1 for all'),
+    ('log_every_steps', 0, 'log_every_steps=0 must be >= 1'),
+    ('eval_every_steps', 0, 'eval_every_steps=0 must be >= 1'),
+    ('checkpoint_every_steps', 0, 'checkpoint_every_steps=0 must be >= 1'),
+    ('grad_accum_steps', 0, 'grad_accum_steps=0 must be >= 1'),
+    ('mesh_shape', (1, 1), 'mesh_shape=(1, 1) must be 3 sizes (data, fsdp, tensor), each >= 1 or '
+                           'one -1 (the devices left), e.g. --config.mesh_shape=-1,1,1'),
+    ('warmup_steps', 0, 'warmup_steps=0 must be >= 1 (the steps the learning rate rises over)'),
+    ('warmup_steps', -5, 'warmup_steps=-5 must be >= 1 (the steps the learning rate rises over)'),
+    ('batch_size', 0, 'batch_size=0 must be >= 1'),
+    ('max_len', 0, 'max_len=0 must be >= 1'),
+    ('vocab_size', 3, "vocab_size=3 must be >= 300 (256 UTF-8 byte pieces, PAD/EOS/UNK and the "
+                      "corpus's characters)"),
+    ('label_smoothing', 1.0, 'label_smoothing=1.0 must be in [0, 1)'),
+    ('learning_rate_scale', -1.0, 'learning_rate_scale=-1.0 must be > 0'),
+    ('num_train_steps', -1, 'num_train_steps=-1 must be >= 1'),
+    ('dropout_rate', 1.5, 'dropout_rate=1.5 must be in [0, 1)'),
+    ('d_model', 30, 'd_model=30 must be divisible by num_heads=4'),
+    ('attention_impl', 'flash',
+     "attention_impl='flash' must be one of ('xla', 'dot_product', 'cudnn', 'splash')"),
+    ('beam_size', 0, 'beam_size=0 must be >= 1'),
+    ('beam_shrink_floor', -1, 'beam_shrink_floor=-1 must be >= 0 (0: no compaction)'),
+    ('beam_stop', 'never', "beam_stop='never' must be one of ('bound', 'k_finished')"),
+    ('beam_unfinished', 'x', "beam_unfinished='x' must be one of ('fallback', 'compete')"),
+    ('max_len', 300, 'max_len=300 exceeds max_position=256 (--config.max_len or '
+                     '--config.max_position)'),
+    ('max_decode_len', 300, 'max_decode_len=300 exceeds max_position=256 '
+                            '(--config.max_decode_len or --config.max_position)'),
+    ('mesh_shape', ('1,x',), "mesh_shape=('1,x',) must be 3 sizes (data, fsdp, tensor), each >= 1 "
+                             "or one -1 (the devices left), e.g. --config.mesh_shape=-1,1,1"),
+    ('mesh_shape', (-1, -1, 1), 'mesh_shape=(-1, -1, 1) must be 3 sizes (data, fsdp, tensor), '
+                                'each >= 1 or one -1 (the devices left), e.g. '
+                                '--config.mesh_shape=-1,1,1'),
+    ('dcn_mesh_shape', (0, 1, 1), 'dcn_mesh_shape=(0, 1, 1) must be 3 sizes >= 1 (data, fsdp, '
+                                  'tensor), e.g. --config.dcn_mesh_shape=2,1,1'),
+    ('num_heads', 0, 'num_heads=0 must be >= 1'),  # no ZeroDivisionError from d_model % 0
+    ('batch_size', 15, 'batch_size=15 must be a multiple of grad_accum_steps=2',
+     {'grad_accum_steps': 2}),
+    ('attention_dropout_rate', 0.1, "attention_dropout_rate=0.1 needs attention_impl=xla "
+                                    "(attention_impl='dot_product' has no dropout on attention "
+                                    "weights)", {'attention_impl': 'dot_product'}),
+    ('position_embedding', 'rope', "position_embedding='rope' needs an even head dimension: "
+                                   "d_model=36 / num_heads=4", {'d_model': 36}),
+    ('rng_impl', 'philox', "rng_impl='philox' must be one of ('threefry', 'rbg', 'unsafe_rbg')"),
+    ('dtype', 'float16', "dtype='float16' must be one of ('float32', 'bfloat16')"),
+]
+
+
+@pytest.mark.parametrize('case', BAD_VALUES, ids=[f'{case[0]}={case[1]}' for case in BAD_VALUES])
+def test_an_invalid_value_is_one_line_naming_the_key_and_what_it_needs(case):
+    key, value, line, *also = case  # also: other keys the rule reads, set first
     config = tiny.get_config()
+    config.update(*also)
     config[key] = value
-    argv = ['train.py', '--config=configs/tiny.py', f'--config.{key}={value}']
-    assert says in _exit_line(cli.check_values, config, 'train.py', argv)
+    assert _exit_line(cli.check_values, config, 'train.py') == f'train.py: {line}'
+    if key in config_checks.LENGTH_KEYS:  # the library's callers get the same line
+        with pytest.raises(startup.ConfigError) as error:
+            startup.check_lengths(config)
+        assert str(error.value) == line
 
 
-def test_valid_configs_pass_including_one_minus_one_in_the_mesh():
+def test_every_config_file_passes_and_one_minus_one_in_the_mesh_is_valid():
+    for path in sorted((ROOT / 'configs').glob('*.py')):
+        module = importlib.import_module(f'configs.{path.stem}')
+        if hasattr(module, 'get_config'):
+            cli.check_values(module.get_config(), 'train.py')  # returns: nothing to say
     config = tiny.get_config()
     config.mesh_shape = (1, -1, 1)
-    cli.check_values(config, 'train.py', ['train.py'])  # returns: nothing to say
+    cli.check_values(config, 'train.py')
+
+
+MESH_LINE = 'mesh_shape=(3, 1, 1) needs 3 devices, the run has 1 (-1 in it takes what is left)'
+
+
+def test_a_mesh_the_devices_cannot_form_is_a_config_error_naming_it():
+    one = jax.devices()[:1]
+    config = tiny.get_config()
+    config.mesh_shape = (3, 1, 1)
+    with pytest.raises(startup.ConfigError) as error:
+        startup.make_mesh(config, one)
+    assert str(error.value) == MESH_LINE
+    config.mesh_shape, config.dcn_mesh_shape = (-1, 1, 1), (2, 1, 1)
+    with pytest.raises(startup.ConfigError, match=r'^dcn_mesh_shape=\(2, 1, 1\) needs 2 slices'):
+        startup.make_mesh(config, one)
+    config.dcn_mesh_shape = (1, 1, 1)
+    assert startup.make_mesh(config, one).shape == {'data': 1, 'fsdp': 1, 'tensor': 1}
+
+
+@pytest.mark.parametrize('flag, line', [
+    ('--config.num_eval_batches=0', 'train.py: num_eval_batches=0 must be >= 1, or -1 for all'),
+    ('--config.mesh_shape=3,1,1',  # one CPU device: the mesh is made before any data
+     f'train.py: {MESH_LINE}'),
+])
+def test_train_py_says_it_in_one_line_before_data_or_compile(tmp_path, flag, line):
+    data_dir = tmp_path / 'data'
+    run = _run('train.py', '--config=configs/tiny.py', f'--workdir={tmp_path / "run"}',
+               f'--config.data_dir={data_dir}', flag)
+    assert run.returncode == exits.ERROR
+    assert run.stderr.strip() == line  # the only line: no traceback, no progress
+    assert not data_dir.exists()  # nothing prepared
 
 
 @pytest.mark.parametrize('impl, platform, ok', [
