@@ -20,7 +20,9 @@ The value rules live in one table, t2t/config_checks.py.
 
 from __future__ import annotations
 
+import difflib
 import functools
+import importlib.util
 import re
 import sys
 
@@ -50,15 +52,33 @@ def _config_file(argv) -> str:
     return str(flags.FLAGS['config'].default_as_str or 'the default config').strip("'")
 
 
-def _missing_key(error: Exception, argv) -> str:
-    """One line for an override whose key the config does not have."""
-    text = str(error).replace('\\n', '\n').replace("\\'", "'")
-    name = re.search(r"'(\w+)'", text)
-    hint = re.search(r'Did you mean "(\w+)"', text)
-    override = next((key for key, _ in _overrides(argv)
-                     if name and name.group(1) in key.split('.')), name and name.group(1))
-    return (f'--config.{override}: no such config key in {_config_file(argv)}'
-            + (f' (did you mean {hint.group(1)}?)' if hint else ''))
+def _load_config(spec: str):
+    """get_config() of a config file, as config_flags calls it ('file.py' or 'file.py:arg')."""
+    path, _, arg = spec.partition(':')
+    module_spec = importlib.util.spec_from_file_location('_t2t_config', path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.get_config(arg) if arg else module.get_config()
+
+
+def _missing_key(argv) -> str | None:
+    """One line for the first --config.key override whose key the config file lacks (with
+    ml_collections' own hint rule: difflib's closest key, cutoff 0.75), or None."""
+    spec = _config_file(argv)
+    try:
+        config = _load_config(spec)
+    except Exception:  # noqa: BLE001 -- then ml_collections' own message is all there is
+        return None
+    for key, _ in _overrides(argv):
+        node = config
+        for part in key.split('.'):
+            keys = list(node.keys()) if hasattr(node, 'keys') else []
+            if part not in keys:
+                hint = difflib.get_close_matches(part, keys, 1, 0.75)
+                return (f'--config.{key}: no such config key in {spec}'
+                        + (f' (did you mean {hint[0]}?)' if hint else ''))
+            node = node[part]
+    return None
 
 
 def parse_flags(argv, prog: str):
@@ -69,7 +89,8 @@ def parse_flags(argv, prog: str):
             flags.FLAGS['config'].value.keys()
         return rest
     except (KeyError, AttributeError) as e:  # ml_collections: an override of a missing key
-        print(f'{prog}: {_missing_key(e, argv)}', file=sys.stderr)
+        line = _missing_key(argv) or str(e).strip().splitlines()[0]
+        print(f'{prog}: {line}', file=sys.stderr)
     except OSError as e:  # the config file itself: missing, or it raises
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         print(f'{prog}: --config={_config_file(argv)}: {lines[-1] if lines else e}',
