@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from t2t import checkpoint, loop, run_record, train_lib, watchdog
+from t2t import checkpoint, exits, loop, run_record, train_lib, watchdog
 from tests import toy_corpus
 from tests.conftest import ROOT, one_device_env
 from tests.test_multiprocess import _free_port
@@ -29,9 +29,11 @@ def _start(port, count, index, *extra):
 
 
 def _finish(proc, timeout=60):
-    """(exit status, stdout, last line of stderr, seconds from now)."""
+    """(exit status, stdout, last line of stderr, seconds from now); the whole stderr is kept as
+    proc.stderr_text."""
     start = time.monotonic()
     out, err = proc.communicate(timeout=timeout)
+    proc.stderr_text = err
     lines = err.strip().splitlines()
     return proc.returncode, out, lines[-1] if lines else '', time.monotonic() - start
 
@@ -126,6 +128,47 @@ def test_watchdog_dumps_stacks_while_a_step_or_a_save_hangs():
     assert text.count('watchdog:') == 2, text
     assert ('watchdog: process 5: the checkpoint save of step 7 has run 0.3' in text
             and '(slow_save_s=0.3)' in text)
+
+
+_HUNG = """
+import sys, time
+from t2t import watchdog
+dog = watchdog.Watchdog(0, 0, 0, process_index=3, poll_s=0.02, hang_timeout_s=0.5,
+                        save_grace_s=float(sys.argv[1]))
+for step in range(1, 4):
+    dog.mark('step', step)
+    time.sleep(0.05)
+dog.mark(sys.argv[2], 4)
+def stuck_in_a_collective():
+    time.sleep(30)
+stuck_in_a_collective()
+"""
+
+
+def test_watchdog_ends_a_stuck_step_save_or_evaluation_with_status_3():
+    """Past hang_timeout_s the process ends by itself (exits.HANG), one line naming the process,
+    the step and how long, then every stack; a save gets storage_outage_limit_s on top."""
+    procs = {kind: subprocess.Popen(
+        [sys.executable, '-c', _HUNG, grace, kind], cwd=ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True) for kind, grace in (
+            ('step', '0'), ('save', '0.7'), ('other', '0'))}
+    results = {kind: _finish(proc, timeout=30) for kind, proc in procs.items()}
+    assert {kind: r[0] for kind, r in results.items()} == dict.fromkeys(procs, exits.HANG)
+    heads = {}
+    for kind, proc in procs.items():
+        err = proc.stderr_text
+        heads[kind] = err.splitlines()[0]
+        assert 'in stuck_in_a_collective' in err and 'Thread 0x' in err, err
+        assert err.count('watchdog:') == 1, err
+    elapsed = {kind: float(h.split(' has run ')[1].split()[0]) for kind, h in heads.items()}
+    assert heads['step'].startswith('watchdog: process 3: step 4 has run ')
+    assert heads['step'].endswith(' s, over hang_timeout_s=0.5: stuck, exiting with status 3 '
+                                  "(every thread's stack follows)")
+    assert heads['save'].startswith('watchdog: process 3: the checkpoint save of step 4 has run ')
+    assert 'over hang_timeout_s=0.5 + storage_outage_limit_s=0.7: stuck' in heads['save']
+    assert heads['other'].startswith('watchdog: process 3: the evaluation at step 4 has run ')
+    assert 0.5 <= elapsed['step'] < 1.5 and 0.5 <= elapsed['other'] < 1.5, elapsed
+    assert 1.2 <= elapsed['save'] < 2.2, elapsed
 
 
 def test_training_records_what_ran_and_survives_a_slow_step_and_save(tmp_path, capfd,
