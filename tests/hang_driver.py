@@ -31,7 +31,8 @@ def _outcome(label, fn):
         fn()
         print(f'{label}: ok after {time.monotonic() - start:.1f} s', flush=True)
     except distributed.SyncError as e:
-        print(f'{label}: SyncError after {time.monotonic() - start:.1f} s: {e}', flush=True)
+        print(f'{label}: {type(e).__name__} after {time.monotonic() - start:.1f} s: {e}',
+              flush=True)
 
 
 def main(argv):
