@@ -62,6 +62,8 @@ def main(argv):
             average_last=_AVERAGE_LAST.value, write_averaged=_WRITE_AVERAGED.value,
             split=_SPLIT.value, translate=_TRANSLATE.value, input_path=_INPUT.value,
             output_path=_OUTPUT.value, truncate_long=_TRUNCATE_LONG.value)
+    except distributed.PeerLost as e:  # exit 4: another process of the job is gone
+        distributed.exit_peer_lost(f'evaluate.py: {e}')
     except (evaluation.EvalError, checkpoint.CheckpointError, startup.ConfigError,
             distributed.SyncError) as e:
         sys.exit(f'evaluate.py: {e}')

@@ -16,8 +16,10 @@ command on every host; jax.distributed is initialized from --coordinator_address
 SIGTERM saves a checkpoint and exits 0; `kill -USR1 <pid>` prints every thread's stack to stderr
 (a job that seems stuck); a step or a checkpoint save that runs far longer than usual prints them
 by itself (config straggler_factor, slow_save_s). WORKDIR/run-<UTC start>.json records what ran.
-Processes that do not all start within --startup_timeout_s are named in one line, exit 1.
-A config, workdir or checkpoint problem is one line on stderr, exit 1.
+Processes that do not all start within --startup_timeout_s are named in one line, exit 1; a
+process lost later (--heartbeat_timeout_s, a barrier) is named in one line, exit 4; a step or save
+stuck for hang_timeout_s exits 3 (t2t/exits.py). A config, workdir or checkpoint problem is one
+line on stderr, exit 1.
 """
 
 import faulthandler
@@ -66,6 +68,8 @@ def main(argv):
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         result = loop.train_and_evaluate(config, _WORKDIR.value)
+    except distributed.PeerLost as e:  # exit 4: a restart of the job can help
+        distributed.exit_peer_lost(f'train.py: {e}')
     except (startup.ConfigError, checkpoint.CheckpointError, loop.NonFiniteLossError,
             distributed.SyncError, OSError) as e:  # OSError: e.g. a full disk; it names the file
         sys.exit(f'train.py: {e}')

@@ -105,6 +105,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.straggler_factor = 10.0  # a step running over this x the median recent step (0 = off) ...
     c.straggler_min_s = 10.0  # ... and over this many seconds (tiny steps jitter)
     c.slow_save_s = 600.0  # a checkpoint save running over this many seconds (0 = off)
+    # A step, save (plus storage_outage_limit_s) or evaluation running this long is stuck (e.g. a
+    # collective whose peer never comes): stacks, then exit 3 for a restart. On by default, as
+    # nothing else ends such a job; well above a cold compile or a full BLEU pass (0 = off).
+    c.hang_timeout_s = 1800.0
 
     # --- decoding
     c.beam_size = 4

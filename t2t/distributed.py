@@ -9,13 +9,18 @@ Start-up: jax.distributed.initialize blocks until every process has registered a
 timeout, aborts with a stack trace that does not say which process is missing. So the processes
 first meet on the coordinator's port in a small handshake of their own (process 0 listens, the
 others say who they are); after --startup_timeout_s process 0 exits with one line naming the
-processes that did not join, and they exit naming the coordinator that did not answer. Only then
-is jax.distributed started, on the same port, with the same timeout.
+processes that did not join, and they exit naming the coordinator that did not answer
+(t2t/handshake.py; a process of another job, --job_id, is refused). Only then is jax.distributed
+started, on the same port, with the same timeout as its initialization_timeout.
+
+Running: a process that stops answering for --heartbeat_timeout_s ends the job in one line naming
+it, exit status exits.PEER_LOST (t2t/peers.py), instead of jax's abort from C++.
 
 After start-up, `wait_for`, `agree` and `share_bytes` meet over jax's coordination service (its
 key-value store: host to host, no device collective), print a progress line every minute and raise
-SyncError naming the processes that did not arrive or that disagree. They never start a jax backend
-(`python -m t2t.data` runs without one): outside a jax.distributed job there is one process.
+SyncError naming the processes that disagree (PeerLost, a SyncError, naming those that did not
+arrive). They never start a jax backend (`python -m t2t.data` runs without one): outside a
+jax.distributed job there is one process.
 
 The decisions every process takes at the same step of a computation (stop here, this checkpoint
 restored everywhere, a SIGTERM somewhere, the steps to evaluate) are small device collectives
@@ -26,7 +31,6 @@ every process calls them at the same point, and they return at once with one pro
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import threading
 import time
@@ -34,6 +38,12 @@ from collections.abc import Sequence
 
 import numpy as np
 from absl import flags
+
+from t2t import exits, handshake, peers
+from t2t.handshake import StartupError
+from t2t.handshake import duration as _elapsed
+from t2t.handshake import name_ids as _ids
+from t2t.handshake import prog_name as _prog
 
 DISTRIBUTED = flags.DEFINE_bool(
     'distributed', False, 'Call jax.distributed.initialize() with auto-detection (TPU pod '
@@ -43,44 +53,61 @@ NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Processes in the jo
 PROCESS_ID = flags.DEFINE_integer('process_id', None, 'This process, 0 .. num_processes-1.')
 STARTUP_TIMEOUT = flags.DEFINE_float(
     'startup_timeout_s', 600.0, 'Several processes: give up (naming the processes that did not '
-    'join) when not all have started within this many seconds.', lower_bound=1.0)
+    'join) when not all have started within this many seconds; also jax.distributed\'s '
+    'initialization timeout.', lower_bound=1.0)
+HEARTBEAT_TIMEOUT = flags.DEFINE_float(
+    'heartbeat_timeout_s', 100.0, 'Several processes: a process not heard from for this many '
+    'seconds is lost; the job ends in one line naming it, exit status 4. jax\'s own heartbeat '
+    'timeout (its abort) is set to twice this plus 10 s.', lower_bound=1.0)
+JOB_ID = flags.DEFINE_string(
+    'job_id', None, 'Several processes: this launch\'s identity, the same on every process; '
+    'the coordinator refuses a process of another job. Default: $T2T_JOB_ID (set by '
+    'scripts/launch_local.py), else SLURM\'s job id and restart count.')
 
 PROGRESS_EVERY_S = 60.0  # a "still waiting" line this often
-_HELLO, _GO, _ABORT = 't2t-join', 't2t-go', 't2t-abort'
-
-
-class StartupError(RuntimeError):
-    """The processes did not all start: the message names the ones missing."""
 
 
 class SyncError(RuntimeError):
     """A host-side barrier timed out or the processes disagree: the message names them."""
 
 
+class PeerLost(SyncError):
+    """A barrier timed out waiting for processes, or the coordination service is gone: a peer is
+    lost (train.py and evaluate.py exit with exits.PEER_LOST)."""
+
+
 def initialize() -> None:
     """jax.distributed.initialize from the flags; nothing without them. Call before any jax op.
 
     Raises StartupError (one line) when not every process started within --startup_timeout_s.
+    Then, with several processes, watches them (t2t/peers.py).
     """
     if COORDINATOR.value:
         _initialize(COORDINATOR.value, NUM_PROCESSES.value, PROCESS_ID.value, None,
                     STARTUP_TIMEOUT.value)
     elif DISTRIBUTED.value:
-        try:  # jax's own cluster detection, which jax.distributed.initialize() would run
-            from jax._src import clusters  # private: without it, jax's start-up as it is
+        _detect_and_initialize()
+    if DISTRIBUTED.value or COORDINATOR.value:
+        _watch_peers()
 
-            detect = clusters.ClusterEnv.auto_detect_unset_distributed_params
-        except (ImportError, AttributeError):
-            import jax
 
-            jax.distributed.initialize(initialization_timeout=int(STARTUP_TIMEOUT.value))
-            return
-        address, count, index, local_ids = detect(None, None, None, None, None,
-                                                  int(STARTUP_TIMEOUT.value))
-        if address is None or count is None or index is None:
-            raise StartupError('--distributed: jax detected no TPU pod, SLURM or Open MPI job; '
-                               'give --coordinator_address, --num_processes and --process_id')
-        _initialize(address, count, index, local_ids, STARTUP_TIMEOUT.value)
+def _detect_and_initialize() -> None:
+    try:  # jax's own cluster detection, which jax.distributed.initialize() would run
+        from jax._src import clusters  # private: without it, jax's start-up as it is
+
+        detect = clusters.ClusterEnv.auto_detect_unset_distributed_params
+    except (ImportError, AttributeError):
+        import jax
+
+        jax.distributed.initialize(initialization_timeout=int(STARTUP_TIMEOUT.value),
+                                   heartbeat_timeout_seconds=_jax_heartbeat_s())
+        return
+    address, count, index, local_ids = detect(None, None, None, None, None,
+                                              int(STARTUP_TIMEOUT.value))
+    if address is None or count is None or index is None:
+        raise StartupError('--distributed: jax detected no TPU pod, SLURM or Open MPI job; '
+                           'give --coordinator_address, --num_processes and --process_id')
+    _initialize(address, count, index, local_ids, STARTUP_TIMEOUT.value)
 
 
 def _initialize(address, count, index, local_ids, timeout_s: float) -> None:
@@ -90,7 +117,7 @@ def _initialize(address, count, index, local_ids, timeout_s: float) -> None:
         raise StartupError(f'--process_id={index} is not in 0 .. {count - 1} '
                            f'(--num_processes={count})')
     if count > 1:
-        rendezvous(address, count, index, timeout_s)
+        handshake.rendezvous(address, count, index, timeout_s, handshake.job_id(JOB_ID.value))
     import jax
     # Every process is up: what remains is jax's own connection. A process dying just now would
     # leave jax waiting, then aborting with a stack trace: one line from here first.
@@ -100,175 +127,37 @@ def _initialize(address, count, index, local_ids, timeout_s: float) -> None:
         f'{timeout_s:.0f} s after all {count} processes joined (coordinator {address})'))).start()
     try:
         jax.distributed.initialize(address, count, index, local_device_ids=local_ids,
-                                   initialization_timeout=int(timeout_s) + 30)
+                                   initialization_timeout=int(timeout_s) + 30,
+                                   heartbeat_timeout_seconds=_jax_heartbeat_s())
     finally:
         done.set()
 
 
+def _jax_heartbeat_s() -> int:
+    return peers.jax_heartbeat_timeout(HEARTBEAT_TIMEOUT.value)
+
+
+def exit_peer_lost(message: str) -> None:
+    """One line, then exit with exits.PEER_LOST, skipping jax's shutdown at exit (a barrier of
+    every process that would wait for the lost one)."""
+    print(message, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(exits.PEER_LOST)
+
+
 def _exit_unless(done: threading.Event, timeout_s: float, message: str) -> None:
-    if not done.wait(timeout_s):
-        print(message, file=sys.stderr, flush=True)
-        os._exit(1)  # the main thread is inside jax's C++ start-up: nothing else stops it
+    if not done.wait(timeout_s):  # the main thread is inside jax's C++ start-up: nothing else
+        exit_peer_lost(message)
 
 
-def _prog() -> str:
-    return os.path.basename(sys.argv[0]) or 'python'
+_watch = None  # the PeerWatch of this process's job
 
 
-# --- the start-up handshake ----------------------------------------------------------------------
-
-
-def _split_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(':')
-    if not sep or not port.isdigit():
-        raise StartupError(f'--coordinator_address={address!r} is not host:port')
-    return host.strip('[]'), int(port)
-
-
-def _ids(ids) -> str:
-    ids = sorted(ids)
-    shown = ', '.join(map(str, ids[:20])) + (f', ... ({len(ids)} in all)' if len(ids) > 20 else '')
-    return ('process ' if len(ids) == 1 else 'processes ') + shown
-
-
-def _elapsed(seconds: float) -> str:
-    return f'{seconds / 60:.0f} min' if seconds >= 90 else f'{seconds:.0f} s'
-
-
-def rendezvous(address: str, count: int, index: int, timeout_s: float) -> None:
-    """Process 0 listens on the coordinator's port until the other count-1 processes said hello
-    (then tells them to go on) or timeout_s passed (then tells those that came to give up and
-    raises StartupError naming the missing ones). The others connect and wait for the answer."""
-    host, port = _split_address(address)
-    if index == 0:
-        _serve(address, port, count, timeout_s)
-    else:
-        _join(address, host, port, count, index, timeout_s)
-
-
-def _listen(port: int) -> socket.socket:
-    """Every interface, like jax's own service ([::]:port)."""
-    try:
-        if socket.has_dualstack_ipv6():
-            return socket.create_server(('', port), family=socket.AF_INET6, dualstack_ipv6=True)
-        return socket.create_server(('', port))
-    except OSError as e:
-        raise StartupError(f'process 0 cannot listen on port {port} of the coordinator: '
-                           f'{e.strerror or e}') from e
-
-
-def _read_line(conn: socket.socket, timeout_s: float) -> str:
-    """One short line, '' on a timeout, a closed connection or something that is not ours."""
-    conn.settimeout(max(timeout_s, 0.01))
-    data = b''
-    try:
-        while b'\n' not in data and len(data) < 4096:
-            chunk = conn.recv(4096)
-            if not chunk:
-                break
-            data += chunk
-    except OSError:
-        pass
-    return data.split(b'\n', 1)[0].decode('utf-8', 'replace') if b'\n' in data else ''
-
-
-def _closed(conn: socket.socket) -> bool:
-    """The other end has gone (a process that said hello, then died)."""
-    try:
-        conn.settimeout(0.0)  # else Python waits for data up to the socket's timeout
-        return conn.recv(1, socket.MSG_PEEK) == b''
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
-
-
-def _serve(address: str, port: int, count: int, timeout_s: float) -> None:
-    start = time.monotonic()
-    deadline, next_progress = start + timeout_s, start + PROGRESS_EVERY_S
-    joined: dict[int, socket.socket] = {}
-    others, problem = [], None
-    with _listen(port) as server:
-        while problem is None:
-            if len(joined) == count - 1:  # all here; but one that died meanwhile must come back
-                for pid in [p for p, conn in joined.items() if _closed(conn)]:
-                    joined.pop(pid).close()
-                if len(joined) == count - 1:
-                    break
-            now = time.monotonic()
-            if now >= deadline:
-                break
-            if now >= next_progress:
-                missing = set(range(1, count)) - set(joined)
-                print(f'{_prog()}: waiting for {_ids(missing)} of {count} to join (coordinator '
-                      f'{address}), {_elapsed(now - start)} so far', flush=True)
-                next_progress += PROGRESS_EVERY_S
-            server.settimeout(max(min(deadline, next_progress) - now, 0.01))
-            try:
-                conn, _ = server.accept()
-            except TimeoutError:
-                continue
-            words = _read_line(conn, 10.0).split()
-            if len(words) != 3 or words[0] != _HELLO or not all(w.isdigit() for w in words[1:]):
-                conn.close()  # not one of ours (a port scan, a stale client): ignore it
-                continue
-            pid, their_count = int(words[1]), int(words[2])
-            if their_count != count:
-                problem = (f'process {pid} has --num_processes={their_count}, process 0 has '
-                           f'{count}')
-            elif pid in joined and _closed(joined[pid]):  # that process restarted: the new one
-                joined.pop(pid).close()
-            if problem is None and (not 0 < pid < count or pid in joined):
-                problem = f'two processes have --process_id={pid}' if pid in joined else (
-                    f'a process has --process_id={pid}, outside 1 .. {count - 1}')
-            if problem:
-                others.append(conn)  # told to give up with the rest
-            else:
-                joined[pid] = conn
-        missing = set(range(1, count)) - set(joined)
-        if problem is None and missing:
-            problem = (f'{_ids(missing)} of {count} did not join within {timeout_s:.0f} s '
-                       f'(coordinator {address})')
-        for conn in [*joined.values(), *others]:
-            try:
-                conn.sendall(f'{_ABORT} {problem}\n'.encode() if problem else f'{_GO}\n'.encode())
-                if not problem:  # let them close first, so the port is free for jax at once
-                    _read_line(conn, 5.0)
-            except OSError:
-                pass
-            conn.close()
-    if problem:
-        raise StartupError(problem)
-
-
-def _join(address: str, host: str, port: int, count: int, index: int, timeout_s: float) -> None:
-    start = time.monotonic()
-    deadline, next_progress = start + timeout_s, start + PROGRESS_EVERY_S
-    while True:
-        try:
-            conn = socket.create_connection((host, port), timeout=5.0)
-            break
-        except OSError:  # process 0 is not listening yet
-            now = time.monotonic()
-            if now >= deadline:
-                raise StartupError(f'process {index}: the coordinator {address} (process 0) did '
-                                   f'not answer within {timeout_s:.0f} s') from None
-            if now >= next_progress:
-                print(f'{_prog()}: process {index}: waiting for the coordinator {address} '
-                      f'(process 0), {_elapsed(now - start)} so far', flush=True)
-                next_progress += PROGRESS_EVERY_S
-            time.sleep(0.25)
-    with conn:
-        conn.sendall(f'{_HELLO} {index} {count}\n'.encode())
-        # Process 0 answers within its own timeout, which may have started a little later.
-        answer = _read_line(conn, timeout_s + 30.0)
-    word, _, rest = answer.partition(' ')
-    if word == _ABORT:
-        raise StartupError(f'process {index}: process 0 gave up: {rest}')
-    if word != _GO:
-        raise StartupError(f'process {index}: the coordinator {address} closed the start-up '
-                           'handshake without an answer (did process 0 start without this '
-                           'process, or is another job on that port?)')
+def _watch_peers() -> None:
+    global _watch
+    if process_count() > 1 and _watch is None:
+        _watch = peers.PeerWatch(_client(), process_count(), process_index(),
+                                 HEARTBEAT_TIMEOUT.value, _prog())
 
 
 # --- host-side barriers over jax's key-value store -----------------------------------------------
@@ -319,8 +208,8 @@ def _arrive_and_wait(client, prefix: str, value: str, waited_for: Sequence[int],
             return values
         now = time.monotonic()
         if now >= deadline:
-            raise SyncError(f'process {jax.process_index()}: gave up at {name!r} after '
-                            f'{timeout_s:.0f} s waiting for {_ids(missing)}: {what}')
+            raise PeerLost(f'process {jax.process_index()}: gave up at {name!r} after '
+                           f'{timeout_s:.0f} s waiting for {_ids(missing)}: {what}')
         if now >= next_progress:
             print(f'{_prog()}: process {jax.process_index()}: waiting for {_ids(missing)}: '
                   f'{what}, {_elapsed(now - start)} so far', flush=True)
@@ -332,7 +221,8 @@ def _arrive_and_wait(client, prefix: str, value: str, waited_for: Sequence[int],
             client.blocking_key_value_get(prefix + str(missing[0]), wait_ms)
         except Exception as e:  # jax raises its runtime error class with DEADLINE_EXCEEDED
             if 'DEADLINE_EXCEEDED' not in str(e):
-                raise
+                raise PeerLost(f'process {jax.process_index()}: the coordination service (process '
+                               f'0) failed at {name!r}: {str(e).splitlines()[0]}') from e
 
 
 def wait_for(name: str, what: str, timeout_s: float,

@@ -331,10 +331,13 @@ def train_and_evaluate(config, workdir: str, devices=None) -> TrainResult:
             if logged:  # after evaluation and saving, so step times measure training alone
                 interval = _Interval()
     finally:
-        dog.close()
-        preemption.uninstall()
-        checkpoint.wait(manager)
-        checkpoint.close(manager)
+        dog.mark('save', step)  # the last asynchronous save is watched too
+        try:
+            preemption.uninstall()
+            checkpoint.wait(manager)
+            checkpoint.close(manager)
+        finally:
+            dog.close()
         writer.close()
     if stopped_by != 'preemption':
         _mark_finished(workdir, step, stopped_by)

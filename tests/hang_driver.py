@@ -2,12 +2,14 @@
 tests/test_hangs.py:
 
     python tests/hang_driver.py --coordinator_address=localhost:PORT --num_processes=2 \
-        --process_id=I --startup_timeout_s=3 [--scenario=barriers]
+        --process_id=I --startup_timeout_s=3 [--scenario=barriers|idle|end] \
+        [--heartbeat_timeout_s=S] [--job_id=J]
 
 Prints 'started' once jax.distributed is up, or how long it took to give up. --scenario=barriers
 then runs, with progress lines every 0.5 s: a barrier that process 1 reaches 1.5 s late, an
 agreement, a disagreement and a barrier that process 1 never reaches, printing one line per
-outcome.
+outcome. --scenario=idle waits 120 s (a peer to be stopped or killed meanwhile); --scenario=end
+exits normally, process 1 --end_after_s later than process 0.
 """
 
 import os
@@ -19,7 +21,8 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from t2t import distributed  # noqa: E402
 
-_SCENARIO = flags.DEFINE_string('scenario', '', "'' (start only) or 'barriers'.")
+_SCENARIO = flags.DEFINE_string('scenario', '', "'' (start only), 'barriers', 'idle' or 'end'.")
+_END_AFTER = flags.DEFINE_float('end_after_s', 0.0, "--scenario=end: process 1's extra time.")
 
 
 def _outcome(label, fn):
@@ -28,7 +31,8 @@ def _outcome(label, fn):
         fn()
         print(f'{label}: ok after {time.monotonic() - start:.1f} s', flush=True)
     except distributed.SyncError as e:
-        print(f'{label}: SyncError after {time.monotonic() - start:.1f} s: {e}', flush=True)
+        print(f'{label}: {type(e).__name__} after {time.monotonic() - start:.1f} s: {e}',
+              flush=True)
 
 
 def main(argv):
@@ -43,6 +47,11 @@ def main(argv):
 
     me = jax.process_index()
     print('started', flush=True)
+    if _SCENARIO.value == 'idle':
+        time.sleep(120)
+    if _SCENARIO.value == 'end':
+        time.sleep(_END_AFTER.value if me == 1 else 0.0)
+        print(f'ending at {time.time():.2f}', flush=True)
     if _SCENARIO.value != 'barriers':
         return
     distributed.PROGRESS_EVERY_S = 0.5

@@ -6,13 +6,15 @@ import glob
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 
-from t2t import checkpoint, loop, run_record, train_lib, watchdog
+from t2t import checkpoint, exits, loop, run_record, train_lib, watchdog
 from tests import toy_corpus
 from tests.conftest import ROOT, one_device_env
+from tests.test_multiprocess import _flags as _pod_flags
 from tests.test_multiprocess import _free_port
 from tests.test_train import _run_config
 
@@ -29,9 +31,11 @@ def _start(port, count, index, *extra):
 
 
 def _finish(proc, timeout=60):
-    """(exit status, stdout, last line of stderr, seconds from now)."""
+    """(exit status, stdout, last line of stderr, seconds from now); the whole stderr is kept as
+    proc.stderr_text."""
     start = time.monotonic()
     out, err = proc.communicate(timeout=timeout)
+    proc.stderr_text = err
     lines = err.strip().splitlines()
     return proc.returncode, out, lines[-1] if lines else '', time.monotonic() - start
 
@@ -79,7 +83,7 @@ def test_barriers_wait_for_late_processes_and_name_absent_and_disagreeing_ones()
     results = [_finish(p) for p in procs]
     assert [r[0] for r in results] == [0, 0], results
     out0, out1 = results[0][1].splitlines(), results[1][1].splitlines()
-    outcomes = [line for line in out0 if ': ok' in line or 'Error' in line]
+    outcomes = [line for line in out0 if ': ok' in line or 'Error' in line or 'PeerLost' in line]
     # Process 1 reaches the first barrier 1.5 s late: process 0 waits, with progress lines.
     assert outcomes[0].startswith('late: ok after') and float(outcomes[0].split()[3]) >= 1.0
     assert any(line.startswith('hang_driver.py: process 0: waiting for process 1: everyone, ')
@@ -91,11 +95,95 @@ def test_barriers_wait_for_late_processes_and_name_absent_and_disagreeing_ones()
     # Process 1 never reaches 'absent': process 0 gives up after 2 s, naming it.
     assert outcomes[3].endswith(": process 0: gave up at 'absent' after 2 s waiting for process 1: "
                                 'process 1 does something')
-    assert outcomes[3].startswith('absent: SyncError after')
+    assert outcomes[3].startswith('absent: PeerLost after')  # train.py: exit 4, a restart helps
     assert 2.0 <= float(outcomes[3].split()[3]) < 3.0
     # ... and both go on to the next barrier, process 1 having waited there for process 0.
     assert outcomes[4].startswith('after: ok') and out1[-1].startswith('after: ok')
     assert 'hang_driver.py: process 1: waiting for process 0: everyone, 1 s so far' in out1, out1
+
+
+HEARTBEAT_S = 3
+
+
+def _started(proc):
+    """Reads the 'started' line byte by byte: nothing after it is buffered away from
+    communicate()."""
+    line = b''
+    while not line.endswith(b'\n') and (byte := os.read(proc.stdout.fileno(), 1)):
+        line += byte
+    assert line == b'started\n', (line, proc.stderr.read() if proc.poll() is not None else '')
+
+
+def test_a_lost_process_ends_the_job_in_one_line_with_status_4():
+    """Three 2-process jobs with --heartbeat_timeout_s=3: process 1 SIGKILLed (process 0 names it),
+    process 0 SIGSTOPped (process 1 names the coordination service), and a normal end where
+    process 1 ends 2 x 3 s after process 0 (both exit 0: waiting at the end is not lost)."""
+    ports = [_free_port() for _ in range(3)]
+    beat = f'--heartbeat_timeout_s={HEARTBEAT_S}'
+    jobs = {name: [_start(port, 2, i, f'--scenario={scenario}', beat, '--end_after_s=6')
+                   for i in range(2)]
+            for name, port, scenario in (('kill', ports[0], 'idle'), ('stop', ports[1], 'idle'),
+                                         ('end', ports[2], 'end'))}
+    for procs in jobs.values():
+        for proc in procs:
+            _started(proc)
+    os.kill(jobs['kill'][1].pid, signal.SIGKILL)
+    os.kill(jobs['stop'][0].pid, signal.SIGSTOP)
+    try:
+        killed = _finish(jobs['kill'][0])
+        stopped = _finish(jobs['stop'][1])
+        ended = [_finish(proc) for proc in jobs['end']]
+    finally:
+        for proc in (jobs['kill'][1], jobs['stop'][0]):
+            proc.kill()
+            proc.wait()
+    assert killed[0] == exits.PEER_LOST, killed
+    head = 'hang_driver.py: process 0: lost process 1: no heartbeat for '
+    assert killed[2].startswith(head) and killed[2].endswith(
+        f' s (--heartbeat_timeout_s={HEARTBEAT_S}); exiting with status 4 (peer lost)'), killed
+    silent = float(killed[2][len(head):].split()[0])
+    assert HEARTBEAT_S <= silent < HEARTBEAT_S + 1.5 and killed[3] < HEARTBEAT_S + 2.5, killed
+    assert stopped[0] == exits.PEER_LOST, stopped
+    assert stopped[2].startswith('hang_driver.py: process 1: the coordination service (process '
+                                 '0) has not answered for '), stopped
+    assert stopped[3] < HEARTBEAT_S + 2.5, stopped
+    assert [r[0] for r in ended] == [0, 0], ended
+    end_times = [float(r[1].split('ending at ')[1].split()[0]) for r in ended]
+    assert end_times[1] - end_times[0] > 2 * HEARTBEAT_S - 0.5, end_times
+
+
+def test_a_stopped_host_ends_training_within_the_heartbeat_timeout(tmp_path):
+    """train.py on 2 processes (1 CPU device each), process 1 SIGSTOPped while it trains: process 0
+    exits with status 4 (peer lost) within --heartbeat_timeout_s and a little, naming process 1,
+    instead of waiting in the next collective until jax aborts it; hang_timeout_s=30 is the
+    later backstop (exit 3)."""
+    (tmp_path / 'corpus').mkdir()
+    corpus = toy_corpus.make_corpus(tmp_path / 'corpus')
+    workdir = tmp_path / 'run'
+    port, procs = _free_port(), []
+    flags = _pod_flags(corpus, num_train_steps=100000, log_every_steps=1, eval_every_steps=100000,
+                       checkpoint_every_steps=100000, hang_timeout_s=30.0)
+    for i in range(2):
+        procs.append(subprocess.Popen(
+            [sys.executable, 'train.py', *flags, f'--workdir={workdir}',
+             f'--config.data_dir={tmp_path / f"data{i}"}',
+             f'--coordinator_address=localhost:{port}', '--num_processes=2', f'--process_id={i}',
+             f'--heartbeat_timeout_s={HEARTBEAT_S}'], cwd=ROOT, env=one_device_env(),
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    try:
+        metrics_file, deadline = workdir / 'metrics.jsonl', time.monotonic() + 400
+        while not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 3):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), [
+                p.poll() for p in procs]
+            time.sleep(0.2)
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        status, _, last, took = _finish(procs[0], timeout=60)
+    finally:
+        procs[1].kill()
+        procs[1].wait()
+    assert status == exits.PEER_LOST, (status, procs[0].stderr_text[-3000:])
+    assert last.startswith('train.py: process 0: lost process 1: no heartbeat for '), last
+    assert took < HEARTBEAT_S + 3, took
 
 
 def _sleep_in(seconds):
@@ -126,6 +214,47 @@ def test_watchdog_dumps_stacks_while_a_step_or_a_save_hangs():
     assert text.count('watchdog:') == 2, text
     assert ('watchdog: process 5: the checkpoint save of step 7 has run 0.3' in text
             and '(slow_save_s=0.3)' in text)
+
+
+_HUNG = """
+import sys, time
+from t2t import watchdog
+dog = watchdog.Watchdog(0, 0, 0, process_index=3, poll_s=0.02, hang_timeout_s=0.5,
+                        save_grace_s=float(sys.argv[1]))
+for step in range(1, 4):
+    dog.mark('step', step)
+    time.sleep(0.05)
+dog.mark(sys.argv[2], 4)
+def stuck_in_a_collective():
+    time.sleep(30)
+stuck_in_a_collective()
+"""
+
+
+def test_watchdog_ends_a_stuck_step_save_or_evaluation_with_status_3():
+    """Past hang_timeout_s the process ends by itself (exits.HANG), one line naming the process,
+    the step and how long, then every stack; a save gets storage_outage_limit_s on top."""
+    procs = {kind: subprocess.Popen(
+        [sys.executable, '-c', _HUNG, grace, kind], cwd=ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True) for kind, grace in (
+            ('step', '0'), ('save', '0.7'), ('other', '0'))}
+    results = {kind: _finish(proc, timeout=30) for kind, proc in procs.items()}
+    assert {kind: r[0] for kind, r in results.items()} == dict.fromkeys(procs, exits.HANG)
+    heads = {}
+    for kind, proc in procs.items():
+        err = proc.stderr_text
+        heads[kind] = err.splitlines()[0]
+        assert 'in stuck_in_a_collective' in err and 'Thread 0x' in err, err
+        assert err.count('watchdog:') == 1, err
+    elapsed = {kind: float(h.split(' has run ')[1].split()[0]) for kind, h in heads.items()}
+    assert heads['step'].startswith('watchdog: process 3: step 4 has run ')
+    assert heads['step'].endswith(' s, over hang_timeout_s=0.5: stuck, exiting with status 3 '
+                                  "(every thread's stack follows)")
+    assert heads['save'].startswith('watchdog: process 3: the checkpoint save of step 4 has run ')
+    assert 'over hang_timeout_s=0.5 + storage_outage_limit_s=0.7: stuck' in heads['save']
+    assert heads['other'].startswith('watchdog: process 3: the evaluation at step 4 has run ')
+    assert 0.5 <= elapsed['step'] < 1.5 and 0.5 <= elapsed['other'] < 1.5, elapsed
+    assert 1.2 <= elapsed['save'] < 2.2, elapsed
 
 
 def test_training_records_what_ran_and_survives_a_slow_step_and_save(tmp_path, capfd,
