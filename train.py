@@ -23,12 +23,13 @@ A config, workdir or checkpoint problem is one line on stderr, exit 1.
 import faulthandler
 import signal
 import sys
+import time
 
 from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from t2t import cli, distributed
+from t2t import cli, compile_cache, distributed, goodput
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Experiment config.')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Checkpoints, metrics and logs go here.')
@@ -51,13 +52,16 @@ def main(argv):
         return
     if not _WORKDIR.value:
         raise app.UsageError('--workdir is required (checkpoints, metrics and logs go there)')
+    started = time.perf_counter()
     try:
         distributed.initialize()
     except distributed.StartupError as e:  # one line naming the processes that did not join
         sys.exit(f'train.py: {e}')
+    goodput.note_startup('distributed_init', started)
     import jax
 
     cli.check_platform(config, jax.default_backend(), 'train.py')
+    compile_cache.setup(config)
     if not flags.FLAGS['verbosity'].present:
         absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save at INFO
 
@@ -71,6 +75,10 @@ def main(argv):
         sys.exit(f'train.py: {e}')
     print(f'finished at step {result.step} ({result.stopped_by}); '
           + ' '.join(f'{k}={v:.4g}' for k, v in result.eval_metrics.items()))
+    if jax.process_index() == 0:
+        from t2t import goodput_report
+
+        print(goodput_report.summary_line(goodput_report.report(_WORKDIR.value)))
 
 
 # --dry_run --topology: TPU ahead-of-time compile (t2t/aot.py, report in t2t/aot_report.py)

@@ -31,7 +31,8 @@ class Watchdog:
     """`mark(kind, step)` from the loop; `close()` at the end. Cheap: no device sync, no I/O."""
 
     def __init__(self, straggler_factor: float, straggler_min_s: float, slow_save_s: float,
-                 process_index: int = 0, poll_s: float = POLL_S, stream=None):
+                 process_index: int = 0, poll_s: float = POLL_S, stream=None, on_finding=None):
+        self.on_finding = on_finding  # (kind, step, elapsed_s, limit_s), e.g. the goodput ledger
         self.factor, self.min_s, self.slow_save_s = straggler_factor, straggler_min_s, slow_save_s
         self.process_index, self.stream = process_index, stream
         self._steps = collections.deque(maxlen=_HISTORY)  # seconds of the finished steps
@@ -45,9 +46,9 @@ class Watchdog:
             self._thread.start()
 
     @classmethod
-    def from_config(cls, config, process_index: int = 0) -> Watchdog:
+    def from_config(cls, config, process_index: int = 0, on_finding=None) -> Watchdog:
         return cls(config.straggler_factor, config.straggler_min_s, config.slow_save_s,
-                   process_index, POLL_S)
+                   process_index, POLL_S, on_finding=on_finding)
 
     def mark(self, kind: str, step: int) -> None:
         """From now on the loop does `kind` ('step', 'save' or 'other') for `step`."""
@@ -81,6 +82,8 @@ class Watchdog:
             elapsed = time.perf_counter() - start
             if elapsed > limit:
                 self._fired = current
+                if self.on_finding is not None:
+                    self.on_finding(kind, step, elapsed, limit)
                 self._dump(kind, step, elapsed, limit, median)
 
     def _dump(self, kind: str, step: int, elapsed: float, limit: float, median) -> None:
