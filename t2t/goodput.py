@@ -52,6 +52,27 @@ _LOG_RATIO = math.log(BUCKET_RATIO)
 _IMPORTED = time.time()
 _startup: dict[str, float] = {}  # seconds of named start-up stages before the first ledger
 _first_attempt_of_process = True
+# jax's compile stages (jax._src.dispatch's monitoring events) -> the ledger's names. The
+# persistent compilation cache serves 'xla' (compile, or load from the cache); tracing and
+# lowering to StableHLO are paid by every process.
+_JAX_STAGES = {'/jax/core/compile/jaxpr_trace_duration': 'trace',
+               '/jax/core/compile/jaxpr_to_mlir_module_duration': 'lower',
+               '/jax/core/compile/backend_compile_duration': 'xla'}
+_active = None  # the ledger of the attempt running in this process
+
+
+def _on_jax_duration(event: str, duration: float, **_) -> None:
+    ledger = _active
+    if ledger is not None and ledger._phase == 'compile' and event in _JAX_STAGES:
+        ledger._stages[_JAX_STAGES[event]] += duration
+
+
+def _listen_to_jax() -> None:
+    import jax
+
+    if _on_jax_duration not in getattr(_listen_to_jax, 'done', ()):
+        jax.monitoring.register_event_duration_secs_listener(_on_jax_duration)
+        _listen_to_jax.done = (_on_jax_duration,)
 
 
 def process_start_time() -> float:
@@ -109,6 +130,7 @@ class Ledger:
         self._seconds = collections.defaultdict(float)
         self._seconds['startup'] = now - self.start
         self._hist = collections.Counter()  # step-time buckets of the current slice
+        self._stages = collections.defaultdict(float)  # jax's stages inside 'compile' phases
         self._max_step = 0.0
         self._step_start, self._clean = None, False
         self._lock = threading.Lock()  # the watchdog's thread writes findings
@@ -126,11 +148,15 @@ class Ledger:
 
     @classmethod
     def from_config(cls, config, workdir) -> Ledger:
+        """The ledger of an attempt starting now; it also books jax's compile stages."""
         import jax
 
+        global _active
+        _listen_to_jax()
         index = jax.process_index()
-        return cls(workdir, index, jax.process_count(),
-                   enabled=index == 0 or config.goodput_all_processes)
+        _active = cls(workdir, index, jax.process_count(),
+                      enabled=index == 0 or config.goodput_all_processes)
+        return _active
 
     # --- the loop's calls --------------------------------------------------------------------
 
@@ -202,6 +228,9 @@ class Ledger:
         self._since = now
         record = {'at': at, 't': round(time.time(), 3), 'step': self.step,
                   'seconds': {k: round(v, 6) for k, v in self._seconds.items() if v > 0}}
+        if self._stages:
+            record['compile_stages'] = {k: round(v, 6) for k, v in self._stages.items()}
+            self._stages.clear()
         if self._hist:
             record['step_times'] = {str(k): n for k, n in sorted(self._hist.items())}
             record['max_step_s'] = round(self._max_step, 6)
@@ -224,6 +253,9 @@ class Ledger:
             cause = {'num_train_steps': 'finished', 'preemption': 'preempted'}.get(outcome,
                                                                                  outcome)
         self.flush('end', cause=cause)
+        global _active
+        if _active is self:
+            _active = None
         if self._appender is not None:
             self._appender.close()
 

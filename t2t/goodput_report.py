@@ -69,7 +69,7 @@ def _attempt(name: str, records: list[dict]) -> dict:
     """One attempt's own account: phases, steps, slices, step times, findings, cause."""
     start = records[0]['t']
     phases = dict.fromkeys(goodput.PHASES, 0.0)
-    slices, hist, findings = [], {}, []
+    slices, hist, findings, stages = [], {}, [], {}
     max_step, previous, first_step, last_step, cause = 0.0, None, None, None, 'killed'
     for r in records[1:]:
         if r['at'] == 'finding':
@@ -84,19 +84,22 @@ def _attempt(name: str, records: list[dict]) -> dict:
             if first_step is None:
                 first_step = step
             previous = last_step = step
+        for k, s in r.get('compile_stages', {}).items():
+            stages[k] = stages.get(k, 0.0) + s
         for k, n in r.get('step_times', {}).items():
             hist[int(k)] = hist.get(int(k), 0) + n
         max_step = max(max_step, r.get('max_step_s', 0.0))
         if r['at'] == 'end':
             cause = r['cause']
-    if cause == 'killed' and findings and findings[-1]['t'] >= records[-1]['t']:
+    if cause == 'killed' and records[-1]['at'] == 'finding':
         cause = f'killed after a watchdog finding ({findings[-1]["kind"]})'
-    end = max(r['t'] for r in records)
+    end = max(r['t'] for r in records if 'seconds' in r or r['at'] == 'start')  # accounted to
     return {'file': name, 'start': start, 'end': end, 'cause': cause, 'phases': phases,
             'slices': slices, 'first_step': first_step, 'last_step': last_step,
             'step_times': {'steps': sum(hist.values()), 'median_s': _quantile(hist, 0.5),
                            'p90_s': _quantile(hist, 0.9), 'max_s': max_step or None},
-            'findings': findings, 'startup': records[0].get('startup', {})}
+            'findings': findings, 'startup': records[0].get('startup', {}),
+            'compile_stages': {k: stages.get(k, 0.0) for k in ('trace', 'lower', 'xla')}}
 
 
 def _categories(phases: dict, lost: float) -> dict:
@@ -134,7 +137,8 @@ def report(workdir, process_index: int = 0) -> dict | None:
             'steps': [a['first_step'], a['last_step']], 'lost_steps': lost_steps,
             'wall_s': wall, 'seconds': seconds,
             'goodput': seconds['productive'] / wall if wall > 0 else None,
-            'startup': a['startup'], 'step_times': a['step_times'], 'findings': a['findings']})
+            'startup': a['startup'], 'compile_stages': a['compile_stages'],
+            'step_times': a['step_times'], 'findings': a['findings']})
     wall = max(a['end'] for a in attempts) - attempts[0]['start']
     accounted = sum(totals.values())
     return {
@@ -175,12 +179,14 @@ def format_report(r: dict) -> str:
     if abs(r['unaccounted_s']) > 1e-3 * max(r['wall_s'], 1e-9):
         lines.append(f'  {"unaccounted":24}{_s(r["unaccounted_s"]):>10}'
                      f'{_pct(r["unaccounted_s"] / r["wall_s"]):>8}')
-    short = {'productive': 'train', 'initialization': 'init', 'compile': 'compile',
-             'restore': 'restore', 'checkpoint': 'ckpt', 'evaluation': 'eval',
-             'data_wait': 'data', 'profiling': 'prof', 'lost_progress': 'lost', 'idle': 'idle'}
-    lines.append('per attempt (seconds; step times from 2% buckets):')
-    lines.append('  #  start                 steps      ' + ''.join(f'{v:>8}' for v in
-                 short.values()) + '  goodput  step median/p90/max    end')
+    columns = [('train', 'productive'), ('init', 'initialization'), ('compile', 'compile'),
+               ('xla', None), ('restore', 'restore'), ('ckpt', 'checkpoint'),
+               ('eval', 'evaluation'), ('data', 'data_wait'), ('prof', 'profiling'),
+               ('lost', 'lost_progress'), ('idle', 'idle')]
+    lines.append('per attempt (seconds; xla: the part of compile that XLA compiled or loaded from '
+                 'the cache; step times from 2% buckets):')
+    lines.append('  #  start                 steps      ' + ''.join(f'{h:>8}' for h, _ in columns)
+                 + '  goodput  step median/p90/max    end')
     for a in r['per_attempt']:
         st = a['step_times']
         steps = f'{a["steps"][0]}->{a["steps"][1]}' if a['steps'][0] is not None else '-'
@@ -190,8 +196,9 @@ def format_report(r: dict) -> str:
                     f'{"s" if len(a["findings"]) != 1 else ""} (steps '
                     + ', '.join(str(f['step']) for f in a['findings'][:5]) + ')'
                     if a['findings'] else '')
+        values = [a['seconds'][c] if c else a['compile_stages']['xla'] for _, c in columns]
         lines.append(f'  {a["attempt"]:<2} {a["start"]:21} {steps:10} '
-                     + ''.join(f'{_s(a["seconds"][c]):>8}' for c in short)
+                     + ''.join(f'{_s(v):>8}' for v in values)
                      + f'{_pct(a["goodput"]):>9}  {times:21}  {a["cause"]}'
                      + (f', {a["lost_steps"]} steps lost' if a['lost_steps'] else '')
                      + findings)
