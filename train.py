@@ -16,6 +16,8 @@ command on every host; jax.distributed is initialized from --coordinator_address
 SIGTERM saves a checkpoint and exits 0; `kill -USR1 <pid>` prints every thread's stack to stderr
 (a job that seems stuck); a step or a checkpoint save that runs far longer than usual prints them
 by itself (config straggler_factor, slow_save_s). WORKDIR/run-<UTC start>.json records what ran.
+WORKDIR/goodput/ records where the time went (`python -m t2t.goodput WORKDIR`); compiles are
+cached across restarts (config compilation_cache_dir); config profile_start_step takes a profile.
 Processes that do not all start within --startup_timeout_s are named in one line, exit 1.
 A config, workdir or checkpoint problem is one line on stderr, exit 1.
 """
@@ -78,7 +80,7 @@ def main(argv):
     if jax.process_index() == 0:
         from t2t import goodput_report
 
-        print(goodput_report.summary_line(goodput_report.report(_WORKDIR.value)))
+        goodput_report.print_summary(_WORKDIR.value)  # where the time went
 
 
 # --dry_run --topology: TPU ahead-of-time compile (t2t/aot.py, report in t2t/aot_report.py)

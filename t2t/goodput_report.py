@@ -218,6 +218,18 @@ def summary_line(r: dict) -> str:
             + f' (python -m t2t.goodput {r["workdir"]})')
 
 
+def print_summary(workdir) -> None:
+    """train.py's last line: the summary line, or why there is none (training is over: never an
+    error)."""
+    try:
+        r = report(workdir)
+    except Exception as e:  # noqa: BLE001 - e.g. a bucket outage
+        print(f'goodput: no report ({type(e).__name__}: {str(e)[:200]})', flush=True)
+        return
+    if r is not None:
+        print(summary_line(r), flush=True)
+
+
 def scalars(r: dict) -> dict:
     """The report's totals as TensorBoard scalars."""
     out = {'goodput': r['goodput'], 'goodput/wall_s': r['wall_s'],
