@@ -15,7 +15,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from t2t import cli, distributed
+from t2t import cli, compile_cache, distributed
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Experiment config.')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'The training workdir (holds checkpoints/).')
@@ -49,6 +49,7 @@ def main(argv):
     import jax
 
     cli.check_platform(_CONFIG.value, jax.default_backend(), 'evaluate.py')
+    compile_cache.setup(_CONFIG.value)
     if not flags.FLAGS['verbosity'].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
     from t2t import checkpoint, evaluation, startup, watch  # after flag parsing: fast --help

@@ -16,6 +16,8 @@ command on every host; jax.distributed is initialized from --coordinator_address
 SIGTERM saves a checkpoint and exits 0; `kill -USR1 <pid>` prints every thread's stack to stderr
 (a job that seems stuck); a step or a checkpoint save that runs far longer than usual prints them
 by itself (config straggler_factor, slow_save_s). WORKDIR/run-<UTC start>.json records what ran.
+WORKDIR/goodput/ records where the time went (`python -m t2t.goodput WORKDIR`); compiles are
+cached across restarts (config compilation_cache_dir); config profile_start_step takes a profile.
 Processes that do not all start within --startup_timeout_s are named in one line, exit 1; a
 process lost later (--heartbeat_timeout_s, a barrier) is named in one line, exit 4; a step or save
 stuck for hang_timeout_s exits 3 (t2t/exits.py). A config, workdir or checkpoint problem is one
@@ -25,12 +27,13 @@ line on stderr, exit 1.
 import faulthandler
 import signal
 import sys
+import time
 
 from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from t2t import cli, distributed
+from t2t import cli, compile_cache, distributed, goodput
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Experiment config.')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Checkpoints, metrics and logs go here.')
@@ -53,13 +56,16 @@ def main(argv):
         return
     if not _WORKDIR.value:
         raise app.UsageError('--workdir is required (checkpoints, metrics and logs go there)')
+    started = time.perf_counter()
     try:
         distributed.initialize()
     except distributed.StartupError as e:  # one line naming the processes that did not join
         sys.exit(f'train.py: {e}')
+    goodput.note_startup('distributed_init', started)
     import jax
 
     cli.check_platform(config, jax.default_backend(), 'train.py')
+    compile_cache.setup(config)
     if not flags.FLAGS['verbosity'].present:
         absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save at INFO
 
@@ -75,6 +81,10 @@ def main(argv):
         sys.exit(f'train.py: {e}')
     print(f'finished at step {result.step} ({result.stopped_by}); '
           + ' '.join(f'{k}={v:.4g}' for k, v in result.eval_metrics.items()))
+    if jax.process_index() == 0:
+        from t2t import goodput_report
+
+        goodput_report.print_summary(_WORKDIR.value)  # where the time went
 
 
 # --dry_run --topology: TPU ahead-of-time compile (t2t/aot.py, report in t2t/aot_report.py)

@@ -109,6 +109,17 @@ def base_config() -> ml_collections.ConfigDict:
     # collective whose peer never comes): stacks, then exit 3 for a restart. On by default, as
     # nothing else ends such a job; well above a cold compile or a full BLEU pass (0 = off).
     c.hang_timeout_s = 1800.0
+    # Where the time goes (docs/goodput.md): WORKDIR/goodput/ from process 0, or from every one.
+    c.goodput_all_processes = False
+    # A jax.profiler trace of steps [start, start + num) into WORKDIR/profiles/ (0 = none), again
+    # every profile_every_steps (0 = once); process 0 only unless profile_all_processes.
+    c.profile_start_step = 0
+    c.profile_num_steps = 3
+    c.profile_every_steps = 0
+    c.profile_all_processes = False
+    # jax's persistent compilation cache (t2t/compile_cache.py): '' = $JAX_COMPILATION_CACHE_DIR
+    # or ~/.cache/t2t/jax (host-local), 'off', or a directory / gs:// URL.
+    c.compilation_cache_dir = ''
 
     # --- decoding
     c.beam_size = 4

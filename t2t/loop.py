@@ -24,7 +24,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t2t import checkpoint, distributed, flops, metrics, optim, sharding, startup, train_lib
+from t2t import (
+    checkpoint,
+    distributed,
+    flops,
+    goodput,
+    metrics,
+    optim,
+    profiling,
+    sharding,
+    startup,
+    train_lib,
+)
 from t2t import workdir as wd
 from t2t.data import identity
 from t2t.preemption import Interrupted, PreemptionFlag
@@ -188,11 +199,24 @@ def train_and_evaluate(config, workdir: str, devices=None) -> TrainResult:
     """Trains config in workdir (resuming from its latest checkpoint) and returns final metrics.
 
     devices: the devices of the mesh (default: all). A checkpoint of any mesh, device count or
-    process count resumes here, with the data continuing at the same global batch.
+    process count resumes here, with the data continuing at the same global batch. Where the
+    time went: WORKDIR/goodput/ (t2t/goodput.py), one ledger per call.
     """
+    startup.check_writable(workdir)
+    ledger = goodput.Ledger.from_config(config, workdir)
+    try:
+        result = _train_and_evaluate(config, workdir, devices, ledger)
+    except BaseException as e:
+        ledger.end(e)
+        raise
+    ledger.end(result.stopped_by)
+    return result
+
+
+def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> TrainResult:
     from t2t import data  # grain / tfds / sentencepiece stay out of the model path
 
-    startup.check_writable(workdir)
+    profile = profiling.Profiler.from_config(config, workdir, ledger)
     mesh = startup.make_mesh(config, devices)  # one that cannot be: a ConfigError, here
     _say(f'mesh {dict(mesh.shape)} over {mesh.size} {mesh.devices.flat[0].platform} devices '
          f'({jax.process_count()} processes)')
@@ -207,7 +231,9 @@ def train_and_evaluate(config, workdir: str, devices=None) -> TrainResult:
     if eval_rows != config.eval_batch_size:
         _say(f'eval_batch_size {config.eval_batch_size} is padded to {eval_rows} rows (a multiple '
              f'of the {sharding.data_parallel_size(mesh)} data-parallel devices)')
+    ledger.mark('data')
     tokenizer, train_iter, data_identity = _training_data(config, workdir, rows)
+    ledger.mark('setup', flush='data_ready')
 
     tx = optim.make_optimizer(config)
     manager = checkpoint.make_manager(workdir, config)
@@ -215,8 +241,10 @@ def train_and_evaluate(config, workdir: str, devices=None) -> TrainResult:
     state_shardings = jax.tree_util.tree_map(lambda x: x.sharding, abstract)
     trained_s = 0.0  # training seconds of earlier runs of this workdir (the budget is total)
     meta = {}
+    ledger.mark('restore')
     restored = checkpoint.restore_newest_good(  # the state and its metadata, in one read
         manager, lambda s: checkpoint.restore(manager, s, abstract, train_iter, with_metadata=True))
+    ledger.mark('setup')
     if restored is None:
         state, _ = train_lib.create_sharded_state(config, mesh, tx)
     else:
@@ -231,8 +259,8 @@ def train_and_evaluate(config, workdir: str, devices=None) -> TrainResult:
     _clear_finished(workdir)
 
     step_config = train_lib.StepConfig.from_config(config)
-    train_step = train_lib.jit_train_step(step_config, tx, state_shardings, mesh)
-    eval_step = train_lib.jit_eval_step(step_config, state_shardings.params, mesh)
+    train_step = ledger.compiling(train_lib.jit_train_step(step_config, tx, state_shardings, mesh))
+    eval_step = ledger.compiling(train_lib.jit_eval_step(step_config, state_shardings.params, mesh))
     eval_data = data.eval_split(config, tokenizer, config.eval_split)
     num_eval = len(eval_data.plan(config.eval_batch_size))
     _say(f'eval loss on {eval_data.name}: ' + (
@@ -241,6 +269,7 @@ def train_and_evaluate(config, workdir: str, devices=None) -> TrainResult:
         'length buckets (num_eval_batches=-1: all)'))
 
     step = int(jax.device_get(state.step))
+    ledger.begin(step)
     # A pending evaluation (see below) may have been written by a run killed after it.
     writer = metrics.MetricWriter(
         workdir, enabled=jax.process_index() == 0, start_step=step,
@@ -258,6 +287,7 @@ def train_and_evaluate(config, workdir: str, devices=None) -> TrainResult:
     def over_budget():
         return config.train_time_budget_s > 0 and train_seconds() >= config.train_time_budget_s
 
+    @ledger.timed('eval')
     def evaluate():
         """The eval scalars (also written), or None when a SIGTERM arrived meanwhile."""
         batches = eval_data.batches(config.eval_batch_size, eval_rows,
@@ -277,7 +307,7 @@ def train_and_evaluate(config, workdir: str, devices=None) -> TrainResult:
     stopped_by = 'num_train_steps'
     train_summary, eval_summary = {}, {}
     preemption = PreemptionFlag().install()
-    dog = watchdog.Watchdog.from_config(config, jax.process_index())
+    dog = watchdog.Watchdog.from_config(config, jax.process_index(), ledger.finding)
     try:
         if meta.get('evaluation_pending'):  # preempted at an evaluation step: evaluate it now
             eval_summary = evaluate()
@@ -288,8 +318,11 @@ def train_and_evaluate(config, workdir: str, devices=None) -> TrainResult:
             _say(f'the time budget of {config.train_time_budget_s:.0f} s is spent in {workdir}: '
                  'nothing to train')
         while step < config.num_train_steps and stopped_by == 'num_train_steps':
+            profile.step(step + 1, state)
+            ledger.next_step()
             dog.mark('step', step + 1)
             batch = sharding.put_rows(next(train_iter), batch_sharding, config.batch_size)
+            ledger.mark('train')
             state, step_metrics = train_step(state, batch)
             step += 1
             interval.add(step, step_metrics)
@@ -299,6 +332,7 @@ def train_and_evaluate(config, workdir: str, devices=None) -> TrainResult:
             if logged:
                 train_summary = _log_train(writer, interval, config, step, state,
                                            flops_per_step, flops_per_token, peak, mesh.size)
+                ledger.flush('log')
                 if distributed.process_0_decides(over_budget()):
                     stopped_by = 'time_budget'
             if preemption.reached(step, at_log_step=logged):
@@ -320,17 +354,21 @@ def train_and_evaluate(config, workdir: str, devices=None) -> TrainResult:
                     eval_summary = summary
             if step % config.checkpoint_every_steps == 0 or stopping:
                 interval.check_finite(config.skip_nonfinite)  # never save a non-finite state
+                ledger.mark('checkpoint')
                 dog.mark('save', step)
                 checkpoint.save(manager, step, state, train_iter, extra_metadata={
                     'train_seconds': train_seconds(),
                     'unlogged_metrics': interval.unlogged(),
                     'evaluation_pending': evaluation_pending,
                     identity.DATA_KEY: data_identity})
+                ledger.mark('train', flush='checkpoint')
             if stopping:
                 break
             if logged:  # after evaluation and saving, so step times measure training alone
                 interval = _Interval()
     finally:
+        profile.close(state, step)
+        ledger.mark('checkpoint')  # the wait for the last save
         dog.mark('save', step)  # the last asynchronous save is watched too
         try:
             preemption.uninstall()

@@ -43,7 +43,8 @@ class Watchdog:
 
     def __init__(self, straggler_factor: float, straggler_min_s: float, slow_save_s: float,
                  process_index: int = 0, poll_s: float = POLL_S, stream=None,
-                 hang_timeout_s: float = 0.0, save_grace_s: float = 0.0):
+                 hang_timeout_s: float = 0.0, save_grace_s: float = 0.0, on_finding=None):
+        self.on_finding = on_finding  # (kind, step, elapsed_s, limit_s), e.g. the goodput ledger
         self.factor, self.min_s, self.slow_save_s = straggler_factor, straggler_min_s, slow_save_s
         self.process_index, self.stream = process_index, stream
         self.hang_s, self.save_grace_s = hang_timeout_s, save_grace_s
@@ -58,10 +59,10 @@ class Watchdog:
             self._thread.start()
 
     @classmethod
-    def from_config(cls, config, process_index: int = 0) -> Watchdog:
+    def from_config(cls, config, process_index: int = 0, on_finding=None) -> Watchdog:
         return cls(config.straggler_factor, config.straggler_min_s, config.slow_save_s,
                    process_index, POLL_S, hang_timeout_s=config.hang_timeout_s,
-                   save_grace_s=config.get('storage_outage_limit_s', 0.0))
+                   save_grace_s=config.get('storage_outage_limit_s', 0.0), on_finding=on_finding)
 
     def mark(self, kind: str, step: int) -> None:
         """From now on the loop does `kind` ('step', 'save' or 'other') for `step`."""
@@ -103,6 +104,8 @@ class Watchdog:
                 self._hang(kind, step, elapsed)
             if limit is not None and current is not self._fired and elapsed > limit:
                 self._fired = current
+                if self.on_finding is not None:
+                    self.on_finding(kind, step, elapsed, limit)
                 self._dump(kind, step, elapsed, limit, median)
 
     def _dump(self, kind: str, step: int, elapsed: float, limit: float, median) -> None:

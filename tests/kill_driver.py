@@ -66,6 +66,9 @@ def main(spec: dict) -> None:
     config = toy_corpus.tiny_config(corpus, **spec['overrides'])
     if 'data_dir' in spec:  # a host-local data_dir
         config.data_dir = spec['data_dir']
+    from t2t import compile_cache
+
+    compile_cache.setup(config)  # as train.py does
     result = loop.train_and_evaluate(config, spec['workdir'])
     print(json.dumps({'step': result.step, 'stopped_by': result.stopped_by}), flush=True)
 

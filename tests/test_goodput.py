@@ -1,0 +1,243 @@
+"""The goodput ledger and its report, profiles of chosen steps, the persistent compilation cache.
+
+The kill test trains tiny in subprocesses that kill or preempt themselves at exact steps
+(tests/kill_driver.py) and checks `python -m t2t.goodput` against what the kills imply: the
+attempts, the steps trained twice, a wall time that the components add up to, and a restart's
+compile served by the cache.
+"""
+
+import collections
+import glob
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import pytest
+
+from t2t import compile_cache, goodput, goodput_report, loop, metrics, profiling, watchdog
+from tests import toy_corpus
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A log and a checkpoint every 3 steps: a kill in the save of step s loses s - 3 .. s.
+SETTINGS = dict(num_train_steps=12, log_every_steps=3, checkpoint_every_steps=3,
+                eval_every_steps=6, keep_checkpoints=5, eval_bleu_sentences=0,
+                num_eval_batches=2, max_len=32, eval_batch_size=8)
+
+
+@pytest.fixture(scope='module')
+def corpus(tmp_path_factory):
+    return toy_corpus.make_corpus(tmp_path_factory.mktemp('corpus'))
+
+
+def _write_attempt(directory, name, records):
+    (directory / name).write_text(''.join(json.dumps(r) + '\n' for r in records))
+
+
+def test_report_splits_the_wall_time_and_finds_the_steps_trained_again(tmp_path):
+    d = tmp_path / goodput.DIRNAME
+    d.mkdir()
+    # Attempt 1: trains 0 -> 8 and is killed (no end record) after a watchdog finding; attempt 2
+    # resumes from checkpoint 6, so steps 7 and 8 were trained twice: half of the slice (4, 8].
+    _write_attempt(d, 'attempt-A-p0.jsonl', [
+        {'at': 'start', 't': 1000.0},
+        {'at': 'ready', 't': 1010.0, 'step': 0,
+         'seconds': {'startup': 5, 'setup': 3, 'data': 1, 'restore': 1}},
+        {'at': 'log', 't': 1014.0, 'step': 4, 'seconds': {'compile': 2, 'train': 2},
+         'step_times': {str(goodput.bucket(0.5)): 3}, 'max_step_s': 0.5},
+        {'at': 'log', 't': 1018.0, 'step': 8, 'seconds': {'train': 4},
+         'step_times': {str(goodput.bucket(1.0)): 4}, 'max_step_s': 1.0},
+        {'at': 'finding', 't': 1018.5, 'kind': 'step', 'step': 9, 'elapsed_s': 9.0,
+         'limit_s': 5.0}])
+    _write_attempt(d, 'attempt-B-p0.jsonl', [
+        {'at': 'start', 't': 1020.0},
+        {'at': 'ready', 't': 1025.0, 'step': 6, 'seconds': {'startup': 3, 'setup': 1,
+                                                            'restore': 1}},
+        {'at': 'log', 't': 1029.0, 'step': 10, 'seconds': {'train': 3, 'data_wait': 1}},
+        {'at': 'end', 't': 1030.0, 'step': 10, 'seconds': {'checkpoint': 1},
+         'cause': 'finished'}])
+    _write_attempt(d, 'attempt-C-p1.jsonl', [{'at': 'start', 't': 0.0}])  # another process
+
+    r = goodput_report.report(tmp_path)
+    assert (r['attempts'], r['restarts'], r['wall_s'], r['steps']) == (2, 1, 30.0, [0, 10])
+    assert r['seconds'] == {'productive': 7.0, 'initialization': 13.0, 'compile': 2.0,
+                            'restore': 2.0, 'checkpoint': 1.0, 'evaluation': 0.0,
+                            'data_wait': 1.0, 'profiling': 0.0, 'lost_progress': 2.0,
+                            'idle': 2.0}
+    assert r['unaccounted_s'] == 0.0 and r['goodput'] == 7.0 / 30.0 and r['lost_steps'] == 2
+    first, second = r['per_attempt']
+    assert first['cause'] == 'killed after a watchdog finding (step)'
+    assert (first['steps'], first['lost_steps'], first['wall_s']) == ([0, 8], 2, 18.0)
+    assert first['findings'][0]['step'] == 9
+    times = first['step_times']
+    assert times['steps'] == 7 and times['max_s'] == 1.0
+    assert times['median_s'] == pytest.approx(1.0, rel=0.02)
+    assert times['p90_s'] == pytest.approx(1.0, rel=0.02)
+    assert (second['cause'], second['lost_steps'], second['goodput']) == ('finished', 0, 0.3)
+    text = goodput_report.format_report(r)
+    assert 'goodput of' in text and '23.3% of 30.0 s' in text
+    assert '(2 steps trained again)' in text.splitlines()[10]
+    assert goodput_report.report(tmp_path, process_index=1)['attempts'] == 1
+
+
+def test_the_recorder_partitions_time_and_keeps_the_watchdogs_findings(tmp_path, monkeypatch):
+    monkeypatch.setattr(goodput, '_first_attempt_of_process', False)  # starts now, not at fork
+    ledger = goodput.Ledger(tmp_path)
+    ledger.mark('restore')
+    time.sleep(0.05)
+    ledger.mark('setup')
+    ledger.begin(0)
+    dog = watchdog.Watchdog(straggler_factor=3, straggler_min_s=0.2, slow_save_s=0, poll_s=0.02,
+                            stream=io.StringIO(), on_finding=ledger.finding)
+    calls = []
+
+    def train_step():  # its first call compiles
+        time.sleep(0 if calls else 0.1)
+        calls.append(1)
+
+    step = ledger.compiling(train_step)
+    for i in range(8):
+        ledger.next_step()
+        dog.mark('step', i + 1)
+        ledger.mark('train')
+        step()
+        time.sleep(0.6 if i == 6 else 0.01)  # step 7 straggles
+    ledger.next_step()
+    dog.close()
+    ledger.flush('log')
+    ledger.end('num_train_steps')
+
+    r = goodput_report.report(tmp_path)
+    (a,) = r['per_attempt']
+    assert a['cause'] == 'finished' and a['steps'] == [0, 9]
+    assert abs(sum(r['seconds'].values()) - r['wall_s']) <= 0.01 * r['wall_s']
+    assert r['seconds']['restore'] == pytest.approx(0.05, abs=0.03)
+    assert r['seconds']['compile'] == pytest.approx(0.1, abs=0.05)  # the first call only
+    assert [(f['kind'], f['step']) for f in a['findings']] == [('step', 7)]
+    # Step 1 (compiled) is no step time; steps 2-8 are, 7 the slowest.
+    assert a['step_times']['steps'] == 7
+    assert a['step_times']['max_s'] == pytest.approx(0.61, abs=0.1)
+    assert a['step_times']['median_s'] == pytest.approx(0.01, abs=0.01)
+
+
+def test_profile_windows():
+    assert profiling.next_window(0, 3, 0, 1) is None
+    assert profiling.next_window(5, 3, 0, 1) == (5, 8)
+    assert profiling.next_window(5, 3, 0, 6) == (5, 8)  # a resume inside the window
+    assert profiling.next_window(5, 3, 0, 8) is None
+    assert profiling.next_window(5, 3, 10, 8) == (15, 18)
+    assert profiling.next_window(5, 3, 10, 17) == (15, 18)
+    assert profiling.next_window(5, 3, 3, 8) == (8, 11)  # back to back
+
+
+def test_compilation_cache_default_keeps_the_environments_and_a_key_overrides_it(tmp_path):
+    before = jax.config.jax_compilation_cache_dir
+    config = toy_corpus.tiny_config({'root': tmp_path, 'train': '', 'validation': '',
+                                     'test': ''})
+    try:
+        assert os.environ.get('JAX_COMPILATION_CACHE_DIR')  # tests/conftest.py's
+        assert compile_cache.setup(config) == os.environ['JAX_COMPILATION_CACHE_DIR']
+        config.compilation_cache_dir = str(tmp_path / 'cache')
+        assert compile_cache.setup(config) == str(tmp_path / 'cache')
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / 'cache')
+        assert os.path.isdir(tmp_path / 'cache')
+    finally:
+        jax.config.update('jax_compilation_cache_dir', before)
+
+
+def _outermost(events):
+    """Events not inside another of the same name (jax's dispatch nests one in another)."""
+    out, end = [], -1.0
+    for e in sorted(events, key=lambda e: e.start_ns):
+        if e.start_ns >= end:
+            out.append(e)
+            end = e.end_ns
+    return out
+
+
+def test_a_profile_of_three_steps_holds_their_xla_ops_and_no_other_step(corpus, tmp_path):
+    config = toy_corpus.tiny_config(corpus, **{**SETTINGS, 'num_train_steps': 8,
+                                               'profile_start_step': 3})
+    workdir = tmp_path / 'run'
+    assert loop.train_and_evaluate(config, str(workdir)).step == 8
+    (trace,) = glob.glob(str(workdir / 'profiles/plugins/profile/*/*.xplane.pb'))
+    events = collections.defaultdict(list)
+    for plane in jax.profiler.ProfileData.from_file(trace).planes:
+        for line in plane.lines:
+            for e in line.events:
+                events[e.name].append(e)
+    assert len(_outermost(events['PjitFunction(train_step)'])) == 3  # steps 3, 4, 5 only
+    ops = [n for n in events if 'fusion' in n]  # XLA's fused ops, run by the CPU's thunks
+    assert len(ops) > 10 and events['ThunkExecutor::Execute']
+    r = goodput_report.report(workdir)
+    assert r['seconds']['profiling'] > 0 and r['per_attempt'][-1]['cause'] == 'finished'
+
+
+def _drive(corpus, workdir, action, at, overrides):
+    spec = {'corpus': {k: str(v) for k, v in corpus.items() if k != 'validation_texts'},
+            'overrides': overrides, 'workdir': str(workdir), 'action': action, 'at': at}
+    # XLA's default optimization (not the tests' level 0): the compile a cache saves, as users
+    # compile; one CPU device.
+    env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+    return subprocess.run([sys.executable, '-m', 'tests.kill_driver', json.dumps(spec)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**env, 'JAX_PLATFORMS': 'cpu'})
+
+
+def test_kills_and_resumes_report_lost_steps_restarts_and_cached_compiles(corpus, tmp_path):
+    workdir = tmp_path / 'run'
+    overrides = {**SETTINGS, 'compilation_cache_dir': str(tmp_path / 'jax-cache')}  # cold
+    began = time.time()
+    # Killed while saving 6 (checkpoint 3 stands) and 9 (6 stands); preempted as the final
+    # evaluation of step 12 starts (12 saved, its evaluation pending); the last one evaluates.
+    for action, at, status in (('kill_in_save', 6, -signal.SIGKILL),
+                               ('kill_in_save', 9, -signal.SIGKILL),
+                               ('sigterm_in_eval', 1, 0), ('none', 0, 0)):
+        proc = _drive(corpus, workdir, action, at, overrides)
+        assert proc.returncode == status, proc.stderr[-2000:]
+    ended = time.time()
+    assert loop.read_finished(workdir)['step'] == 12
+
+    proc = subprocess.run([sys.executable, '-m', 't2t.goodput', str(workdir), '--json'],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(proc.stdout)
+    attempts = r['per_attempt']
+    assert (r['attempts'], r['restarts']) == (4, 3)
+    assert [a['cause'] for a in attempts] == ['killed', 'killed', 'preempted', 'finished']
+    assert [a['steps'] for a in attempts] == [[0, 6], [3, 9], [6, 12], [12, 12]]
+    # Trained twice: 4-6 (killed at 6, resumed from 3) and 7-9 (killed at 9, resumed from 6).
+    assert r['lost_steps'] == (6 - 3) + (9 - 6)
+    assert [a['lost_steps'] for a in attempts] == [3, 3, 0, 0]
+    # Their time: each killed attempt's log slice of exactly those steps.
+    for a, (lost_from, lost_to) in zip(attempts, ((3, 6), (6, 9)), strict=False):
+        records = [json.loads(x) for x in
+                   (workdir / goodput.DIRNAME / a['file']).read_text().splitlines()]
+        logged = [x for x in records if x['at'] == 'log']
+        assert [x['step'] for x in logged][-2:] == [lost_from, lost_to]
+        assert a['seconds']['lost_progress'] == pytest.approx(logged[-1]['seconds']['train'])
+    assert r['seconds']['lost_progress'] > 0
+    total = sum(r['seconds'].values())
+    assert abs(total - r['wall_s']) <= 0.01 * r['wall_s'], (total, r['wall_s'])
+    # From the first process's start to the last record: within what the test saw (less the
+    # last process's exit) and the clock's rounding.
+    assert ended - began - 10 <= r['wall_s'] <= ended - began + 0.5
+    # A restart's compiles are cache hits: XLA's part at most a fifth of the first attempt's
+    # (tracing and lowering, paid again, are the rest of the phase).
+    first, restart = (a['compile_stages'] for a in attempts[:2])
+    assert 0 < restart['xla'] <= 0.2 * first['xla'], (first, restart)
+    for a in attempts[:3]:
+        assert sum(a['compile_stages'].values()) <= a['seconds']['compile']
+    assert attempts[1]['seconds']['compile'] < 0.6 * attempts[0]['seconds']['compile']
+    # The same totals as TensorBoard scalars, at the last step.
+    scalars = {(tag, step): v for tag, step, v in
+               metrics.read_events(workdir / goodput.DIRNAME)}
+    assert scalars[('goodput', 12)] == pytest.approx(r['goodput'], rel=1e-6)
+    assert scalars[('goodput/lost_steps', 12)] == 6
+    text = goodput_report.format_report(goodput_report.report(workdir))
+    assert '4 attempts (3 restarts), steps 0 -> 12' in text
+    assert '(6 steps trained again)' in text
