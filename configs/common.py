@@ -21,6 +21,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.test_split = 'test'
     c.tsv_files = ml_collections.ConfigDict({'train': '', 'validation': '', 'test': ''})
     c.data_dir = 'data'  # prepared datasets, tokenizers and packed caches live here
+    # '' or a bucket (gs://...) all hosts read: process 0 uploads the prepared data there, the
+    # other hosts copy it into their own data_dir and never tokenize (docs/data.md)
+    c.shared_data_dir = ''
     # Several processes: how long the others wait (host-side, a progress line a minute) for
     # process 0 to prepare the data, before stopping with a line that says what they waited for.
     c.data_wait_timeout_s = 6 * 3600.0

@@ -22,6 +22,7 @@ and the ETA (the lines are counted first, a fast byte scan; stdin has no ETA).
 from __future__ import annotations
 
 import dataclasses
+import io
 import itertools
 import json
 import os
@@ -126,6 +127,20 @@ def count_lines(path: str) -> int:
     return n + (last != b'\n')
 
 
+def _open_lines(input_path: str):
+    """The input as text lines ending at '\\n' only, as count_lines counts them: Python's default
+    (universal newlines) also ends a line at a lone '\\r', which would shift every later output
+    line against its input. A '\\r\\n' ending is stripped with the line's '\\n'."""
+    if input_path == '-':
+        return io.TextIOWrapper(sys.stdin.buffer, encoding='utf-8', newline='\n')
+    return open(input_path, encoding='utf-8', newline='\n')  # noqa: SIM115 (closed by the caller)
+
+
+def one_line(hypothesis: str | None) -> str:
+    """A hypothesis as one output line: a '\\n' or '\\r' inside would split it for a reader."""
+    return (hypothesis or '').replace('\r', ' ').replace('\n', ' ')
+
+
 def _read_progress(path: str, input_path: str) -> tuple[int, int]:
     try:
         with open(path, encoding='utf-8') as f:
@@ -165,7 +180,7 @@ def translate_stream(predict: inference.Predict, params, tokenizer, input_path: 
     stats = StreamStats(lines=skip, resumed_from=skip)
     total = count_lines(input_path) if input_path != '-' else None
 
-    source = sys.stdin if input_path == '-' else open(input_path, encoding='utf-8')
+    source = _open_lines(input_path)
     if not write:
         sink = None
     elif output_path == '-':
@@ -178,7 +193,7 @@ def translate_stream(predict: inference.Predict, params, tokenizer, input_path: 
                desc='translating')
     start = time.perf_counter()
     try:
-        lines = (line.rstrip('\n') for line in source)
+        lines = (line.rstrip('\r\n') for line in source)
         for _ in itertools.islice(lines, skip):
             pass
         while texts := list(itertools.islice(lines, window)):
@@ -196,7 +211,7 @@ def translate_stream(predict: inference.Predict, params, tokenizer, input_path: 
             stats.capped += len(result.capped)
             stats.lines += len(texts)
             if sink is not None:
-                text = ''.join((h or '').replace('\n', ' ') + '\n' for h in result.hypotheses)
+                text = ''.join(one_line(h) + '\n' for h in result.hypotheses)
                 if sink is sys.stdout:
                     sink.write(text)
                     sink.flush()
@@ -211,7 +226,9 @@ def translate_stream(predict: inference.Predict, params, tokenizer, input_path: 
             bar.set_postfix_str(f'{stats.sentences_per_s:.1f} sent/s')
     finally:
         bar.close()
-        if source is not sys.stdin:
+        if input_path == '-':
+            source.detach()  # sys.stdin stays open
+        else:
             source.close()
         if sink is not None and sink is not sys.stdout:
             sink.close()

@@ -230,6 +230,36 @@ def test_an_evaluation_pair_dropped_at_read_time_is_an_error(corpus, tmp_path):
     assert ev.read_skipped == {'empty': 1} and len(ev.sources) == 2
 
 
+def test_a_torn_meta_json_or_evaluation_cache_is_prepared_again(corpus, tmp_path, monkeypatch,
+                                                                capsys):
+    # After a host crash a renamed file can come back torn: it must count as not done.
+    monkeypatch.setenv(prepare.WORKERS_ENV, '1')
+    config, tokenizer = _vocab(corpus, tmp_path)
+    first = cache.packed_split(config, tokenizer, 'train')
+    meta_path = os.path.join(first.directory, prepare.META_NAME)
+    whole = open(meta_path, 'rb').read()
+    for torn in (whole[:len(whole) // 2], b''):
+        with open(meta_path, 'wb') as f:
+            f.write(torn)
+        calls = _count_encodes(monkeypatch)
+        again = cache.packed_split(config, tokenizer, 'train')  # no traceback: built again
+        assert calls == []  # re-packed from the kept token shards
+        assert open(meta_path, 'rb').read() == whole and again.meta == first.meta
+        assert 'is incomplete' in capsys.readouterr().out
+    # An array shorter than meta.json says (its bytes lost, the rename kept): built again too.
+    inputs = os.path.join(first.directory, 'inputs.bin')
+    os.truncate(inputs, os.path.getsize(inputs) // 2)
+    assert cache.read_meta(first.directory) is None
+    assert cache.packed_split(config, tokenizer, 'train').meta['digest'] == first.meta['digest']
+    # A torn tokenized evaluation split: read and tokenized again, the same examples.
+    ev = pipeline.eval_split(config, tokenizer, 'validation')
+    path = pipeline.eval_path(config, tokenizer, 'validation')
+    with open(path, 'r+b') as f:
+        f.truncate(10)
+    again = pipeline.eval_split(config, tokenizer, 'validation')
+    assert again.inputs == ev.inputs and again.references == ev.references
+
+
 def test_progress_lines_name_pairs_rate_eta_and_memory():
     lines = []
     with progress.Stage('train: x', total=1000, done=100, echo=lines.append,

@@ -130,3 +130,17 @@ def test_evaluate_translate_truncate_long_translates_the_cut_line(run_dir, tmp_p
     kept, cut_out = outputs[False], outputs[True]
     assert kept[1] == '' and kept[0] and kept[2]
     assert cut_out[1] == cut_out[2] == kept[2] and cut_out[0] == kept[0]
+
+
+def test_a_stray_carriage_return_keeps_every_output_line_on_its_input(tmp_path):
+    # Line 2 holds a lone '\r' and line 4 ends in '\r\n': read with universal newlines they would
+    # be 2 lines each (7 outputs for 5 inputs, every later one shifted).
+    src, out = tmp_path / 'in.txt', tmp_path / 'out.txt'
+    src.write_bytes(b'3 4\n5\r6 7\n8 9\n10 11\r\n12\n')
+    stats = translate.translate_stream(_EchoPredict(), None, _EchoTokenizer(), str(src),
+                                       str(out), max_len=32, token_budget=128, window=2,
+                                       progress=False)
+    assert translate.count_lines(str(src)) == 5 and stats.lines == 5
+    assert out.read_bytes().split(b'\n') == [b'3 4', b'5 6 7', b'8 9', b'10 11', b'12', b'']
+    # A hypothesis never splits its output line either.
+    assert translate.one_line('a\rb\nc') == 'a b c' and translate.one_line(None) == ''

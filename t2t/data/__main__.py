@@ -9,9 +9,10 @@ worker processes (T2T_DATA_WORKERS, default all cores) with a progress line ever
 preparation resumes from its finished chunks (t2t/data/prepare.py).
 
 The documented preparation step of a pod run: prepare once, then train.py on every host reads the
-prepared data_dir (a shared, even read-only, file system such as NFS or a gcsfuse mount; a host
-whose data_dir lacks the cache waits for process 0 to build it, then builds its own copy, and all
-hosts compare digests of their rows and vocabulary).
+prepared data_dir (a shared, even read-only, file system such as NFS; a host whose data_dir lacks
+the cache waits for process 0 to build it, then builds its own copy, and all hosts compare
+digests of their rows and vocabulary). With --config.shared_data_dir=gs://... it also uploads
+what it prepared, and hosts with their own disks copy it from there (t2t/data/shared.py).
 """
 
 import logging

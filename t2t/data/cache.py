@@ -10,6 +10,8 @@ Layout of `<data_dir>/packed/<split>-<key>/`: `<name>.bin` raw row-major [R, L] 
 targets and their segment ids, and `meta.json` (dtypes, shape, counts, length statistics, the
 sha256 `digest` of the rows). The key hashes everything that changes the rows, so a stale cache is
 never read. While it is built, the shards live in `<data_dir>/packed/.shards-<split>-<key>/`.
+Every file is fsynced and meta.json written last (t2t/data/durable.py); a directory whose
+meta.json does not parse or whose arrays are shorter than it says is built again.
 """
 
 import collections
@@ -23,7 +25,7 @@ import tempfile
 import numpy as np
 
 from t2t import distributed
-from t2t.data import packing, prepare, shards, sources
+from t2t.data import durable, multihost, packing, prepare, progress, shards, shared, sources
 from t2t.data.tokenizer import EOS_ID, Tokenizer
 
 CACHE_VERSION = 3
@@ -83,31 +85,58 @@ def cache_key(config, tokenizer: Tokenizer, split: str) -> str:
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
 
 
+def read_meta(directory: str) -> dict | None:
+    """meta.json of a packed directory whose arrays are whole (each as long as meta.json says),
+    or None: missing, torn (a host crash after the rename, before the bytes reached the disk) or
+    not this version's. Such a directory is prepared again, never read."""
+    try:
+        with open(os.path.join(directory, prepare.META_NAME), encoding='utf-8') as f:
+            meta = json.load(f)
+        row = meta['rows'] * meta['max_len']
+        whole = all(os.path.getsize(os.path.join(directory, name + '.bin'))
+                    == row * np.dtype(meta['dtypes'][name]).itemsize for name in ARRAYS)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return meta if whole else None
+
+
 def _load(directory: str) -> PackedSplit:
-    with open(os.path.join(directory, 'meta.json')) as f:
-        meta = json.load(f)
+    meta = read_meta(directory)
+    if meta is None:
+        raise RuntimeError(f'{directory} is incomplete (meta.json unreadable or the arrays '
+                           'short): remove it and prepare again')
     shape = (meta['rows'], meta['max_len'])
     arrays = {name: np.memmap(os.path.join(directory, name + '.bin'), dtype=meta['dtypes'][name],
                               mode='r', shape=shape) for name in ARRAYS}
     return PackedSplit(directory, arrays, meta)
 
 
+def packed_dir(config, tokenizer: Tokenizer, split: str) -> str:
+    return os.path.join(config.data_dir, 'packed', f'{split}-{cache_key(config, tokenizer, split)}')
+
+
 def packed_split(config, tokenizer: Tokenizer, split: str) -> PackedSplit:
     """The packed rows of `split`, built on first use.
 
-    With several processes every process must call it: process 0 builds first while the others
-    wait; a process whose data_dir does not hold process 0's cache (a host-local disk) then builds
-    the same rows itself (they depend only on the data, the vocabulary and the settings).
+    With several processes every process must call it: process 0 builds first (or, with
+    config.shared_data_dir, takes the share's copy, else builds and uploads) while the others
+    wait; then a process whose data_dir does not hold process 0's cache copies it from the share,
+    or without one builds the same rows itself (they depend only on the data, the vocabulary and
+    the settings).
     """
-    key = cache_key(config, tokenizer, split)
-    directory = os.path.join(config.data_dir, 'packed', f'{split}-{key}')
     wait = config.data_wait_timeout_s
-    if distributed.process_index() == 0:
-        _build_once(config, tokenizer, split, directory)
+    first = distributed.process_index() == 0
+    directory = multihost.process_0_path(
+        config, packed_dir(config, tokenizer, split) if first else None, f'packed-{split}', wait)
+    if first:
+        _obtain(config, tokenizer, split, directory)
     distributed.wait_for(f'packed-{split}', f'process 0 builds the packed rows of {split} in '
                          f'{directory}', wait, processes=[0])
-    if distributed.process_index() != 0:
-        _build_once(config, tokenizer, split, directory)
+    if not first:
+        if shared.enabled(config):
+            shared.require(config, directory, f'the packed rows of {split}')
+        else:
+            _build_once(config, tokenizer, split, directory)
     packed = _load(directory)
     # Hosts that hold other rows (another library version, a stale or foreign cache) would mix
     # different data into one global batch: stop before the first step instead.
@@ -116,22 +145,43 @@ def packed_split(config, tokenizer: Tokenizer, split: str) -> PackedSplit:
     return packed
 
 
+def _obtain(config, tokenizer: Tokenizer, split: str, directory: str) -> None:
+    """The packed rows in `directory`: the share's copy where it has one, else built here (from
+    the share's token shards where it has those) and uploaded with the token shards."""
+    if not shared.enabled(config):
+        _build_once(config, tokenizer, split, directory)
+        return
+    if shared.fetch(config, directory) != shared.ABSENT:
+        return
+    tokens = prepare.token_dir(config, tokenizer, split)
+    if read_meta(directory) is None:
+        shared.fetch(config, tokens)  # another max_len or packing: re-packed, not re-tokenized
+        _build_once(config, tokenizer, split, directory)
+    shared.publish(config, tokens)
+    shared.publish(config, directory)
+
+
 def _build_once(config, tokenizer: Tokenizer, split: str, directory: str) -> None:
     """Builds into a unique temporary directory renamed into place: concurrent builders (or a
     crash) never leave a half-written cache. The shards stay until the rename, so a killed build
-    resumes from them."""
+    resumes from them. A directory left torn by a host crash is built again."""
     root = os.path.dirname(directory)
-    if os.path.exists(os.path.join(directory, 'meta.json')):
+    if read_meta(directory) is not None:
         return
+    if os.path.exists(directory):
+        progress.echo(f'{directory} is incomplete (meta.json unreadable or the arrays short, '
+                      'e.g. after a host crash): preparing it again')
+        shutil.rmtree(directory, ignore_errors=True)
     os.makedirs(root, exist_ok=True)
     shard_dir = os.path.join(root, '.shards-' + os.path.basename(directory))
     tmp = tempfile.mkdtemp(dir=root, prefix='.building-')
     try:
         prepare.build_packed(config, tokenizer, split, tmp, shard_dir)
-        os.replace(tmp, directory)
+        durable.fsync_dir(tmp)
+        durable.replace(tmp, directory)
         shutil.rmtree(shard_dir, ignore_errors=True)
     except OSError:
-        if not os.path.exists(os.path.join(directory, 'meta.json')):
+        if read_meta(directory) is None:
             raise  # not a concurrent build by another process that won the rename
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -39,12 +39,17 @@ def sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
-def content_digest(path: str, data_dir: str) -> str:
-    """sha256 of a local file's bytes, remembered in DATA_DIR/digests by (path, size, mtime)."""
+def _memo(path: str, data_dir: str) -> tuple[str, str]:
+    """(stamp, memo file) of a local file: its path, size and mtime name its remembered digest."""
     stat = os.stat(path)
     stamp = f'{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}'
-    memo = os.path.join(data_dir, 'digests',
-                        hashlib.sha256(stamp.encode()).hexdigest()[:24] + '.json')
+    return stamp, os.path.join(data_dir, 'digests',
+                               hashlib.sha256(stamp.encode()).hexdigest()[:24] + '.json')
+
+
+def content_digest(path: str, data_dir: str) -> str:
+    """sha256 of a local file's bytes, remembered in DATA_DIR/digests by (path, size, mtime)."""
+    stamp, memo = _memo(path, data_dir)
     try:
         with open(memo, encoding='utf-8') as f:
             record = json.load(f)
@@ -53,11 +58,18 @@ def content_digest(path: str, data_dir: str) -> str:
     except (OSError, ValueError):
         pass
     digest = sha256_file(path)
+    remember_digest(path, data_dir, digest, _stamped=(stamp, memo))
+    return digest
+
+
+def remember_digest(path: str, data_dir: str, digest: str, _stamped=None) -> None:
+    """Records `digest` as the content digest of `path` as it is now (its bytes were just checked
+    while written, e.g. a copy from the shared data_dir: not hashed again at the next start)."""
+    stamp, memo = _stamped or _memo(path, data_dir)
     try:
         wd.write_atomic(memo, json.dumps({'stamp': stamp, 'sha256': digest}))
     except OSError:  # a read-only shared data_dir: hash again next time
         pass
-    return digest
 
 
 def vocab_digest(tokenizer) -> str:

@@ -13,7 +13,9 @@ the rows its devices hold. Examples longer than max_eval_len are skipped, counte
 `EvalSplit.skipped` and logged.
 
 Several processes: process 0 trains the vocabulary and builds the caches while the others wait;
-they then use process 0's vocabulary bytes (t2t/data/multihost.py).
+they then use process 0's vocabulary bytes (t2t/data/multihost.py). With config.shared_data_dir
+they copy the vocabulary, the packed rows and the tokenized evaluation splits from the share and
+never read the corpus (t2t/data/shared.py).
 
 Batch shapes (np.int32): B rows (this process's rows of a training batch), L = max_len,
 G rows of a global evaluation batch, Lb = a bucket length.
@@ -24,6 +26,7 @@ G rows of a global evaluation batch, Lb = a bucket length.
 import collections
 import dataclasses
 import hashlib
+import json
 import os
 from collections.abc import Iterator
 
@@ -31,12 +34,13 @@ import numpy as np
 from absl import logging
 
 from t2t import distributed
-from t2t.data import cache, multihost, prepare, progress, sources
+from t2t.data import cache, durable, identity, multihost, prepare, progress, shared, sources
 from t2t.data.tokenizer import Tokenizer, train_tokenizer
 from t2t.ids import PAD_ID
 
 MIN_BUCKET = 8
 TOKENIZER_VERSION = 3  # bump when train_tokenizer's fixed settings or the sample change
+EVAL_CACHE_VERSION = 1  # bump when reading or tokenizing an evaluation split changes
 
 
 def split_names(config) -> dict[str, str]:
@@ -66,12 +70,14 @@ def get_tokenizer(config) -> Tokenizer:
         from t2t.data import recall
 
         return recall.tokenizer(config)
-    path = vocab_path(config)
     if distributed.process_count() == 1:
-        return _load_or_train(config, path)
-    if distributed.process_index() == 0:
-        _load_or_train(config, path)
+        return _load_or_train(config, vocab_path(config))
     wait = config.data_wait_timeout_s
+    first = distributed.process_index() == 0
+    path = multihost.process_0_path(config, vocab_path(config) if first else None, 'vocabulary',
+                                    wait)
+    if first:
+        _load_or_train(config, path)
     multihost.share_file(path, f'process 0 loads or trains the vocabulary {path}', wait)
     distributed.agree(f'the vocabulary {os.path.basename(path)} (sha256)',
                       multihost.file_digest(path), wait)
@@ -79,8 +85,18 @@ def get_tokenizer(config) -> Tokenizer:
 
 
 def _load_or_train(config, path: str) -> Tokenizer:
-    if os.path.exists(path):
+    """The vocabulary at `path`: the shared data_dir's copy where it has one, else the local file,
+    else trained; uploaded to the shared data_dir where it lacks it."""
+    share = shared.enabled(config) and shared.relative(config, path) is not None
+    if share and shared.fetch(config, path) != shared.ABSENT:
         return Tokenizer(path)
+    tokenizer = Tokenizer(path) if os.path.exists(path) else _train(config, path)
+    if share:
+        shared.publish(config, path)
+    return tokenizer
+
+
+def _train(config, path: str) -> Tokenizer:
     # A seeded uniform sample of the whole split, not a prefix (WMT's training split is a
     # concatenation of corpora), streamed: the corpus is never held.
     texts = prepare.sample_sentences(config, config.train_split, config.tokenizer_sentences,
@@ -123,22 +139,28 @@ def train_iterator(config, tokenizer: Tokenizer, *, rows=None, num_threads: int 
     return iter(ds.to_iter_dataset(options))
 
 
-def _read_eval(config, split: str) -> tuple[str, list[tuple[str, str]], collections.Counter]:
-    """(name, usable pairs, read-time skips) of an evaluation split, held in memory.
+def _check_drops(config, name: str, split: str, skipped: collections.Counter) -> None:
+    """A pair dropped while reading (empty side, invalid UTF-8, ...) is an error unless
+    config.allow_eval_drops: a score over fewer references must never be silent."""
+    if skipped and not config.allow_eval_drops:
+        detail = ', '.join(f'{k}={v}' for k, v in sorted(skipped.items()))
+        raise ValueError(f'{name}: {skipped.total()} pairs of evaluation split {split!r} '
+                         f'were dropped while reading ({detail}): scores would cover fewer '
+                         'references; fix the data or set --config.allow_eval_drops=True')
 
-    A pair dropped while reading (empty side, invalid UTF-8, ...) is an error unless
-    config.allow_eval_drops: a score over fewer references must never be silent.
-    """
+
+def _read_all(config, split: str) -> tuple[str, list[tuple[str, str]], collections.Counter]:
+    """(name, usable pairs, read-time skips) of an evaluation split, held in memory."""
     pairs = sources.open_split(config, split)
     skipped = collections.Counter(pairs.skipped)
     kept = cache.usable(pairs.read(0, len(pairs)), skipped)
-    skipped = +skipped
-    if skipped and not config.allow_eval_drops:
-        detail = ', '.join(f'{k}={v}' for k, v in sorted(skipped.items()))
-        raise ValueError(f'{pairs.name}: {skipped.total()} pairs of evaluation split {split!r} '
-                         f'were dropped while reading ({detail}): scores would cover fewer '
-                         'references; fix the data or set --config.allow_eval_drops=True')
-    return pairs.name, kept, skipped
+    return pairs.name, kept, +skipped
+
+
+def _read_eval(config, split: str) -> tuple[str, list[tuple[str, str]], collections.Counter]:
+    name, kept, skipped = _read_all(config, split)
+    _check_drops(config, name, split, skipped)
+    return name, kept, skipped
 
 
 def split_texts(config, split: str) -> tuple[list[str], list[str]]:
@@ -228,20 +250,95 @@ def sample_batches(batches: list, num: int, seed: int) -> list:
     return [batches[p] for p in sorted(chosen)]
 
 
-def eval_split(config, tokenizer: Tokenizer, split: str) -> EvalSplit:
-    name, kept, read_skipped = _read_eval(config, split)
-    if not kept:
-        raise ValueError(f'{name}: no usable sentence pairs')
+def eval_path(config, tokenizer: Tokenizer, split: str) -> str:
+    """Where the tokenized evaluation split lives: keyed by its texts and the vocabulary."""
+    parts = [EVAL_CACHE_VERSION, sources.split_fingerprint(config, split), config.source_lang,
+             config.target_lang, identity.vocab_digest(tokenizer)]
+    key = hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
+    return os.path.join(config.data_dir, 'eval', f'{split}-{key}.json')
+
+
+_RECORD_KEYS = ('name', 'sources', 'references', 'inputs', 'targets', 'read_skipped')
+
+
+def _tokenized(config, tokenizer: Tokenizer, split: str) -> dict:
+    """An evaluation split read and tokenized: what eval/<split>-<key>.json holds."""
+    name, kept, skipped = _read_all(config, split)
     srcs, refs = [s for s, _ in kept], [t for _, t in kept]
-    inputs, targets = cache.tokenize(tokenizer, srcs), cache.tokenize(tokenizer, refs)
+    return {'name': name, 'sources': srcs, 'references': refs,
+            'inputs': cache.tokenize(tokenizer, srcs), 'targets': cache.tokenize(tokenizer, refs),
+            'read_skipped': dict(sorted(skipped.items()))}
+
+
+def _read_record(path: str) -> dict | None:
+    """A tokenized evaluation split from disk, or None when missing or torn (made again)."""
+    try:
+        with open(path, encoding='utf-8') as f:
+            record = json.load(f)
+        n = len(record['sources'])
+        if any(len(record[k]) != n for k in ('references', 'inputs', 'targets')):
+            return None
+        return {k: record[k] for k in _RECORD_KEYS}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _obtain_eval(config, tokenizer: Tokenizer, split: str, path: str) -> dict:
+    """The tokenized split at `path`: the shared data_dir's copy where it has one, else the local
+    file, else read and tokenized here (then written, and uploaded to the share)."""
+    share = shared.enabled(config)
+    if share and shared.fetch(config, path) != shared.ABSENT:
+        record = _read_record(path)
+        if record is not None:
+            return record
+    record = _read_record(path)
+    if record is None:
+        record = _tokenized(config, tokenizer, split)
+        try:
+            durable.write_bytes(path, json.dumps(record).encode())
+        except OSError:  # a read-only data_dir: tokenized again next time
+            return record
+    if share:
+        shared.publish(config, path)
+    return record
+
+
+def eval_split(config, tokenizer: Tokenizer, split: str) -> EvalSplit:
+    """The tokenized evaluation split, cached in DATA_DIR/eval/. With config.shared_data_dir and
+    several processes every process must call it: process 0 reads and tokenizes it (or takes the
+    share's copy) while the others wait, then they copy it from the share."""
+    wait = config.data_wait_timeout_s
+    if shared.enabled(config) and distributed.process_count() > 1:
+        first = distributed.process_index() == 0
+        path = multihost.process_0_path(
+            config, eval_path(config, tokenizer, split) if first else None, f'eval-{split}', wait)
+        record = _obtain_eval(config, tokenizer, split, path) if first else None
+        distributed.wait_for(f'eval-{split}', f'process 0 tokenizes the evaluation split {split} '
+                             f'into {path}', wait, processes=[0])
+        if not first:
+            shared.require(config, path, f'the evaluation split {split}')
+            record = _read_record(path)
+        digest = hashlib.sha256(json.dumps(record).encode()).hexdigest()
+        distributed.agree(f'the evaluation split {split} (sha256)', digest, wait)
+    else:
+        record = _obtain_eval(config, tokenizer, split, eval_path(config, tokenizer, split))
+    return _from_record(config, split, record)
+
+
+def _from_record(config, split: str, record: dict) -> EvalSplit:
+    name = record['name']
+    _check_drops(config, name, split, collections.Counter(record['read_skipped']))
+    if not record['sources']:
+        raise ValueError(f'{name}: no usable sentence pairs')
+    inputs, targets = record['inputs'], record['targets']
     limit = config.max_eval_len
     skipped = tuple(i for i, (s, t) in enumerate(zip(inputs, targets, strict=True))
                     if len(s) > limit or len(t) > limit)
     if skipped:
         logging.warning('%s: %d of %d examples are longer than max_eval_len=%d and are skipped',
-                        name, len(skipped), len(kept), limit)
-    return EvalSplit(name, srcs, refs, inputs, targets, skipped,
-                     {k: v for k, v in read_skipped.items() if v}, limit)
+                        name, len(skipped), len(inputs), limit)
+    return EvalSplit(name, record['sources'], record['references'], inputs, targets, skipped,
+                     {k: v for k, v in record['read_skipped'].items() if v}, limit)
 
 
 def eval_batches(config, tokenizer: Tokenizer, split: str) -> Iterator[dict[str, np.ndarray]]:

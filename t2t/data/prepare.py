@@ -26,12 +26,13 @@ import os
 import numpy as np
 from absl import logging
 
-from t2t.data import progress, shards, sources, tsv
+from t2t.data import durable, progress, shards, sources, tsv
 from t2t.data.tokenizer import Tokenizer
 
 CHUNK_PAIRS = 100_000  # lines per chunk: a worker's unit of work, memory and of loss on a kill
 TOKENS_VERSION = 1  # bump when the token shards' content changes
 WORKERS_ENV = 'T2T_DATA_WORKERS'
+META_NAME = 'meta.json'  # written last (durably): a packed directory is whole when it parses
 
 
 def cores() -> int:
@@ -122,7 +123,8 @@ def _add(total: np.ndarray, h: np.ndarray) -> np.ndarray:
 
 def assemble(tasks: list[shards.Task], out_dir: str, *, split: str, name: str, max_len: int,
              vocab_size: int) -> dict:
-    """The packed shards concatenated in chunk order into `<out_dir>/<array>.bin` + meta.json."""
+    """The packed shards concatenated in chunk order into `<out_dir>/<array>.bin` + meta.json,
+    each fsynced (meta.json last)."""
     files = {a: open(os.path.join(out_dir, a + '.bin'), 'wb') for a in shards.ARRAYS}
     skipped, skipped_lines = collections.Counter(), []
     hists = {'src': np.zeros(1, np.int64), 'tgt': np.zeros(1, np.int64)}
@@ -147,6 +149,9 @@ def assemble(tasks: list[shards.Task], out_dir: str, *, split: str, name: str, m
             target_tokens += counts['target_tokens']
             lines += counts['lines']
             digests.append(counts['digest'])
+        for f in files.values():  # on disk before meta.json says they are whole
+            f.flush()
+            os.fsync(f.fileno())
     finally:
         for f in files.values():
             f.close()
@@ -162,8 +167,7 @@ def assemble(tasks: list[shards.Task], out_dir: str, *, split: str, name: str, m
             'stats': _hist_stats(hists), 'dtypes': dtypes or None,
             'digest': hashlib.sha256(''.join(digests).encode()).hexdigest(),
             'chunks': len(tasks), 'chunk_pairs': CHUNK_PAIRS, 'vocab_size': vocab_size}
-    with open(os.path.join(out_dir, 'meta.json'), 'w') as f:
-        json.dump(meta, f, indent=1)
+    durable.write_bytes(os.path.join(out_dir, META_NAME), json.dumps(meta, indent=1).encode())
     return meta
 
 

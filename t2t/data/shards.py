@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from t2t.data import packing, sources
+from t2t.data import durable, packing, sources
 from t2t.data.tokenizer import EOS_ID, Tokenizer
 from t2t.data.tsv import Chunk
 
@@ -56,11 +56,13 @@ _TMP = f'.tmp-{socket.gethostname()}-'  # + pid: a partial shard, renamed when w
 
 
 def save(path: str, arrays: dict[str, np.ndarray], info: dict) -> None:
-    """One shard, written atomically (a reader never sees a partial file)."""
+    """One shard, written atomically and durably (a reader never sees a partial file)."""
     tmp = f'{path}{_TMP}{os.getpid()}'
     with open(tmp, 'wb') as f:
         np.savez(f, info=np.array(json.dumps(info, sort_keys=True)), **arrays)
-    os.replace(tmp, path)
+        f.flush()
+        os.fsync(f.fileno())  # whole on disk before the rename makes it count (durable.py)
+    durable.replace(tmp, path)
 
 
 def remove_stale(directory: str) -> None:

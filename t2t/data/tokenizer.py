@@ -9,6 +9,7 @@ import tempfile
 from collections.abc import Iterable, Sequence
 
 from t2t import ids as ids_lib
+from t2t.data import durable
 from t2t.ids import EOS_ID, PAD_ID, UNK_ID
 
 
@@ -68,6 +69,8 @@ def _drop_prefix(model_path: str) -> None:
     model.trainer_spec.model_prefix = ''
     with open(model_path, 'wb') as f:
         f.write(model.SerializeToString())
+        f.flush()
+        os.fsync(f.fileno())  # whole on disk before the rename into place (durable.py)
 
 
 def train_tokenizer(sentences: Iterable[str], path: str, vocab_size: int,
@@ -107,5 +110,5 @@ def train_tokenizer(sentences: Iterable[str], path: str, vocab_size: int,
         base = path[:-len('.model')] if path.endswith('.model') else path
         os.replace(prefix + '.vocab', base + '.vocab')
         _drop_prefix(prefix + '.model')  # the temporary path would make every model differ
-        os.replace(prefix + '.model', path)
+        durable.replace(prefix + '.model', path)
     return Tokenizer(path)
