@@ -100,14 +100,18 @@ def _state(pid: int) -> str:
 def classify(statuses: list) -> tuple[int, int] | None:
     """(process, status) of the failure that explains an attempt's end, None if none failed.
 
-    A peer's death can make the others fail with exit 1 a moment later: a signal or a
-    restartable status among the processes that have ended is the cause before an ERROR.
+    A peer's death makes the others fail a moment later (exit 1 from a collective's error, or
+    SIGABRT from jax's coordination service), and one poll can see both: among the processes
+    that have ended, a signal from outside (SIGKILL, SIGTERM, ...) is the cause before a
+    restartable exit status (t2t/exits.py), before SIGABRT, before any other status.
     """
-    failed = [(i, s) for i, s in enumerate(statuses) if s not in (None, exits.OK)]
-    if not failed:
-        return None
-    restartable = [(i, s) for i, s in failed if s < 0 or s in exits.RESTARTABLE]
-    return (restartable or failed)[0]
+    def rank(status):
+        if status < 0:
+            return 2 if status == -signal.SIGABRT else 0
+        return 1 if status in exits.RESTARTABLE else 3
+
+    failed = [(rank(s), i, s) for i, s in enumerate(statuses) if s not in (None, exits.OK)]
+    return min(failed)[1:] if failed else None
 
 
 class Attempt:
