@@ -92,11 +92,12 @@ def test_slurm_launcher_one_process_per_gpu(tmp_path):
     assert 'JAX_LOCAL_DEVICE_IDS' not in script  # jax gives process SLURM_LOCALID its GPU
     step = script[script.index('srun '):].replace('\\\n', '')  # bash joins continued lines
     srun = shlex.split(step)
-    assert srun[:4] == ['srun', '--kill-on-bad-exit=1', f'--output={tmp_path}/logs/%x-%j-%t.out',
-                        '--gpu-bind=none']
-    assert srun[4:9] == ['.venv/bin/python', 'train.py', '--config=configs/wmt14_ende_big.py',
-                         '--workdir=/shared/runs/big', '--distributed']
-    assert srun[9:] == TRICKY
+    assert srun[:5] == ['srun', '--kill-on-bad-exit=1', '--open-mode=append',
+                        f'--output={tmp_path}/logs/%x-%j-%t.out', '--gpu-bind=none']
+    assert srun[5:10] == ['.venv/bin/python', 'train.py', '--config=configs/wmt14_ende_big.py',
+                          '--workdir=/shared/runs/big', '--distributed']
+    assert srun[10:] == TRICKY
+    assert 'scontrol requeue' not in script and '--requeue' not in script  # no --max_restarts
 
 
 def test_slurm_launcher_one_process_per_node_submits_the_script(tmp_path, monkeypatch):
@@ -225,3 +226,47 @@ print('finished at step 40 (preemption)')
                   '.venv/bin/python train.py --config=configs/wmt14_ende_big.py '
                   f'--workdir={workdir}0 --distributed'):
         assert not re.search(pattern, other)
+
+
+@pytest.mark.parametrize('srun_status, restart_count, requeued', [
+    (137, None, True),  # a task SIGKILLed (srun: 128 + 9): requeued
+    (4, '1', True),  # t2t's peer-lost status, one restart already made
+    (3, '2', False),  # a hang, but both restarts are spent
+    (1, None, False),  # an error a rerun would repeat
+    (0, None, False),  # finished
+])
+def test_slurm_batch_script_requeues_restartable_failures(tmp_path, srun_status, restart_count,
+                                                          requeued):
+    args, rest = launch_slurm.parse_args([
+        '--nodes=1', '--gpus_per_node=0', '--tasks_per_node=2', '--max_restarts=2',
+        f'--chdir={tmp_path}', '--workdir=/w', '--signal_s=0'])
+    script = launch_slurm.sbatch_script(args, rest)
+    assert '#SBATCH --ntasks-per-node=2\n' in script and '#SBATCH --requeue\n' in script
+    assert '--gpus-per-node' not in script and '--gpu-bind' not in script
+    bin_dir = tmp_path / 'bin'
+    bin_dir.mkdir()
+    # srun records the job identity its tasks get and ends with the status under test.
+    _fake(bin_dir / 'srun', f'''d = os.environ['FAKE_DIR']
+with open(os.path.join(d, 'job_id'), 'w') as f:
+    f.write(os.environ['T2T_JOB_ID'])
+sys.exit({srun_status})
+''')
+    _fake(bin_dir / 'scontrol', '''d = os.environ['FAKE_DIR']
+with open(os.path.join(d, 'scontrol_calls'), 'w') as f:
+    f.write(' '.join(sys.argv[1:]))
+''')
+    env = {**_fake_env(bin_dir), 'SLURM_JOB_ID': '41'}
+    if restart_count is not None:
+        env['SLURM_RESTART_COUNT'] = restart_count
+    (tmp_path / 'job.sh').write_text(script)
+    done = subprocess.run(['bash', str(tmp_path / 'job.sh')], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == srun_status, done.stderr
+    assert (bin_dir / 'job_id').read_text() == f'slurm-41-{restart_count or 0}'
+    if requeued:
+        assert (bin_dir / 'scontrol_calls').read_text() == 'requeue 41'
+        n = int(restart_count or 0) + 1
+        assert done.stdout == (f't2t: srun ended with exit status {srun_status}; requeueing job '
+                               f'41 (restart {n} of 2)\n')
+    else:
+        assert not (bin_dir / 'scontrol_calls').exists() and done.stdout == ''
