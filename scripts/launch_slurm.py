@@ -33,9 +33,6 @@ import sys
 
 import launch_args  # scripts/: the directory of this script is on sys.path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from t2t import exits  # noqa: E402
-
 
 def requeue_lines(max_restarts: int) -> list[str]:
     """After the srun step: a restartable failure requeues the job (up to max_restarts times).
@@ -46,12 +43,11 @@ def requeue_lines(max_restarts: int) -> list[str]:
     rerun repeats) and 0 end the job. `scontrol requeue` needs no cluster setting (RequeueExit in
     slurm.conf is the administrator's way to the same end).
     """
-    statuses = '|'.join(str(s) for s in sorted(exits.RESTARTABLE))
     return [
         'status=$?',
         'set -e',
         'case $status in',
-        f'  {statuses}|129|13[0-9]|14[0-9]|15[0-9]) restartable=1 ;;',
+        f'  {launch_args.restartable_pattern()}) restartable=1 ;;',
         '  *) restartable=0 ;;',
         'esac',
         f'if [ "$restartable" = 1 ] && [ "${{SLURM_RESTART_COUNT:-0}}" -lt {max_restarts} ]; then',

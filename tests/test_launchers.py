@@ -270,3 +270,54 @@ with open(os.path.join(d, 'scontrol_calls'), 'w') as f:
                                f'41 (restart {n} of 2)\n')
     else:
         assert not (bin_dir / 'scontrol_calls').exists() and done.stdout == ''
+
+
+@pytest.mark.parametrize('statuses, max_restarts, runs, final', [
+    ([137, 4, 0], 3, 3, 0),  # SIGKILLed, then a lost peer: rerun twice, then finished
+    ([137, 137], 1, 2, 137),  # the restarts spent: the last status
+    ([1, 0], 3, 1, 1),  # an error ends the loop at once
+])
+def test_tpu_worker_loop_reruns_after_restartable_failures(tmp_path, monkeypatch, statuses,
+                                                           max_restarts, runs, final):
+    monkeypatch.setattr(launch_tpu, 'RESTART_PAUSE_S', 0)
+    checkout = tmp_path / 't2t'
+    (checkout / '.venv' / 'bin').mkdir(parents=True)
+    # The worker's python: ends with the next status of the list, records its job identity.
+    _fake(checkout / '.venv' / 'bin' / 'python', f'''d = os.environ['FAKE_DIR']
+with open(os.path.join(d, 'runs'), 'a') as f:
+    f.write(os.environ['T2T_JOB_ID'] + ' ' + ' '.join(sys.argv[1:]) + '\\n')
+n = len(open(os.path.join(d, 'runs')).readlines())
+print('run', n)
+sys.exit({statuses}[n - 1])
+''')
+    args, rest = launch_tpu.parse_args(['--tpu=t', '--zone=z', '--workdir=gs://b/r',
+                                        f'--dir={checkout}', f'--max_restarts={max_restarts}',
+                                        '--job_id=launch-7', '--', '--config.num_heads=2'])
+    (cmd,) = launch_tpu.commands(args, rest)
+    remote = cmd[-1][len('--command='):]
+    env = {**_fake_env(tmp_path), 'HOME': str(tmp_path)}
+    done = subprocess.run(['bash', '-c', remote], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == final, done.stderr
+    calls = (tmp_path / 'runs').read_text().splitlines()
+    assert len(calls) == runs
+    # The same command and job identity every time (the processes of one launch meet again).
+    assert set(calls) == {'launch-7 train.py --config=configs/wmt14_ende_big.py '
+                          '--workdir=gs://b/r --distributed --config.num_heads=2'}
+    lines = done.stdout.splitlines()
+    restarts = [line.split(': ', 2)[2] for line in lines if line.startswith('t2t: ')]
+    expected = [f'exit status {statuses[i]}; restart {i + 1} of {max_restarts}'
+                for i in range(min(runs - 1, max_restarts))]
+    if final == statuses[runs - 1] and final and runs == max_restarts + 1:
+        expected.append(f'exit status {final}; all {max_restarts} restarts spent')
+    assert restarts == expected
+    # Every run's output is in the worker's log too.
+    log = (tmp_path / 't2t-logs').glob('train-*.log')
+    assert [line for line in next(log).read_text().splitlines() if line.startswith('run')] == \
+        [f'run {i + 1}' for i in range(runs)]
+    # Detached, the loop runs under nohup with its output in the same log.
+    args.detach = True
+    remote = launch_tpu.run_command(args, rest)
+    assert remote.startswith(f'cd {checkout} && mkdir -p ~/t2t-logs && export T2T_JOB_ID='
+                             'launch-7 && nohup bash -c ')
+    assert remote.endswith('>> ~/t2t-logs/train-$(hostname).log 2>&1 < /dev/null &')
