@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from t2t import exits  # noqa: E402
 
 
 def split_at_dashes(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -22,3 +27,10 @@ def parser(doc: str) -> argparse.ArgumentParser:
 def script(args) -> str:
     """The t2t script a launcher runs on the hosts: evaluate.py with --evaluate, else train.py."""
     return 'evaluate.py' if args.evaluate else 'train.py'
+
+
+def restartable_pattern() -> str:
+    """A shell `case` pattern of the exit statuses a rerun can fix: t2t's pod weather (hang, peer
+    lost, storage outage: t2t/exits.py) and a process ended by a signal (128 + N in the shell).
+    0 (finished, or saved on SIGTERM) and 1 (an error a rerun repeats) are not in it."""
+    return '|'.join(str(s) for s in sorted(exits.RESTARTABLE)) + '|129|13[0-9]|14[0-9]|15[0-9]'

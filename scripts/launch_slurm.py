@@ -34,16 +34,41 @@ import sys
 import launch_args  # scripts/: the directory of this script is on sys.path
 
 
+def requeue_lines(max_restarts: int) -> list[str]:
+    """After the srun step: a restartable failure requeues the job (up to max_restarts times).
+
+    SLURM reruns a requeued job under the same id with SLURM_RESTART_COUNT one higher, and
+    train.py resumes from the last checkpoint. Restartable: t2t's statuses for the pod's weather
+    (t2t/exits.py) and a task ended by a signal (srun: 128 + the signal). Exit 1 (an error a
+    rerun repeats) and 0 end the job. `scontrol requeue` needs no cluster setting (RequeueExit in
+    slurm.conf is the administrator's way to the same end).
+    """
+    return [
+        'status=$?',
+        'set -e',
+        'case $status in',
+        f'  {launch_args.restartable_pattern()}) restartable=1 ;;',
+        '  *) restartable=0 ;;',
+        'esac',
+        f'if [ "$restartable" = 1 ] && [ "${{SLURM_RESTART_COUNT:-0}}" -lt {max_restarts} ]; then',
+        f'  echo "t2t: srun ended with exit status $status; requeueing job $SLURM_JOB_ID '
+        f'(restart $(( ${{SLURM_RESTART_COUNT:-0}} + 1 )) of {max_restarts})"',
+        '  scontrol requeue "$SLURM_JOB_ID"',
+        'fi',
+        'exit $status',
+    ]
+
+
 def sbatch_script(args, passthrough: list[str]) -> str:
     """The batch script: #SBATCH resources, environment, one srun step running t2t."""
-    per_gpu = args.per == 'gpu'
-    tasks_per_node = args.gpus_per_node if per_gpu else 1
+    per_gpu = args.per == 'gpu' and args.gpus_per_node > 0
+    tasks_per_node = args.tasks_per_node or (args.gpus_per_node if per_gpu else 1)
     logs = args.logs
     directives = [
         f'--job-name={args.job_name}',
         f'--nodes={args.nodes}',
         f'--ntasks-per-node={tasks_per_node}',
-        f'--gpus-per-node={args.gpus_per_node}',
+        *([f'--gpus-per-node={args.gpus_per_node}'] if args.gpus_per_node else []),
         f'--output={logs}/%x-%j.out',
         '--open-mode=append',  # a requeued job appends to its logs
     ]
@@ -54,26 +79,37 @@ def sbatch_script(args, passthrough: list[str]) -> str:
             directives.append(f'--{name}={getattr(args, name)}')
     if args.signal_s:
         directives.append(f'--signal=TERM@{args.signal_s}')  # to the job steps: t2t checkpoints
-    if args.requeue:
+    if args.requeue or args.max_restarts:
         directives.append('--requeue')
     script = launch_args.script(args)
     argv = [args.python, script, f'--config={args.config}', f'--workdir={args.workdir}',
             '--distributed', *passthrough]
-    srun = ['srun', '--kill-on-bad-exit=1', f'--output={logs}/%x-%j-%t.out']
+    # append: a requeued job's tasks write on after the earlier run's lines (srun truncates)
+    srun = ['srun', '--kill-on-bad-exit=1', '--open-mode=append',
+            f'--output={logs}/%x-%j-%t.out']
     if per_gpu:
         srun.append('--gpu-bind=none')  # every task sees the node's GPUs; jax picks SLURM_LOCALID
     processes = args.nodes * tasks_per_node
+    each = (f'one per {args.per}' if not args.tasks_per_node else
+            f'{tasks_per_node} per node')
     lines = ['#!/bin/bash'] + [f'#SBATCH {d}' for d in directives] + [
-        f'# t2t {script}: {processes} processes, one per {args.per} '
+        f'# t2t {script}: {processes} processes, {each} '
         f'({args.nodes} nodes x {args.gpus_per_node} GPUs)',
         'set -eo pipefail',
         f'cd {shlex.quote(args.chdir)}',
         *args.setup,
+        # One identity per run of the job (the start-up handshake refuses another's processes).
+        'export T2T_JOB_ID="slurm-$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"',
     ]
-    if not per_gpu:
+    if not per_gpu and args.gpus_per_node:
         ids = ','.join(str(i) for i in range(args.gpus_per_node))
         lines.append(f'export JAX_LOCAL_DEVICE_IDS={ids}  # all GPUs of the node to its process')
-    lines.append(f'{shlex.join(srun)} \\\n    {shlex.join(argv)}')
+    step = f'{shlex.join(srun)} \\\n    {shlex.join(argv)}'
+    if args.max_restarts:
+        lines += ['set +e  # the step\'s status decides the requeue', step,
+                  *requeue_lines(args.max_restarts)]
+    else:
+        lines.append(step)
     return '\n'.join(lines) + '\n'
 
 
@@ -95,6 +131,12 @@ def parse_args(argv: list[str]):
     p.add_argument('--signal_s', type=int, default=300,
                    help='SIGTERM this many seconds before the time limit (0: none)')
     p.add_argument('--requeue', action='store_true', help='#SBATCH --requeue')
+    p.add_argument('--max_restarts', type=int, default=0,
+                   help='requeue the job after a restartable failure (a signal, exit 3/4/5) up '
+                   'to this many times; it resumes from the last checkpoint')
+    p.add_argument('--tasks_per_node', type=int, default=0,
+                   help='processes per node (default: --gpus_per_node, 1 with --per=node); with '
+                   '--gpus_per_node=0 for CPU nodes')
     p.add_argument('--setup', action='append', default=[],
                    help='a shell line run before srun (repeatable), e.g. "module load cuda/12"')
     p.add_argument('--python', default='.venv/bin/python', help='relative to --chdir or absolute')
@@ -105,8 +147,13 @@ def parse_args(argv: list[str]):
                    help='block until the job ends, exit with its status; SIGTERM/SIGINT cancel it')
     p.add_argument('--dry_run', action='store_true', help='print the script and sbatch command')
     args = p.parse_args(argv)
-    if args.nodes < 1 or args.gpus_per_node < 1:
-        p.error(f'--nodes={args.nodes} and --gpus_per_node={args.gpus_per_node} must be >= 1')
+    if args.nodes < 1 or args.gpus_per_node < 0 or args.tasks_per_node < 0 \
+            or args.max_restarts < 0:
+        p.error(f'--nodes={args.nodes} must be >= 1, --gpus_per_node={args.gpus_per_node}, '
+                f'--tasks_per_node={args.tasks_per_node} and --max_restarts={args.max_restarts} '
+                '>= 0')
+    if args.gpus_per_node == 0 and not args.tasks_per_node:
+        p.error('--gpus_per_node=0 (CPU nodes) needs --tasks_per_node')
     args.chdir = os.path.abspath(args.chdir)
     args.logs = os.path.abspath(args.logs or os.path.join(args.chdir, 'logs'))
     if '://' not in args.workdir:  # every node resolves it the same way

@@ -13,6 +13,13 @@ bucket). Each worker's output goes to ~/t2t-logs/<script>-<hostname>.log on that
 streamed back here unless --detach). Arguments after `--` go to the script verbatim.
 --dry_run prints the gcloud command lines instead of running them.
 
+--max_restarts=R: each worker runs the script in a loop that reruns it after a restartable failure
+(t2t/exits.py: a hang, a lost peer, a storage outage, or a signal), up to R times; when one host
+fails, the others' processes end too (jax's heartbeats, the watchdog), every loop reruns, and the
+processes meet again and resume from the last checkpoint. 0 (finished, or saved after SIGTERM) and
+1 (an error) end the loop. For restarts that survive the VM itself (a host replaced, a slice
+preempted), run under GKE JobSet or a queued resource: see docs/clusters.md.
+
 Without --detach the command blocks until every worker's script ends and exits with its status
 (what sweep.py uses). SIGTERM or SIGINT then sends SIGTERM to the script on every worker (one more
 gcloud ssh running pkill): t2t saves a checkpoint and exits, and the command returns.
@@ -25,10 +32,12 @@ import shlex
 import signal
 import subprocess
 import sys
+import uuid
 
 import launch_args  # scripts/: the directory of this script is on sys.path
 
 LOG_DIR = '~/t2t-logs'  # on each worker; '~' expands there
+RESTART_PAUSE_S = 5  # between a failure and the rerun: the other hosts' processes end meanwhile
 
 
 def gcloud_ssh(args, remote: str) -> list[str]:
@@ -55,14 +64,40 @@ def setup_command(args) -> str:
 
 
 def run_command(args, passthrough: list[str]) -> str:
-    """The shell command each worker runs: the script with the same flags on every host."""
+    """The shell command each worker runs: the script with the same flags on every host (with
+    --max_restarts, in a loop that reruns it after a restartable failure)."""
     argv = [*_script_start(args), *passthrough]
     # $(hostname) expands on the worker
     log = f'{LOG_DIR}/{launch_args.script(args)[:-3]}-$(hostname).log'
     cd = f'cd {shlex.quote(args.dir)} && mkdir -p {LOG_DIR}'
+    if args.max_restarts:
+        cd += f' && export T2T_JOB_ID={shlex.quote(args.job_id)}'
+        if args.detach:
+            loop = restart_loop(shlex.join(argv), args.max_restarts)
+            return f'{cd} && nohup bash -c {shlex.quote(loop)} >> {log} 2>&1 < /dev/null &'
+        return f'{cd} || exit 1; ' + restart_loop(f'{shlex.join(argv)} 2>&1 | tee -a {log}',
+                                          args.max_restarts, '${PIPESTATUS[0]}')
     if args.detach:  # keeps running after the ssh session ends
         return f'{cd} && nohup {shlex.join(argv)} > {log} 2>&1 < /dev/null &'
     return f'set -o pipefail; {cd} && {shlex.join(argv)} 2>&1 | tee -a {log}'
+
+
+def restart_loop(command: str, max_restarts: int, status: str = '$?') -> str:
+    """A worker's loop: run `command`; rerun it after a restartable failure, up to max_restarts.
+
+    When one host's process fails, the others' end too (jax's heartbeats, the watchdog's
+    hang_timeout_s), so every worker's loop reruns at about the same time and the processes meet
+    again in the start-up handshake; train.py resumes from the last checkpoint. 0 (finished, or
+    saved after SIGTERM) and 1 (an error a rerun repeats) end the loop. The job identity
+    (T2T_JOB_ID) is the launch's: a worker runs one process at a time, so no earlier attempt's
+    process can stand in for a later one's.
+    """
+    return (f'restarts=0; while true; do {command}; status={status}; '
+            f'case $status in {launch_args.restartable_pattern()}) ;; *) exit $status ;; esac; '
+            f'if [ $restarts -ge {max_restarts} ]; then echo "t2t: $(hostname): exit status '
+            f'$status; all {max_restarts} restarts spent"; exit $status; fi; '
+            'restarts=$((restarts + 1)); echo "t2t: $(hostname): exit status $status; restart '
+            f'$restarts of {max_restarts}"; sleep {RESTART_PAUSE_S}; done')
 
 
 def _script_start(args) -> list[str]:
@@ -97,8 +132,16 @@ def parse_args(argv: list[str]):
                    help='run evaluate.py instead of train.py (on every worker)')
     p.add_argument('--detach', action='store_true',
                    help='start in the background (nohup) and return; logs stay on the workers')
+    p.add_argument('--max_restarts', type=int, default=0,
+                   help='on every worker, rerun the script after a restartable failure (a signal, '
+                   'exit 3/4/5) up to this many times; it resumes from the last checkpoint')
+    p.add_argument('--job_id', default='',
+                   help='T2T_JOB_ID of this launch, the same on every worker (default: random)')
     p.add_argument('--dry_run', action='store_true', help='print the gcloud commands only')
     args = p.parse_args(argv)
+    if args.max_restarts < 0:
+        p.error(f'--max_restarts={args.max_restarts} must be >= 0')
+    args.job_id = args.job_id or f'tpu-{uuid.uuid4().hex[:12]}'
     args.setup = args.setup or args.setup_only
     if args.setup and not args.repo:
         p.error('--setup needs --repo (the git URL to clone on every worker)')

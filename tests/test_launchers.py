@@ -92,11 +92,12 @@ def test_slurm_launcher_one_process_per_gpu(tmp_path):
     assert 'JAX_LOCAL_DEVICE_IDS' not in script  # jax gives process SLURM_LOCALID its GPU
     step = script[script.index('srun '):].replace('\\\n', '')  # bash joins continued lines
     srun = shlex.split(step)
-    assert srun[:4] == ['srun', '--kill-on-bad-exit=1', f'--output={tmp_path}/logs/%x-%j-%t.out',
-                        '--gpu-bind=none']
-    assert srun[4:9] == ['.venv/bin/python', 'train.py', '--config=configs/wmt14_ende_big.py',
-                         '--workdir=/shared/runs/big', '--distributed']
-    assert srun[9:] == TRICKY
+    assert srun[:5] == ['srun', '--kill-on-bad-exit=1', '--open-mode=append',
+                        f'--output={tmp_path}/logs/%x-%j-%t.out', '--gpu-bind=none']
+    assert srun[5:10] == ['.venv/bin/python', 'train.py', '--config=configs/wmt14_ende_big.py',
+                          '--workdir=/shared/runs/big', '--distributed']
+    assert srun[10:] == TRICKY
+    assert 'scontrol requeue' not in script and '--requeue' not in script  # no --max_restarts
 
 
 def test_slurm_launcher_one_process_per_node_submits_the_script(tmp_path, monkeypatch):
@@ -225,3 +226,98 @@ print('finished at step 40 (preemption)')
                   '.venv/bin/python train.py --config=configs/wmt14_ende_big.py '
                   f'--workdir={workdir}0 --distributed'):
         assert not re.search(pattern, other)
+
+
+@pytest.mark.parametrize('srun_status, restart_count, requeued', [
+    (137, None, True),  # a task SIGKILLed (srun: 128 + 9): requeued
+    (4, '1', True),  # t2t's peer-lost status, one restart already made
+    (3, '2', False),  # a hang, but both restarts are spent
+    (1, None, False),  # an error a rerun would repeat
+    (0, None, False),  # finished
+])
+def test_slurm_batch_script_requeues_restartable_failures(tmp_path, srun_status, restart_count,
+                                                          requeued):
+    args, rest = launch_slurm.parse_args([
+        '--nodes=1', '--gpus_per_node=0', '--tasks_per_node=2', '--max_restarts=2',
+        f'--chdir={tmp_path}', '--workdir=/w', '--signal_s=0'])
+    script = launch_slurm.sbatch_script(args, rest)
+    assert '#SBATCH --ntasks-per-node=2\n' in script and '#SBATCH --requeue\n' in script
+    assert '--gpus-per-node' not in script and '--gpu-bind' not in script
+    bin_dir = tmp_path / 'bin'
+    bin_dir.mkdir()
+    # srun records the job identity its tasks get and ends with the status under test.
+    _fake(bin_dir / 'srun', f'''d = os.environ['FAKE_DIR']
+with open(os.path.join(d, 'job_id'), 'w') as f:
+    f.write(os.environ['T2T_JOB_ID'])
+sys.exit({srun_status})
+''')
+    _fake(bin_dir / 'scontrol', '''d = os.environ['FAKE_DIR']
+with open(os.path.join(d, 'scontrol_calls'), 'w') as f:
+    f.write(' '.join(sys.argv[1:]))
+''')
+    env = {**_fake_env(bin_dir), 'SLURM_JOB_ID': '41'}
+    if restart_count is not None:
+        env['SLURM_RESTART_COUNT'] = restart_count
+    (tmp_path / 'job.sh').write_text(script)
+    done = subprocess.run(['bash', str(tmp_path / 'job.sh')], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == srun_status, done.stderr
+    assert (bin_dir / 'job_id').read_text() == f'slurm-41-{restart_count or 0}'
+    if requeued:
+        assert (bin_dir / 'scontrol_calls').read_text() == 'requeue 41'
+        n = int(restart_count or 0) + 1
+        assert done.stdout == (f't2t: srun ended with exit status {srun_status}; requeueing job '
+                               f'41 (restart {n} of 2)\n')
+    else:
+        assert not (bin_dir / 'scontrol_calls').exists() and done.stdout == ''
+
+
+@pytest.mark.parametrize('statuses, max_restarts, runs, final', [
+    ([137, 4, 0], 3, 3, 0),  # SIGKILLed, then a lost peer: rerun twice, then finished
+    ([137, 137], 1, 2, 137),  # the restarts spent: the last status
+    ([1, 0], 3, 1, 1),  # an error ends the loop at once
+])
+def test_tpu_worker_loop_reruns_after_restartable_failures(tmp_path, monkeypatch, statuses,
+                                                           max_restarts, runs, final):
+    monkeypatch.setattr(launch_tpu, 'RESTART_PAUSE_S', 0)
+    checkout = tmp_path / 't2t'
+    (checkout / '.venv' / 'bin').mkdir(parents=True)
+    # The worker's python: ends with the next status of the list, records its job identity.
+    _fake(checkout / '.venv' / 'bin' / 'python', f'''d = os.environ['FAKE_DIR']
+with open(os.path.join(d, 'runs'), 'a') as f:
+    f.write(os.environ['T2T_JOB_ID'] + ' ' + ' '.join(sys.argv[1:]) + '\\n')
+n = len(open(os.path.join(d, 'runs')).readlines())
+print('run', n)
+sys.exit({statuses}[n - 1])
+''')
+    args, rest = launch_tpu.parse_args(['--tpu=t', '--zone=z', '--workdir=gs://b/r',
+                                        f'--dir={checkout}', f'--max_restarts={max_restarts}',
+                                        '--job_id=launch-7', '--', '--config.num_heads=2'])
+    (cmd,) = launch_tpu.commands(args, rest)
+    remote = cmd[-1][len('--command='):]
+    env = {**_fake_env(tmp_path), 'HOME': str(tmp_path)}
+    done = subprocess.run(['bash', '-c', remote], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == final, done.stderr
+    calls = (tmp_path / 'runs').read_text().splitlines()
+    assert len(calls) == runs
+    # The same command and job identity every time (the processes of one launch meet again).
+    assert set(calls) == {'launch-7 train.py --config=configs/wmt14_ende_big.py '
+                          '--workdir=gs://b/r --distributed --config.num_heads=2'}
+    lines = done.stdout.splitlines()
+    restarts = [line.split(': ', 2)[2] for line in lines if line.startswith('t2t: ')]
+    expected = [f'exit status {statuses[i]}; restart {i + 1} of {max_restarts}'
+                for i in range(min(runs - 1, max_restarts))]
+    if final == statuses[runs - 1] and final and runs == max_restarts + 1:
+        expected.append(f'exit status {final}; all {max_restarts} restarts spent')
+    assert restarts == expected
+    # Every run's output is in the worker's log too.
+    log = (tmp_path / 't2t-logs').glob('train-*.log')
+    assert [line for line in next(log).read_text().splitlines() if line.startswith('run')] == \
+        [f'run {i + 1}' for i in range(runs)]
+    # Detached, the loop runs under nohup with its output in the same log.
+    args.detach = True
+    remote = launch_tpu.run_command(args, rest)
+    assert remote.startswith(f'cd {checkout} && mkdir -p ~/t2t-logs && export T2T_JOB_ID='
+                             'launch-7 && nohup bash -c ')
+    assert remote.endswith('>> ~/t2t-logs/train-$(hostname).log 2>&1 < /dev/null &')

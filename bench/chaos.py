@@ -1,0 +1,75 @@
+"""The chaos run, long form: scripts/launch_local.py trains tiny on 2 processes x 4 CPU devices
+while seeded faults (SIGKILLs and SIGSTOPs of random processes at random moments) hit it; the
+result is compared with an uninterrupted run of the same launcher.
+
+    python bench/chaos.py [--kills=18] [--stops=2] [--steps=60] [--seed=0] [--hang_timeout_s=30]
+        [--workdir=gs://BUCKET/chaos]   # (with the bucket's environment set) else a local dir
+
+Prints one RESULT line (JSON): faults applied, restarts, wall time of both runs, steps trained
+again, and whether the final parameters (bitwise) and metrics.jsonl (each step once) are exact.
+tests/test_chaos.py is the short form (tests/chaos_run.py holds the machinery).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # the checkpoints are compared here, on the CPU
+
+from tests import chaos_run  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    p.add_argument('--kills', type=int, default=18)
+    p.add_argument('--stops', type=int, default=2)
+    p.add_argument('--steps', type=int, default=60)
+    p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--hang_timeout_s', type=float, default=30.0)
+    p.add_argument('--workdir', default='', help='the chaos run\'s workdir (default: a temp dir)')
+    args = p.parse_args()
+    root = tempfile.mkdtemp(prefix='t2t-chaos-')
+    data_dir = os.path.join(root, 'data')
+    reference = os.path.join(root, 'reference')
+    ref = chaos_run.run(reference, os.path.join(root, 'logs-ref'), args.steps, data_dir, [],
+                        hang_timeout_s=args.hang_timeout_s)
+    if ref['status'] != 0:
+        print(f'chaos: the uninterrupted run failed: {ref["launcher_err"][-2000:]}',
+              file=sys.stderr)
+        return 1
+    faults = chaos_run.plan(args.seed, args.kills, args.stops)
+    workdir = args.workdir or os.path.join(root, 'run')
+    got = chaos_run.run(workdir, os.path.join(root, 'logs-run'), args.steps, data_dir, faults,
+                        hang_timeout_s=args.hang_timeout_s, timeout_s=3600)
+    counts = chaos_run.step_counts(workdir)
+    exact = got['status'] == 0 and chaos_run.params_differ(workdir, reference, args.steps) == []
+    result = {
+        'faults': len(got['applied']),
+        'sigkills': sum(f['signal'] == 'SIGKILL' for f in got['applied']),
+        'sigstops': sum(f['signal'] == 'SIGSTOP' for f in got['applied']),
+        'during_startup': sum(f['startup_delay_s'] is not None for f in got['applied']),
+        'restarts': got['attempts'] - 1, 'status': got['status'],
+        'wall_s': round(got['wall_s'], 1), 'uninterrupted_wall_s': round(ref['wall_s'], 1),
+        'steps': args.steps, 'steps_redone': got['steps_redone'],
+        'each_step_once': counts == {s: 1 for s in range(1, args.steps + 1)},
+        'params_bitwise_equal': exact, 'seed': args.seed, 'hang_timeout_s': args.hang_timeout_s,
+    }
+    print('RESULT ' + json.dumps(result), flush=True)
+    ok = exact and result['each_step_once']
+    if ok:
+        shutil.rmtree(root, ignore_errors=True)
+    else:
+        print(f'chaos: not exact; files kept in {root}\n{got["launcher_err"][-3000:]}',
+              file=sys.stderr)
+    return 0 if ok else 1
+
+
+if __name__ == '__main__':
+    sys.exit(main())
