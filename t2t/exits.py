@@ -3,7 +3,8 @@ process ended and whether a restart can help.
 
 0 the run finished or saved and stopped (num_train_steps, time budget, SIGTERM);
 1 a problem a restart cannot fix (a config value, a path, a checkpoint that does not fit: one line);
-the rest are the pod's weather, ended cleanly so that a supervisor restarts from the last checkpoint.
+the rest are the pod's weather, ended cleanly so that a supervisor restarts from the last
+checkpoint.
 """
 
 OK = 0
