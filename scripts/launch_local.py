@@ -217,6 +217,9 @@ def supervise(args, passthrough, stream=None, say=None) -> int:
     start, restarts = time.monotonic(), 0
     try:
         while True:
+            if stop:  # between two attempts: nothing is running
+                say('stopped between attempts; run again to resume')
+                return exits.OK
             attempt = Attempt(args, passthrough, restarts, stream)
             try:
                 outcome = run_attempt(attempt, args.hang_timeout_s, stop)

@@ -1,7 +1,10 @@
 """The launchers' --dry_run output: what would run on a TPU pod slice and on a SLURM cluster;
-blocking launches that stop their job on SIGTERM (with fake sbatch, scancel and gcloud)."""
+blocking launches that stop their job on SIGTERM (with fake sbatch, scancel and gcloud); the
+restarts: the SLURM batch script's requeue, the TPU workers' loop, and launch_local.py's
+supervision of fake train.py processes (exits, a self-stopped process, SIGTERM)."""
 
 import ast
+import json
 import os
 import re
 import shlex
@@ -15,6 +18,7 @@ import pytest
 from tests.conftest import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, 'scripts'))
+import launch_local  # noqa: E402
 import launch_slurm  # noqa: E402
 import launch_tpu  # noqa: E402
 
@@ -321,3 +325,135 @@ sys.exit({statuses}[n - 1])
     assert remote.startswith(f'cd {checkout} && mkdir -p ~/t2t-logs && export T2T_JOB_ID='
                              'launch-7 && nohup bash -c ')
     assert remote.endswith('>> ~/t2t-logs/train-$(hostname).log 2>&1 < /dev/null &')
+
+
+# --- launch_local.py ------------------------------------------------------------------------------
+
+# A stand-in for `python train.py ...`: what process i does in attempt k is FAKE_PLAN[k][i]
+# ('ok', 'finish': exit 0 after writing TRAINING_FINISHED, 'exit N', 'stop': SIGSTOP itself,
+# 'term': print a line, wait for SIGTERM, exit 0); it records its job id, port and argv.
+FAKE_TRAIN = '''import json, signal
+argv = sys.argv[2:]
+flag = lambda name: next(a.split('=', 1)[1] for a in argv if a.startswith(f'--{name}='))
+workdir, i = flag('workdir'), int(flag('process_id'))
+d = os.environ['FAKE_DIR']
+k = len([n for n in os.listdir(d) if n.startswith('run-') and n.endswith(f'-{i}')])
+with open(os.path.join(d, f'run-{k}-{i}'), 'w') as f:
+    json.dump({'job': os.environ['T2T_JOB_ID'], 'port': flag('coordinator_address'),
+               'devices': os.environ['XLA_FLAGS'], 'argv': argv}, f)
+action = json.loads(os.environ['FAKE_PLAN'])[k][i]
+if i == 0:
+    print(f'attempt {k}', flush=True)
+if action == 'finish':
+    with open(os.path.join(workdir, 'TRAINING_FINISHED'), 'w') as f:
+        json.dump({'step': 9, 'stopped_by': 'num_train_steps'}, f)
+elif action.startswith('exit'):
+    time.sleep(0.3)
+    sys.exit(int(action.split()[1]))
+elif action == 'stop':
+    os.kill(os.getpid(), signal.SIGSTOP)
+elif action == 'term':
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
+    print('waiting for SIGTERM', flush=True)
+    time.sleep(60)
+    sys.exit(7)
+'''
+
+
+def _local(tmp_path, plan, *flags):
+    bin_dir = tmp_path / 'bin'
+    bin_dir.mkdir()
+    _fake(bin_dir / 'python', FAKE_TRAIN)
+    (tmp_path / 'w').mkdir()
+    env = {**_fake_env(bin_dir), 'FAKE_PLAN': json.dumps(plan), 'XLA_FLAGS': '--xla_x=1 '
+           '--xla_force_host_platform_device_count=8'}
+    argv = [sys.executable, os.path.join(ROOT, 'scripts', 'launch_local.py'), '--processes=2',
+            f'--python={bin_dir / "python"}', f'--workdir={tmp_path / "w"}',
+            f'--logs={tmp_path / "logs"}', '--config=configs/tiny.py', *flags, '--',
+            '--config.num_train_steps=9']
+    return bin_dir, env, argv
+
+
+def _runs(bin_dir):
+    return {n: json.loads((bin_dir / n).read_text()) for n in os.listdir(bin_dir)
+            if n.startswith('run-')}
+
+
+def test_local_launcher_restarts_until_training_finished(tmp_path):
+    plan = [['ok', 'exit 4'], ['stop', 'ok'], ['exit 3', 'ok'], ['finish', 'ok']]
+    bin_dir, env, argv = _local(tmp_path, plan, '--max_restarts=3', '--hang_timeout_s=2',
+                                '--devices_per_process=3')
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith('launch_local: ')]
+    assert [re.sub(r' at \d+ s:', ':', line) for line in lines[:3]] == [
+        'launch_local: restart 1 of 3: process 1 exit 4 (peer lost)',
+        'launch_local: restart 2 of 3: no output from process 0 for 2 s (process 0 stopped): '
+        'taken as a hang',
+        'launch_local: restart 3 of 3: process 0 exit 3 (hang)']
+    assert lines[3].startswith('launch_local: training finished at step 9 (num_train_steps) '
+                               'after 3 restarts in ')
+    assert done.stdout == ''.join(f'attempt {k}\n' for k in range(4))  # process 0's, streamed
+    runs = _runs(bin_dir)
+    assert len(runs) == 8
+    # Per attempt one job id and port for both processes, new ones each attempt.
+    jobs = {k: {runs[f'run-{k}-{i}']['job'] for i in range(2)} for k in range(4)}
+    ports = {k: {runs[f'run-{k}-{i}']['port'] for i in range(2)} for k in range(4)}
+    assert all(len(j) == 1 for j in jobs.values()) and len(set.union(*jobs.values())) == 4
+    assert all(len(p) == 1 for p in ports.values()) and len(set.union(*ports.values())) == 4
+    assert all(p.startswith('127.0.0.1:') for p in set.union(*ports.values()))
+    one = runs['run-0-1']
+    assert one['devices'] == '--xla_x=1 --xla_force_host_platform_device_count=3'
+    assert one['argv'] == ['--config=configs/tiny.py', f'--workdir={tmp_path / "w"}',
+                           '--config.num_train_steps=9',
+                           f'--coordinator_address={one["port"]}', '--num_processes=2',
+                           '--process_id=1']
+    logs = sorted(os.listdir(tmp_path / 'logs'))
+    assert len(logs) == 4 * 5 and 'attempt-3-process-1.err' in logs  # every attempt's logs kept
+
+
+@pytest.mark.parametrize('plan, flags, status, last', [
+    ([['ok', 'exit 1']], [], 1, 'process 1 exit 1 (error): a restart cannot fix it'),
+    ([['exit 5', 'ok'], ['ok', 'exit 5']], ['--max_restarts=1'], 5,
+     'process 1 exit 5 (storage outage); all 1 restarts spent'),
+    ([['ok', 'ok']], [], 1, 'every process exited 0 before TRAINING_FINISHED; all 0 restarts'),
+])
+def test_local_launcher_gives_up(tmp_path, plan, flags, status, last):
+    bin_dir, env, argv = _local(tmp_path, plan, '--max_restarts=0', *flags)
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == status
+    assert last in done.stderr.strip().splitlines()[-1]
+    assert len(_runs(bin_dir)) == 2 * len(plan)
+
+
+def test_local_launcher_sigterm_reaches_every_process(tmp_path):
+    bin_dir, env, argv = _local(tmp_path, [['term', 'term']])
+    launcher = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+    try:
+        assert launcher.stdout.readline() == 'attempt 0\n'
+        assert launcher.stdout.readline() == 'waiting for SIGTERM\n'
+        deadline = time.monotonic() + 30
+        while len(_runs(bin_dir)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # process 1 has set its handler by now
+        launcher.send_signal(signal.SIGTERM)
+        out, err = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 0, err  # both exited 0 (not 7: the sleep was cut short)
+    assert err.strip().splitlines()[-1] == 'launch_local: stopped: every process saved and exited'
+
+
+def test_local_launcher_arguments_and_failure_order():
+    with pytest.raises(SystemExit):
+        launch_local.parse_args(['--processes=2', '--workdir=w', '--', '--workdir=x'])
+    with pytest.raises(SystemExit):
+        launch_local.parse_args(['--processes=0', '--workdir=w'])
+    kill, abort = -signal.SIGKILL, -signal.SIGABRT
+    # A SIGKILL from outside explains the attempt before the peer's consequent failures.
+    assert launch_local.classify([1, kill]) == (1, kill)
+    assert launch_local.classify([abort, 4]) == (1, 4)
+    assert launch_local.classify([1, abort]) == (1, abort)
+    assert launch_local.classify([None, 1]) == (1, 1)
+    assert launch_local.classify([0, None]) is None

@@ -326,7 +326,7 @@ def eval_split(config, tokenizer: Tokenizer, split: str) -> EvalSplit:
 
 
 def _from_record(config, split: str, record: dict) -> EvalSplit:
-    name = record['name']
+    name = sources.split_name(config, split)  # this config's (a copied corpus: its own path)
     _check_drops(config, name, split, collections.Counter(record['read_skipped']))
     if not record['sources']:
         raise ValueError(f'{name}: no usable sentence pairs')

@@ -31,6 +31,7 @@ import tempfile
 
 from t2t import workdir as wd
 from t2t.data import durable, identity, progress
+from t2t.startup import ConfigError
 
 PART_BYTES = 64 << 20  # bytes per object of a file's copy: one read or write, one retry's loss
 MANIFEST_SUFFIX = '.manifest.json'
@@ -38,8 +39,9 @@ MANIFEST_VERSION = 1
 ABSENT, REUSED, COPIED = 'absent', 'reused', 'copied'  # what `fetch` did
 
 
-class SharedDataError(ValueError):
-    """The shared data_dir lacks an item it should hold, or holds bytes its manifest denies."""
+class SharedDataError(ConfigError):
+    """The shared data_dir lacks an item it should hold, or holds bytes its manifest denies (one
+    line in train.py and evaluate.py)."""
 
 
 def enabled(config) -> bool:
