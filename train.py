@@ -82,7 +82,7 @@ def main(argv):
     print(f'finished at step {result.step} ({result.stopped_by}); '
           + ' '.join(f'{k}={v:.4g}' for k, v in result.eval_metrics.items()))
     if jax.process_index() == 0:
-        from t2t import goodput_report
+        from t2t.goodput import report as goodput_report
 
         goodput_report.print_summary(_WORKDIR.value)  # where the time went
 

@@ -28,3 +28,8 @@ def describe(status: int) -> str:
         except ValueError:
             return f'killed by signal {-status}'
     return f'exit {status}' + (f' ({NAMES[status]})' if status in NAMES else '')
+
+
+class ConfigError(ValueError):
+    """A config value or a path the run cannot work with (exit ERROR, one line). Defined here, in
+    a module that imports nothing of t2t, so that the data layer can raise it too."""

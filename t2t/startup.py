@@ -5,8 +5,9 @@ the path, so train.py and evaluate.py can print it instead of a traceback.
 """
 
 
-class ConfigError(ValueError):
-    """A config value or a path the run cannot work with."""
+from t2t import exits
+
+ConfigError = exits.ConfigError  # here too: every entry point catches startup.ConfigError
 
 
 def check_lengths(config) -> None:

@@ -196,7 +196,10 @@ def test_a_killed_preparation_resumes_to_identical_bytes(corpus, tmp_path, monke
                              tokenizer.path], cwd=ROOT, env={**os.environ, 'PYTHONPATH': ROOT},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 120
-    while (not os.path.isdir(tokens) or len(os.listdir(tokens)) < 3) and time.time() < deadline:
+    def finished_chunks():  # chunks are written to a temporary name first, then renamed
+        return sum(f.endswith('.npz') for f in os.listdir(tokens)) if os.path.isdir(tokens) else 0
+
+    while finished_chunks() < 3 and time.time() < deadline:
         assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)  # mid-chunk: its sentencepiece calls sleep

@@ -19,7 +19,8 @@ import time
 import jax
 import pytest
 
-from t2t import compile_cache, goodput, goodput_report, loop, metrics, profiling, watchdog
+from t2t import compile_cache, goodput, loop, metrics, profiling, watchdog
+from t2t.goodput import report as goodput_report
 from tests import toy_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

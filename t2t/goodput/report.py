@@ -1,7 +1,7 @@
 """The goodput report of a workdir: `python -m t2t.goodput WORKDIR [--json] [--process=N]`.
 
-Reads the attempts' ledgers (t2t/goodput.py) and splits the wall time from the first attempt's
-start to the last attempt's last record into productive training and the kinds of badput
+Reads the attempts' ledgers (t2t/goodput/__init__.py) and splits the wall time from the first
+attempt's start to the last attempt's last record into productive training and the kinds of badput
 (definitions: docs/goodput.md). Prints a table over all attempts and one line per attempt, writes
 the totals as TensorBoard scalars to WORKDIR/goodput/ (at the last step reached) and, with --json,
 prints the whole report as one JSON object instead of the table.

@@ -24,7 +24,7 @@ watchdog as they come, and an end record with the exit cause. A killed attempt h
 its last slice is where its account stops. Per step nothing but a clock read and a histogram
 count happens (step times in 2% buckets: median, p90 and max per attempt).
 
-`python -m t2t.goodput WORKDIR` reports over all attempts (t2t/goodput_report.py; definitions in
+`python -m t2t.goodput WORKDIR` reports over all attempts (t2t/goodput/report.py; definitions in
 docs/goodput.md). Only process 0 writes unless config.goodput_all_processes.
 """
 
@@ -287,8 +287,3 @@ def read_attempts(workdir, process_index: int = 0) -> list[tuple[str, list[dict]
             out.append((path.name, records))
     return out
 
-
-if __name__ == '__main__':
-    from t2t import goodput_report
-
-    goodput_report.main()
