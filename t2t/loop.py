@@ -200,7 +200,7 @@ def train_and_evaluate(config, workdir: str, devices=None) -> TrainResult:
 
     devices: the devices of the mesh (default: all). A checkpoint of any mesh, device count or
     process count resumes here, with the data continuing at the same global batch. Where the
-    time went: WORKDIR/goodput/ (t2t/goodput/__init__.py), one ledger per call.
+    time went: WORKDIR/goodput/ (t2t/goodput/ledger.py), one ledger per call.
     """
     startup.check_writable(workdir)
     ledger = goodput.Ledger.from_config(config, workdir)

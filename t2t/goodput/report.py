@@ -1,6 +1,6 @@
 """The goodput report of a workdir: `python -m t2t.goodput WORKDIR [--json] [--process=N]`.
 
-Reads the attempts' ledgers (t2t/goodput/__init__.py) and splits the wall time from the first
+Reads the attempts' ledgers (t2t/goodput/ledger.py) and splits the wall time from the first
 attempt's start to the last attempt's last record into productive training and the kinds of badput
 (definitions: docs/goodput.md). Prints a table over all attempts and one line per attempt, writes
 the totals as TensorBoard scalars to WORKDIR/goodput/ (at the last step reached) and, with --json,
@@ -16,7 +16,8 @@ import json
 import math
 import sys
 
-from t2t import goodput
+from t2t import workdir as wd
+from t2t.goodput import ledger as goodput
 
 # category -> the ledger phases it is made of ('lost_progress' and 'idle' come from the
 # attempts' steps and gaps; 'productive' is the training time that was not lost)
@@ -246,7 +247,7 @@ def write_scalars(workdir, r: dict) -> None:
     from t2t import metrics
 
     step = r['steps'][1] or 0
-    with metrics.MetricWriter(goodput.wd.path(workdir, goodput.DIRNAME), stream=io.StringIO(),
+    with metrics.MetricWriter(wd.path(workdir, goodput.DIRNAME), stream=io.StringIO(),
                               start_step=step - 1) as writer:
         writer.write_scalars(step, scalars(r))
 
@@ -262,7 +263,7 @@ def main(argv=None) -> None:
     r = report(args.workdir, args.process)
     if r is None:
         sys.exit(f'python -m t2t.goodput: no goodput ledger of process {args.process} in '
-                 f'{goodput.wd.path(args.workdir, goodput.DIRNAME)}')
+                 f'{wd.path(args.workdir, goodput.DIRNAME)}')
     if not args.no_tensorboard:
         write_scalars(args.workdir, r)
     print(json.dumps(r, indent=1) if args.json else format_report(r))

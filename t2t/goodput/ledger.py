@@ -1,0 +1,261 @@
+"""The recorder of the goodput ledger (the package's docstring says what it records)."""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import functools
+import json
+import logging
+import math
+import os
+import socket
+import threading
+import time
+
+from t2t import workdir as wd
+
+DIRNAME = 'goodput'
+PHASES = ('startup', 'setup', 'data', 'restore', 'compile', 'train', 'data_wait', 'checkpoint',
+          'eval', 'profile')
+_STEP_PHASES = ('train', 'data_wait')  # a step timed across other phases is not a step time
+BUCKET_RATIO = 1.02  # step-time histogram buckets: [1.02^k, 1.02^(k+1)) seconds
+_LOG_RATIO = math.log(BUCKET_RATIO)
+_IMPORTED = time.time()
+_startup: dict[str, float] = {}  # seconds of named start-up stages before the first ledger
+_first_attempt_of_process = True
+# jax's compile stages (jax._src.dispatch's monitoring events) -> the ledger's names. The
+# persistent compilation cache serves 'xla' (compile, or load from the cache); tracing and
+# lowering to StableHLO are paid by every process.
+_JAX_STAGES = {'/jax/core/compile/jaxpr_trace_duration': 'trace',
+               '/jax/core/compile/jaxpr_to_mlir_module_duration': 'lower',
+               '/jax/core/compile/backend_compile_duration': 'xla'}
+_active = None  # the ledger of the attempt running in this process
+
+
+def _on_jax_duration(event: str, duration: float, **_) -> None:
+    ledger = _active
+    if ledger is not None and ledger._phase == 'compile' and event in _JAX_STAGES:
+        ledger._stages[_JAX_STAGES[event]] += duration
+
+
+def _listen_to_jax() -> None:
+    import jax
+
+    if _on_jax_duration not in getattr(_listen_to_jax, 'done', ()):
+        jax.monitoring.register_event_duration_secs_listener(_on_jax_duration)
+        _listen_to_jax.done = (_on_jax_duration,)
+
+
+def process_start_time() -> float:
+    """Unix time this process started (Linux: from /proc; elsewhere when this module loaded)."""
+    try:
+        with open('/proc/self/stat', encoding='ascii') as f:
+            start_ticks = int(f.read().rsplit(')', 1)[1].split()[19])  # field 22: starttime
+        with open('/proc/uptime', encoding='ascii') as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - uptime + start_ticks / os.sysconf('SC_CLK_TCK')
+    except (OSError, ValueError, IndexError):
+        return _IMPORTED
+
+
+def note_startup(name: str, since: float) -> None:
+    """Records a start-up stage that ran before the ledger (e.g. jax.distributed's initialization):
+    `since` is its time.perf_counter() at the start. Part of the 'startup' phase."""
+    _startup[name] = time.perf_counter() - since
+
+
+def attempt_path(workdir, start: float, process_index: int):
+    stamp = datetime.datetime.fromtimestamp(start, datetime.UTC).strftime('%Y%m%dT%H%M%S.%fZ')
+    return wd.path(workdir, DIRNAME, f'attempt-{stamp}-p{process_index}.jsonl')
+
+
+def bucket(seconds: float) -> int:
+    """The histogram bucket of a step time (seconds > 0)."""
+    return math.floor(math.log(seconds) / _LOG_RATIO)
+
+
+def bucket_value(k: int) -> float:
+    """The middle (geometric) of bucket k, in seconds."""
+    return math.exp((k + 0.5) * _LOG_RATIO)
+
+
+class Ledger:
+    """One attempt's phases, slices and findings (see the module docstring).
+
+    The loop calls `mark(phase)` where a phase starts, `next_step()` at the top of every step,
+    `flush(at)` where a slice is due; `compiling(fn)` and `timed(phase)` wrap functions.
+    Writes never stop training: a failed one is logged once and retried with the next.
+    """
+
+    def __init__(self, workdir, process_index: int = 0, process_count: int = 1,
+                 enabled: bool = True):
+        global _first_attempt_of_process
+        now, clock = time.time(), time.perf_counter()
+        # A process's first attempt began when the process did; a later one (tests, notebooks)
+        # when train_and_evaluate was called.
+        self.start = process_start_time() if _first_attempt_of_process else now
+        self.start = min(self.start, now)
+        _first_attempt_of_process = False
+        self.step = None  # the step reached (set by `begin`, counted by `next_step`)
+        self._phase, self._since = 'startup', clock
+        self._seconds = collections.defaultdict(float)
+        self._seconds['startup'] = now - self.start
+        self._hist = collections.Counter()  # step-time buckets of the current slice
+        self._stages = collections.defaultdict(float)  # jax's stages inside 'compile' phases
+        self._max_step = 0.0
+        self._step_start, self._clean = None, False
+        self._lock = threading.Lock()  # the watchdog's thread writes findings
+        self._warned = False
+        self._appender = self.path = None
+        if enabled:
+            self.path = attempt_path(workdir, self.start, process_index)
+            self._appender = wd.Appender(self.path)
+        self._write({'at': 'start', 't': round(self.start, 3), 'host': socket.gethostname(),
+                     'pid': os.getpid(), 'process': process_index, 'processes': process_count,
+                     'startup': {k: round(v, 6) for k, v in _startup.items()}})
+        self._phase = 'setup'
+        self._seconds['startup'] += time.perf_counter() - clock
+        self._since = time.perf_counter()
+
+    @classmethod
+    def from_config(cls, config, workdir) -> Ledger:
+        """The ledger of an attempt starting now; it also books jax's compile stages."""
+        import jax
+
+        global _active
+        _listen_to_jax()
+        index = jax.process_index()
+        _active = cls(workdir, index, jax.process_count(),
+                      enabled=index == 0 or config.goodput_all_processes)
+        return _active
+
+    # --- the loop's calls --------------------------------------------------------------------
+
+    def mark(self, phase: str, flush: str | None = None) -> None:
+        """From now on the attempt is in `phase`; with `flush`, a slice is written at once."""
+        now = time.perf_counter()
+        self._seconds[self._phase] += now - self._since
+        self._phase, self._since = phase, now
+        if phase not in _STEP_PHASES:
+            self._clean = False
+        if flush:
+            self.flush(flush)
+
+    def begin(self, step: int) -> None:
+        """Training starts (or resumes) at `step`: a slice that records it."""
+        self.step = int(step)
+        self.flush('ready')
+
+    def next_step(self) -> None:
+        """The top of a step: times the previous one (if only training ran since), waits for
+        data until `mark('train')`."""
+        now = time.perf_counter()
+        self._seconds[self._phase] += now - self._since
+        self._phase, self._since = 'data_wait', now
+        if self._clean:
+            seconds = now - self._step_start
+            if seconds > 0:
+                self._hist[bucket(seconds)] += 1
+                self._max_step = max(self._max_step, seconds)
+        self._step_start, self._clean = now, True
+        self.step = (self.step or 0) + 1
+
+    def compiling(self, fn):
+        """fn, whose first call is timed as 'compile' (then back to the phase it was called in)."""
+        first = True
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            nonlocal first
+            if not first:
+                return fn(*args, **kwargs)
+            first = False
+            previous = self._phase
+            self.mark('compile')
+            out = fn(*args, **kwargs)
+            self.mark(previous, flush='compiled')
+            return out
+
+        return call
+
+    def timed(self, phase: str):
+        """A decorator: the function's calls are `phase`, each followed by a slice."""
+        def wrap(fn):
+            @functools.wraps(fn)
+            def call(*args, **kwargs):
+                previous = self._phase
+                self.mark(phase)
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self.mark(previous, flush=phase)
+            return call
+        return wrap
+
+    def flush(self, at: str, **extra) -> None:
+        """Writes the slice since the previous one: each phase's seconds, the step reached."""
+        now = time.perf_counter()
+        self._seconds[self._phase] += now - self._since
+        self._since = now
+        record = {'at': at, 't': round(time.time(), 3), 'step': self.step,
+                  'seconds': {k: round(v, 6) for k, v in self._seconds.items() if v > 0}}
+        if self._stages:
+            record['compile_stages'] = {k: round(v, 6) for k, v in self._stages.items()}
+            self._stages.clear()
+        if self._hist:
+            record['step_times'] = {str(k): n for k, n in sorted(self._hist.items())}
+            record['max_step_s'] = round(self._max_step, 6)
+        self._seconds.clear()
+        self._hist.clear()
+        self._max_step = 0.0
+        self._write({**record, **extra})
+
+    def finding(self, kind: str, step: int, elapsed_s: float, limit_s: float) -> None:
+        """The watchdog saw a step or a save run past its limit (called from its thread)."""
+        self._write({'at': 'finding', 't': round(time.time(), 3), 'kind': kind, 'step': step,
+                     'elapsed_s': round(elapsed_s, 3), 'limit_s': round(limit_s, 3)})
+
+    def end(self, outcome) -> None:
+        """The attempt's last slice with its exit cause: a TrainResult.stopped_by or the
+        exception that ended it."""
+        if isinstance(outcome, BaseException):
+            cause = f'error: {type(outcome).__name__}'
+        else:
+            cause = {'num_train_steps': 'finished', 'preemption': 'preempted'}.get(outcome,
+                                                                                 outcome)
+        self.flush('end', cause=cause)
+        global _active
+        if _active is self:
+            _active = None
+        if self._appender is not None:
+            self._appender.close()
+
+    def _write(self, record: dict) -> None:
+        if self._appender is None:
+            return
+        with self._lock:
+            try:
+                self._appender.append(json.dumps(record) + '\n')
+            except Exception as e:  # noqa: BLE001 - the ledger never stops training
+                if not self._warned:
+                    self._warned = True
+                    logging.warning('goodput: writing %s failed (%s: %s); training goes on',
+                                    self.path, type(e).__name__, str(e)[:200])
+
+
+def read_attempts(workdir, process_index: int = 0) -> list[tuple[str, list[dict]]]:
+    """(file name, records) of every attempt of `process_index`, oldest first. A torn last line
+    (a kill mid-write) is skipped."""
+    out = []
+    for path in wd.glob(wd.path(workdir, DIRNAME), f'attempt-*-p{process_index}.jsonl'):
+        records = []
+        for line in (wd.read_text(path) or '').splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        if records and records[0].get('at') == 'start':
+            out.append((path.name, records))
+    return out
+
