@@ -86,7 +86,7 @@ def test_report_splits_the_wall_time_and_finds_the_steps_trained_again(tmp_path)
 
 
 def test_the_recorder_partitions_time_and_keeps_the_watchdogs_findings(tmp_path, monkeypatch):
-    monkeypatch.setattr(goodput, '_first_attempt_of_process', False)  # starts now, not at fork
+    monkeypatch.setattr(goodput.ledger, '_first_attempt_of_process', False)  # starts now
     ledger = goodput.Ledger(tmp_path)
     ledger.mark('restore')
     time.sleep(0.05)
