@@ -15,7 +15,7 @@ D d_model, L any length.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,8 +24,9 @@ from flax import struct
 
 from t2t.dropout import dropout
 
-if TYPE_CHECKING:  # the layer reads the model's config; t2t.model imports this module
-    from t2t.model import TransformerConfig
+# The layer reads the model's config (a model.TransformerConfig); t2t.model imports this module,
+# so the type is named here, not imported.
+TransformerConfig = Any
 
 Array = jax.Array
 
