@@ -16,10 +16,12 @@ jax twice that as the backstop:
 
 A process 0 that dies outright closes the service's connections: jax's client on every other
 process aborts at once from C++ (its error polling), before any of this can speak.
-At exit (an atexit hook that runs before jax's shutdown barrier) the heartbeats go on but the
-verdicts stop: a process waiting there for the others is alive, and the service going away
-then is the end of the job. The threads need the GIL: a Python call that holds it for longer than
-the timeout (none of t2t's does) would look like a lost process.
+At exit (an atexit hook that runs before jax's shutdown barrier) a process writes
+t2t/exited/<its index>, which process 0 counts as alive from then on (it is waiting in that
+barrier), and stops and joins its threads: a daemon thread still inside a call to the service
+when the interpreter finalizes is unwound through C++ and aborts the process. The threads need
+the GIL: a Python call that holds it for longer than the timeout (none of t2t's does) would look
+like a lost process.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import time
 
 from t2t import exits
 
-ALIVE, LOST = 't2t/alive/', 't2t/lost'
+ALIVE, EXITED, LOST = 't2t/alive/', 't2t/exited/', 't2t/lost'
 MAX_INTERVAL_S = 2.0  # heartbeats at least this often (and 5 per timeout)
 
 
@@ -51,12 +53,25 @@ class PeerWatch:
         self.interval_s = min(max(timeout_s / 5, 0.1), MAX_INTERVAL_S)
         self._answered = time.monotonic()  # the service's last answer to this process
         self._stop, self._exiting = threading.Event(), threading.Event()
-        atexit.register(self._exiting.set)  # after jax's own hook: runs before it
-        for target, name in ((self._beat, 't2t-heartbeat'), (self._deadline, 't2t-peers')):
-            threading.Thread(target=target, daemon=True, name=name).start()
+        atexit.register(self._at_exit)  # after jax's own hook: runs before it
+        self._threads = [threading.Thread(target=target, daemon=True, name=name)
+                         for target, name in ((self._beat, 't2t-heartbeat'),
+                                              (self._deadline, 't2t-peers'))]
+        for thread in self._threads:
+            thread.start()
 
     def close(self) -> None:
         self._stop.set()
+
+    def _at_exit(self) -> None:
+        self._exiting.set()
+        try:
+            self.client.key_value_set(f'{EXITED}{self.index}', '1', allow_overwrite=True)
+        except Exception:
+            pass  # the service has gone: nobody is left to count this process lost
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=2 * self.interval_s + 5)
 
     def _beat(self) -> None:
         start = time.monotonic()
@@ -69,6 +84,8 @@ class PeerWatch:
                 self.client.key_value_set(f'{ALIVE}{self.index}', str(beat), allow_overwrite=True)
                 if self.index == 0:
                     entries = self.client.key_value_dir_get(ALIVE)
+                    exited = {int(k.rsplit('/', 1)[-1]) for k, _ in
+                              self.client.key_value_dir_get(EXITED)}
                 else:
                     verdict = self._try_get(LOST)
             except Exception as e:  # jax's runtime error: the service has gone
@@ -84,7 +101,8 @@ class PeerWatch:
                     pid = int(key.rsplit('/', 1)[-1])
                     if seen.get(pid) != value:
                         seen[pid], heard[pid] = value, now
-                lost = [p for p in range(1, self.count) if now - heard[p] > self.timeout_s]
+                lost = [p for p in range(1, self.count)
+                        if p not in exited and now - heard[p] > self.timeout_s]
                 if lost:
                     self._lost(lost, now - min(heard[p] for p in lost))
             elif verdict is not None:
