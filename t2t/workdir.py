@@ -10,15 +10,73 @@ temporary file in the same directory renamed over the target; in a bucket an obj
 atomic by itself (an object becomes visible only when its upload completes), so the object is
 written directly. A bucket has no append: `Appender` keeps the file's content and rewrites the
 whole object at each append (metrics files are small: one line per log step).
+
+Bucket faults: every read and write here is retried on a transient failure (HTTP 408/429/5xx,
+connection resets, timeouts: gcsfs's own `is_retriable`, plus OSErrors of those kinds) with
+exponential backoff (google-api-core's Retry) for up to RETRY_BUDGET_S, on top of gcsfs's own six
+tries per request; then the last error is raised as it was. A missing object (FileNotFoundError)
+or a refusal (403) is not retried. `is_transient` and `describe` are the one rule callers use to
+tell weather from a mistake and to say it in one line.
+
+Listings are never cached: gcsfs caches a directory listing with no expiry, so a process would
+never see objects another process (a training beside evaluate.py --watch, another host) wrote
+after its first listing; fsspec's configuration turns that cache off for every gs:// file system
+made after this module is imported (orbax's included: it lists through the same epath).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 import uuid
 
+import fsspec.config
 from etils import epath
+from google.api_core import exceptions as api_exceptions
+from google.api_core import retry as api_retry
+
+fsspec.config.conf.setdefault('gs', {})['use_listings_cache'] = False  # see the module doc
+
+RETRY_BUDGET_S = 60.0  # seconds of retries of one read or write before its error is raised
+_TRANSIENT_ERRNOS = {errno.ECONNRESET, errno.ECONNABORTED, errno.ECONNREFUSED, errno.EPIPE,
+                     errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EAGAIN}
+
+
+def is_transient(error: BaseException) -> bool:
+    """A failure that may pass by itself (503, 429, a reset, a timeout), not a missing object or
+    a refusal."""
+    if isinstance(error, (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError,
+                          NotADirectoryError)):
+        return False
+    if isinstance(error, (ConnectionError, TimeoutError)):
+        return True
+    if isinstance(error, OSError) and error.errno in _TRANSIENT_ERRNOS:
+        return True
+    try:
+        from gcsfs.retry import is_retriable
+    except ImportError:  # no gcsfs: no bucket
+        return False
+    return is_retriable(error)
+
+
+def describe(error: BaseException) -> str:
+    """One line: the error's type and the first line of its message."""
+    first = (str(error).strip().splitlines() or [''])[0][:300]
+    return f'{type(error).__name__}: {first}' if first else type(error).__name__
+
+
+_RETRY = api_retry.Retry(predicate=is_transient, initial=1.0, maximum=16.0, multiplier=2.0,
+                         timeout=RETRY_BUDGET_S)
+
+
+def retried(fn, *args, **kwargs):
+    """fn(*args, **kwargs), retried on transient failures for up to RETRY_BUDGET_S; the last
+    error is raised as it was (not wrapped)."""
+    try:
+        return _RETRY(fn)(*args, **kwargs)
+    except api_exceptions.RetryError as e:
+        raise (e.cause or e) from None
 
 
 def is_url(location) -> bool:
@@ -34,11 +92,11 @@ def path(location, *parts) -> epath.Path:
 
 
 def exists(p) -> bool:
-    return epath.Path(p).exists()
+    return retried(epath.Path(p).exists)
 
 
 def is_dir(p) -> bool:
-    return epath.Path(p).is_dir()
+    return retried(epath.Path(p).is_dir)
 
 
 def makedirs(p) -> None:
@@ -51,7 +109,7 @@ def makedirs(p) -> None:
 def read_bytes(p) -> bytes | None:
     """The file's bytes, or None when it does not exist."""
     try:
-        return epath.Path(p).read_bytes()
+        return retried(epath.Path(p).read_bytes)
     except FileNotFoundError:
         return None
 
@@ -67,7 +125,11 @@ def write_atomic(p, data: str | bytes) -> None:
     p = epath.Path(p)
     data = data.encode('utf-8') if isinstance(data, str) else bytes(data)
     if is_url(p):
-        p.write_bytes(data)  # one object upload: visible only when complete
+        # One object upload, visible only when complete; repeating it after a lost answer
+        # writes the same bytes again.
+        from etils.epath import backend
+
+        retried(backend.fsspec_backend.fs(p).pipe_file, os.fspath(p), data)
         return
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.fspath(p.parent), prefix=f'.{p.name}.', suffix='.tmp')
@@ -86,7 +148,7 @@ def write_atomic(p, data: str | bytes) -> None:
 def remove(p) -> bool:
     """Removes a file; False when there was none."""
     try:
-        epath.Path(p).unlink()
+        retried(epath.Path(p).unlink)
     except FileNotFoundError:
         return False
     return True
@@ -95,9 +157,9 @@ def remove(p) -> bool:
 def glob(directory, pattern: str) -> list[epath.Path]:
     """The files of `directory` matching `pattern`, sorted by name ([] when it does not exist)."""
     directory = epath.Path(directory)
-    if not directory.exists():
+    if not exists(directory):
         return []
-    return sorted(directory.glob(pattern), key=lambda q: q.name)
+    return sorted(retried(lambda: list(directory.glob(pattern))), key=lambda q: q.name)
 
 
 def copy(src, dst) -> None:
