@@ -25,6 +25,7 @@ import functools
 import importlib.util
 import re
 import sys
+from typing import NoReturn
 
 from absl import app, flags
 
@@ -111,6 +112,17 @@ def run(main, prog: str) -> None:
 
     platforms.skip_absent_tpu()
     app.run(main, flags_parser=functools.partial(parse_flags, prog=prog))
+
+
+def exit_storage_error(prog: str, error: BaseException) -> NoReturn:
+    """One line for a storage error (workdir.is_storage_error) and its exit status: STORAGE
+    (a restart may find the storage back) for a transient one, ERROR for a refusal or a missing
+    object (restarting repeats it)."""
+    from t2t import exits, workdir
+
+    print(f'{prog}: storage: {workdir.describe(error)}', file=sys.stderr, flush=True)
+    sys.exit(exits.STORAGE if workdir.is_transient(error) or isinstance(
+        error, workdir.StorageError) else exits.ERROR)
 
 
 def check_values(config, prog: str) -> None:

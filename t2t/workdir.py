@@ -53,6 +53,8 @@ def is_transient(error: BaseException) -> bool:
         return True
     if isinstance(error, OSError) and error.errno in _TRANSIENT_ERRNOS:
         return True
+    if _tensorstore_code(error):
+        return _tensorstore_code(error) in _TENSORSTORE_TRANSIENT
     try:
         from gcsfs.retry import is_retriable
     except ImportError:  # no gcsfs: no bucket
@@ -64,6 +66,33 @@ def describe(error: BaseException) -> str:
     """One line: the error's type and the first line of its message."""
     first = (str(error).strip().splitlines() or [''])[0][:300]
     return f'{type(error).__name__}: {first}' if first else type(error).__name__
+
+
+class StorageError(OSError):
+    """Storage that stayed down: a workdir write or a checkpoint save still failing after its
+    retries for longer than the run's limit. Its message is one line naming the object."""
+
+
+# tensorstore (orbax's array writer) raises ValueError('CODE: ...') with absl status codes.
+_TENSORSTORE_TRANSIENT = ('UNAVAILABLE', 'DEADLINE_EXCEEDED', 'RESOURCE_EXHAUSTED', 'ABORTED')
+_TENSORSTORE_CODES = _TENSORSTORE_TRANSIENT + ('NOT_FOUND', 'PERMISSION_DENIED', 'UNAUTHENTICATED',
+                                               'INTERNAL', 'UNKNOWN', 'FAILED_PRECONDITION')
+
+
+def _tensorstore_code(error: BaseException) -> str | None:
+    if type(error) is ValueError and 'tensorstore' in str(error):
+        code = str(error).split(':', 1)[0]
+        return code if code in _TENSORSTORE_CODES else None
+    return None
+
+
+def is_storage_error(error: BaseException) -> bool:
+    """An error of the storage under the workdir (an OSError; gcsfs's, google-auth's and
+    google-api-core's errors; tensorstore's coded ValueErrors), not of t2t's own logic."""
+    if isinstance(error, OSError) or _tensorstore_code(error):
+        return True
+    names = {f'{c.__module__}.{c.__name__}' for c in type(error).__mro__}
+    return any(n.startswith(('gcsfs.', 'google.auth.', 'google.api_core.')) for n in names)
 
 
 _RETRY = api_retry.Retry(predicate=is_transient, initial=1.0, maximum=16.0, multiplier=2.0,
