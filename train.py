@@ -69,7 +69,9 @@ def main(argv):
     if not flags.FLAGS['verbosity'].present:
         absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save at INFO
 
-    from t2t import checkpoint, loop, startup
+    from t2t import checkpoint, loop, startup, workdir
+
+    workdir.quiet_transient_failures()
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
@@ -77,8 +79,12 @@ def main(argv):
     except distributed.PeerLost as e:  # exit 4: a restart of the job can help
         distributed.exit_peer_lost(f'train.py: {e}')
     except (startup.ConfigError, checkpoint.CheckpointError, loop.NonFiniteLossError,
-            distributed.SyncError, OSError) as e:  # OSError: e.g. a full disk; it names the file
+            distributed.SyncError) as e:
         sys.exit(f'train.py: {e}')
+    except Exception as e:  # the storage's own errors (gcsfs, google-auth, tensorstore, OSError)
+        if not workdir.is_storage_error(e):
+            raise
+        cli.exit_storage_error('train.py', e)
     print(f'finished at step {result.step} ({result.stopped_by}); '
           + ' '.join(f'{k}={v:.4g}' for k, v in result.eval_metrics.items()))
     if jax.process_index() == 0:

@@ -120,7 +120,8 @@ def exit_storage_error(prog: str, error: BaseException) -> NoReturn:
     object (restarting repeats it)."""
     from t2t import exits, workdir
 
-    print(f'{prog}: storage: {workdir.describe(error)}', file=sys.stderr, flush=True)
+    line = str(error) if isinstance(error, workdir.StorageError) else workdir.describe(error)
+    print(f'{prog}: storage: {line}', file=sys.stderr, flush=True)
     sys.exit(exits.STORAGE if workdir.is_transient(error) or isinstance(
         error, workdir.StorageError) else exits.ERROR)
 

@@ -136,6 +136,7 @@ def _rules() -> tuple[Rule, ...]:
         Rule('straggler_factor', _at_least(0), 'must be >= 0 (0: off)'),
         Rule('straggler_min_s', _at_least(0), ge0),
         Rule('slow_save_s', _at_least(0), 'must be >= 0 (0: off)'),
+        Rule('storage_outage_limit_s', _at_least(0), 'must be >= 0 (0: not retried)'),
         # decoding
         Rule('beam_size', _at_least(1), ge1),
         Rule('length_penalty_alpha', _at_least(0), ge0),

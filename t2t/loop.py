@@ -31,6 +31,7 @@ from t2t import (
     goodput,
     metrics,
     optim,
+    outage,
     profiling,
     sharding,
     startup,
@@ -304,6 +305,8 @@ def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> Tra
         return summary
 
     interval = _Interval(meta.get('unlogged_metrics'))
+    outage_limit_s = config.get('storage_outage_limit_s', 0.0)
+    ended, save_args = False, None
     stopped_by = 'num_train_steps'
     train_summary, eval_summary = {}, {}
     preemption = PreemptionFlag().install()
@@ -356,27 +359,33 @@ def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> Tra
                 interval.check_finite(config.skip_nonfinite)  # never save a non-finite state
                 ledger.mark('checkpoint')
                 dog.mark('save', step)
-                checkpoint.save(manager, step, state, train_iter, extra_metadata={
+                writer.flush(outage_limit_s)  # the records up to a saved step are never behind it
+                save_args = dict(data_iter=train_iter, extra_metadata={
                     'train_seconds': train_seconds(),
                     'unlogged_metrics': interval.unlogged(),
                     'evaluation_pending': evaluation_pending,
                     identity.DATA_KEY: data_identity})
+                outage.save(manager, step, state, outage_limit_s, _say, **save_args)
                 ledger.mark('train', flush='checkpoint')
             if stopping:
                 break
             if logged:  # after evaluation and saving, so step times measure training alone
                 interval = _Interval()
+        ended = True
     finally:
         profile.close(state, step)
         ledger.mark('checkpoint')  # the wait for the last save
         dog.mark('save', step)  # the last asynchronous save is watched too
         try:
             preemption.uninstall()
-            checkpoint.wait(manager)
+            if ended and save_args is not None:  # the last save's storage failure is retried
+                outage.wait(manager, step, state, outage_limit_s, _say, **save_args)
+            else:
+                checkpoint.wait(manager)
             checkpoint.close(manager)
         finally:
             dog.close()
-        writer.close()
+            writer.close(outage_limit_s, quiet=not ended)
     if stopped_by != 'preemption':
         _mark_finished(workdir, step, stopped_by)
     return TrainResult(step=step, stopped_by=stopped_by, train_metrics=train_summary,

@@ -18,6 +18,13 @@ DIR may be a bucket URL (gs://...): every file goes through t2t/workdir.py. A bu
 so metrics.jsonl is rewritten whole at each call, and the event file is written by tensorboardX in
 a local staging directory and uploaded (rewritten) after each call: a crash loses at most the call
 in flight there too.
+
+A bucket write that still fails after workdir's retries does not stop training: the records stay
+in memory (the staged event file, metrics.jsonl's content) and go up with the next call's write,
+which then makes one attempt only, so training is not held back while the bucket is down. It is
+said once when it starts and once when the writes work again. `flush(limit_s)` waits (retrying)
+until everything is up: the loop calls it before each checkpoint save, so the records up to a
+saved step are never behind it; after limit_s it raises workdir.StorageError naming the object.
 """
 
 import json
@@ -57,6 +64,8 @@ class MetricWriter:
         self._jsonl = None
         self._tb = None
         self._staging = None  # a local directory for the event file of a bucket logdir
+        self._failing = None  # (since when, the first error) while bucket writes fail
+        self._bucket = wd.is_url(self.logdir)
         if not enabled:
             return
         wd.makedirs(self.logdir)
@@ -88,31 +97,74 @@ class MetricWriter:
             for k, v in values.items():
                 self._tb.add_scalar(k, v, step)
             self._tb.flush()
-            self._upload_events()
-        # Last: a record in metrics.jsonl means the call is complete (evaluate.py --watch relies
-        # on it to know what it has done).
         record = {'step': step, **{k: v if math.isfinite(v) else None for k, v in values.items()}}
-        self._jsonl.append(json.dumps(record) + '\n')
-
-    def _upload_events(self) -> None:
-        """A bucket logdir: the staged event file, rewritten whole into the bucket."""
-        if self._staging is None:
+        if not self._bucket:
+            self._jsonl.append(json.dumps(record) + '\n')
             return
-        for name in os.listdir(self._staging):
-            with open(os.path.join(self._staging, name), 'rb') as f:
-                wd.write_atomic(self.logdir / name, f.read())
+        self._jsonl.keep(json.dumps(record) + '\n')
+        self._upload(wd.RETRY_BUDGET_S if self._failing is None else 0.0)
 
-    def close(self) -> None:
-        if self._jsonl is not None:
-            self._jsonl.close()
-            self._jsonl = None
+    def _upload(self, budget_s: float) -> bool:
+        """A bucket logdir: the staged event file, then metrics.jsonl (a record there means its
+        call is complete: evaluate.py --watch relies on it), each rewritten whole. False, and
+        said once, when the bucket refused; the next call tries again."""
+        try:
+            for name in os.listdir(self._staging) if self._staging else ():
+                with open(os.path.join(self._staging, name), 'rb') as f:
+                    wd.write_atomic(self.logdir / name, f.read(), budget_s)
+            self._jsonl.flush(budget_s)
+        except Exception as e:
+            if not wd.is_storage_error(e):
+                raise
+            if self._failing is None:
+                self._failing = (time.monotonic(), e)
+                print(f'metrics: writing to {self.logdir} failed ({wd.describe(e)}); the records '
+                      'are kept and written with the next ones, training goes on',
+                      file=sys.stderr, flush=True)
+            return False
+        if self._failing is not None:
+            print(f'metrics: writing to {self.logdir} works again after '
+                  f'{time.monotonic() - self._failing[0]:.0f} s; every record is written',
+                  file=sys.stderr, flush=True)
+            self._failing = None
+        return True
+
+    def flush(self, limit_s: float) -> None:
+        """Returns once every record is in the bucket, retrying for up to limit_s; then raises
+        workdir.StorageError naming the object (a local logdir is always flushed)."""
+        if not self._bucket or self._failing is None or self._jsonl is None:
+            return
+        deadline, delay = time.monotonic() + limit_s, 1.0
+        while not self._upload(max(0.0, min(wd.RETRY_BUDGET_S, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                raise wd.StorageError(
+                    f'writing the metrics to {self.logdir} failed for {limit_s:.0f} s '
+                    f'(storage_outage_limit_s): {wd.describe(self._failing[1])}')
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(2 * delay, 30.0)
+
+    def close(self, limit_s: float = 0.0, quiet: bool = False) -> None:
+        """Closes the files; in a bucket, uploads what is left, retrying for up to limit_s (then
+        workdir.StorageError). quiet=True (a run ending on an error, whose steps after its last
+        checkpoint are redone anyway): one try unless already failing, and no error."""
         if self._tb is not None:
             self._tb.close()
             self._tb = None
-            self._upload_events()
-        if self._staging is not None:
-            shutil.rmtree(self._staging, ignore_errors=True)
-            self._staging = None
+        try:
+            if not self._bucket or self._jsonl is None:
+                pass
+            elif quiet:
+                if self._failing is None:
+                    self._upload(wd.RETRY_BUDGET_S)
+            elif not self._upload(wd.RETRY_BUDGET_S):
+                self.flush(limit_s)
+        finally:
+            if self._jsonl is not None:
+                self._jsonl.close()
+                self._jsonl = None
+            if self._staging is not None:
+                shutil.rmtree(self._staging, ignore_errors=True)
+                self._staging = None
 
     def __enter__(self) -> 'MetricWriter':
         return self

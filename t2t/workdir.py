@@ -27,7 +27,9 @@ made after this module is imported (orbax's included: it lists through the same 
 from __future__ import annotations
 
 import errno
+import logging
 import os
+import sys
 import tempfile
 import uuid
 
@@ -60,6 +62,49 @@ def is_transient(error: BaseException) -> bool:
     except ImportError:  # no gcsfs: no bucket
         return False
     return is_retriable(error)
+
+
+def transient_cause(error: BaseException | None) -> BaseException | None:
+    """The first transient error in `error`'s chain of causes and contexts, or None (storage
+    libraries wrap one another's errors: orbax re-raises gcsfs's, tensorstore's)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if is_transient(error):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
+class _NoTransientTracebacks(logging.Filter):
+    """orbax logs the traceback of every failed background write; a transient storage failure is
+    retried and reported in one line by t2t, so its record keeps the line, not the traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and transient_cause(record.exc_info[1]) is not None:
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def _unraisable(hook):
+    """asyncio's 'Event loop is closed' from a write that completes after the loop of the save
+    that gave up on it was closed: noise of a failed (and retried) save, not an error."""
+    def unraisable(info):
+        if isinstance(info.exc_value, RuntimeError) and str(info.exc_value) == \
+                'Event loop is closed':
+            return
+        hook(info)
+    return unraisable
+
+
+def quiet_transient_failures() -> None:
+    """Called once by the entry points: the storage libraries' tracebacks of transient failures
+    (retried by t2t, which says what stays failed in one line) are not printed."""
+    logging.getLogger('gcsfs').setLevel(logging.CRITICAL)  # a traceback per request out of retries
+    logging.getLogger('absl').addFilter(_NoTransientTracebacks())
+    if not getattr(sys.unraisablehook, 't2t', False):
+        sys.unraisablehook = _unraisable(sys.unraisablehook)
+        sys.unraisablehook.t2t = True
 
 
 def describe(error: BaseException) -> str:
@@ -99,11 +144,13 @@ _RETRY = api_retry.Retry(predicate=is_transient, initial=1.0, maximum=16.0, mult
                          timeout=RETRY_BUDGET_S)
 
 
-def retried(fn, *args, **kwargs):
-    """fn(*args, **kwargs), retried on transient failures for up to RETRY_BUDGET_S; the last
-    error is raised as it was (not wrapped)."""
+def retried(fn, *args, budget_s: float = RETRY_BUDGET_S, **kwargs):
+    """fn(*args, **kwargs), retried on transient failures for up to budget_s (0: one try, gcsfs's
+    own retries aside); the last error is raised as it was (not wrapped)."""
+    if budget_s <= 0:
+        return fn(*args, **kwargs)
     try:
-        return _RETRY(fn)(*args, **kwargs)
+        return _RETRY.with_timeout(budget_s)(fn)(*args, **kwargs)
     except api_exceptions.RetryError as e:
         raise (e.cause or e) from None
 
@@ -149,8 +196,9 @@ def read_text(p) -> str | None:
     return None if data is None else data.decode('utf-8')
 
 
-def write_atomic(p, data: str | bytes) -> None:
-    """Writes `data` to `p` so that no reader ever sees a partial file (see the module doc)."""
+def write_atomic(p, data: str | bytes, budget_s: float = RETRY_BUDGET_S) -> None:
+    """Writes `data` to `p` so that no reader ever sees a partial file (see the module doc);
+    budget_s: how long a bucket write is retried (see `retried`)."""
     p = epath.Path(p)
     data = data.encode('utf-8') if isinstance(data, str) else bytes(data)
     if is_url(p):
@@ -158,7 +206,7 @@ def write_atomic(p, data: str | bytes) -> None:
         # writes the same bytes again.
         from etils.epath import backend
 
-        retried(backend.fsspec_backend.fs(p).pipe_file, os.fspath(p), data)
+        retried(backend.fsspec_backend.fs(p).pipe_file, os.fspath(p), data, budget_s=budget_s)
         return
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.fspath(p.parent), prefix=f'.{p.name}.', suffix='.tmp')
@@ -240,13 +288,22 @@ class Appender:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(os.fspath(self.path), 'a', encoding='utf-8')  # noqa: SIM115
 
-    def append(self, text: str) -> None:
+    def append(self, text: str, budget_s: float = RETRY_BUDGET_S) -> None:
+        """In a bucket, a failed write keeps `text`: the next append (or `flush`) writes it."""
+        self.keep(text)
+        self.flush(budget_s)
+
+    def keep(self, text: str) -> None:
+        """Adds `text` without writing it (a bucket: the next `flush` writes it)."""
         if self._file is not None:
             self._file.write(text)
             self._file.flush()
         else:
             self._content += text
-            write_atomic(self.path, self._content)
+
+    def flush(self, budget_s: float = RETRY_BUDGET_S) -> None:
+        if self._file is None:
+            write_atomic(self.path, self._content, budget_s)
 
     def close(self) -> None:
         if self._file is not None:

@@ -1,0 +1,133 @@
+"""A flaky or absent bucket is weather: train.py with its workdir on the local Cloud Storage server
+(tests/gcs_server.py) behind the fault-injecting front (tests/fault_front.py).
+
+Three runs at once (most of their time is waiting on the storage), against an uninterrupted run:
+- weather: 5% of requests answered 503, 2% dropped after they took effect: the same parameters
+  bit for bit, each step in metrics.jsonl once;
+- an outage of 90 s begun at step 5, when metrics, events and the checkpoint of step 6 are due:
+  no traceback, training waits then goes on, the records arrive later, the same parameters;
+- an outage longer than storage_outage_limit_s, begun at the save of step 6: one line naming the
+  checkpoint, exit 5, and checkpoint 3 (the last good one) intact.
+"""
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from t2t import exits, metrics
+from tests import chaos_run, fault_front, gcs_server
+
+pytestmark = pytest.mark.xdist_group(__name__)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 12  # checkpoints every 3 (chaos_run.train_flags)
+OUTAGE_S = 90.0
+LIMIT_S = 10.0
+
+
+def _train(logs, workdir, data_dir, env, *extra):
+    """train.py on tiny, its stdout and stderr in logs.out and logs.err."""
+    with open(f'{logs}.out', 'wb') as out, open(f'{logs}.err', 'wb') as err:
+        return subprocess.Popen(
+            [sys.executable, 'train.py', '--config=configs/tiny.py', f'--workdir={workdir}',
+             *chaos_run.train_flags(STEPS, data_dir), *extra], cwd=ROOT, env=env, stdout=out,
+            stderr=err)
+
+
+def _finish(proc, logs):
+    """(exit status, stdout, stderr)."""
+    proc.wait(timeout=900)
+    with open(f'{logs}.out', 'rb') as out, open(f'{logs}.err', 'rb') as err:
+        return proc.returncode, out.read().decode(errors='replace'), \
+            err.read().decode(errors='replace')
+
+
+def _env(url):
+    return dict(os.environ, **gcs_server.environment(url), JAX_PLATFORMS='cpu',
+                XLA_FLAGS='--xla_force_host_platform_device_count=1')
+
+
+def _wait_for_line(proc, logs, pattern: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with open(f'{logs}.out') as f:
+            if re.search(pattern, f.read(), re.M):
+                return
+        assert proc.poll() is None and time.monotonic() < deadline, open(f'{logs}.err').read()
+        time.sleep(0.01)
+
+
+def _steps_once(workdir) -> None:
+    assert chaos_run.step_counts(workdir) == dict.fromkeys(range(1, STEPS + 1), 1)
+    losses = [s for tag, s, _ in metrics.read_events(workdir) if tag == 'loss']
+    assert sorted(losses) == list(range(1, STEPS + 1)), losses
+
+
+def test_faults_an_outage_and_one_past_the_limit(tmp_path):
+    data_dir = str(tmp_path / 'data')
+    with gcs_server.serve() as url:
+        # Also prepares the data; keeps checkpoint 3 to compare with.
+        reference = _train(tmp_path / 'reference', tmp_path / 'reference', data_dir, _env(url),
+                           '--config.keep_checkpoints=10')
+        status, _, err = _finish(reference, tmp_path / 'reference')
+        assert status == 0, err[-3000:]
+        fronts = {'weather': fault_front.start(url, seed=1, p_503=0.05, p_drop=0.02),
+                  'outage': fault_front.start(url, seed=2, p_503=0.0, p_drop=0.0),
+                  'limit': fault_front.start(url, seed=3, p_503=0.0, p_drop=0.0)}
+        workdirs = {name: gcs_server.make_bucket(url, name) + '/run' for name in fronts}
+        fronts['limit'].outage(600, when=r'/checkpoints/6')
+        try:
+            runs = {name: _train(tmp_path / name, workdirs[name], data_dir, _env(front.url),
+                                 *([f'--config.storage_outage_limit_s={LIMIT_S}']
+                                   if name == 'limit' else []))
+                    for name, front in fronts.items()}
+            _wait_for_line(runs['outage'], tmp_path / 'outage', r'^step 5 \|', 300)
+            fronts['outage'].outage(OUTAGE_S)
+            began = time.monotonic()
+            results = {}
+            for name, proc in runs.items():
+                results[name] = (*_finish(proc, tmp_path / name), time.monotonic() - began)
+            limit_end = fronts['limit'].outages
+            fronts['limit'].end_outage()
+
+            # Weather: requests refused and lost on the way, and nothing else changes.
+            status, out, err, _ = results['weather']
+            assert status == 0 and 'Traceback' not in err, err[-3000:]
+            counts = fronts['weather'].counts
+            assert counts['503'] > 10 and counts['dropped'] > 3, counts
+            assert chaos_run.params_differ(str(tmp_path / 'reference'),
+                                           workdirs['weather'], STEPS) == []
+            _steps_once(workdirs['weather'])
+
+            # The outage: said in a line when it begins and when it ends, waited out.
+            status, out, err, took = results['outage']
+            assert status == 0 and 'Traceback' not in err, err[-3000:]
+            assert took > OUTAGE_S and fronts['outage'].counts['outage_503'] > 5
+            failed = re.search(r'^metrics: writing to \S+ failed \((\w+): .*training goes on$',
+                               err, re.M)
+            assert failed and failed.group(1) == 'HttpError', err[-3000:]
+            assert re.search(r'^metrics: writing to \S+ works again after \d+ s; every record '
+                             r'is written$', err, re.M), err[-3000:]
+            assert chaos_run.params_differ(str(tmp_path / 'reference'),
+                                           workdirs['outage'], STEPS) == []
+            _steps_once(workdirs['outage'])
+
+            # Past the limit: one line, exit 5, the last good checkpoint restores.
+            status, out, err, _ = results['limit']
+            assert status == exits.STORAGE and 'Traceback' not in err, err[-3000:]
+            last = err.strip().splitlines()[-1]
+            assert re.fullmatch(
+                rf'train\.py: storage: saving checkpoint {workdirs["limit"]}/checkpoints/6 failed '
+                rf'for \d+ s \(storage_outage_limit_s={LIMIT_S:g}\): HttpError: .+; the last '
+                r'checkpoint saved is step 3', last), last
+            assert limit_end and limit_end[0][2].startswith('/storage/v1/b/limit/o/run/'
+                                                            'checkpoints/6'), limit_end
+            assert chaos_run.params_differ(str(tmp_path / 'reference'),
+                                           workdirs['limit'], 3) == []
+        finally:
+            for front in fronts.values():
+                front.stop()
