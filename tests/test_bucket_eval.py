@@ -1,9 +1,12 @@
-"""evaluate.py with a workdir in a bucket (a real Cloud Storage API on localhost, tests/gcs_server.py):
---watch sees every checkpoint a training beside it writes, concurrent merges of eval-<split>.json
-keep every record, and a storage failure is one line."""
+"""evaluate.py with its workdir in a bucket (a real Cloud Storage API on localhost,
+tests/gcs_server.py): --watch sees every checkpoint a training beside it writes, concurrent merges
+of eval-<split>.json keep every record, and a storage failure is one line."""
 
 import json
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 
@@ -44,3 +47,87 @@ def test_concurrent_merges_keep_every_label(where, bucket, tmp_path):
     merged = json.loads(wd.read_text(path))
     assert sorted(merged) == sorted(f'{n}-{i}' for n in 'ab' for i in range(30))
     assert merged['b-29'] == {'sacrebleu': 29.0}
+
+
+# Training beside the watcher: a checkpoint every 2 steps, all kept, so each is there to evaluate.
+TRAIN = dict(num_train_steps=12, checkpoint_every_steps=2, keep_checkpoints=20, log_every_steps=6,
+             eval_every_steps=12, eval_bleu_sentences=0, num_eval_batches=1, max_eval_len=16,
+             eval_batch_size=4, beam_size=1, max_decode_extra=2, num_encoder_layers=1,
+             num_decoder_layers=1)
+
+
+def _config_flags(config) -> list[str]:
+    """--config flags giving evaluate.py `config` (configs/tiny.py and the keys that differ)."""
+    from configs import tiny
+
+    base = tiny.get_config()
+    flags = ['--config=configs/tiny.py']
+    flags += [f'--config.{k}={config[k]}' for k in config
+              if k != 'tsv_files' and config[k] != base[k]]
+    return flags + [f'--config.tsv_files.{s}={config.tsv_files[s]}'
+                    for s in ('train', 'validation', 'test')]
+
+
+def _started(command, env, lines: list) -> tuple[subprocess.Popen, threading.Thread]:
+    """The command (stdout and stderr together), each line kept as (arrival time, text)."""
+    from tests.conftest import ROOT
+
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+    def read():
+        for line in proc.stdout:
+            lines.append((time.monotonic(), line.rstrip('\n')))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    return proc, reader
+
+
+def test_watch_on_a_bucket_evaluates_every_checkpoint_once(bucket, tmp_path):
+    """The watcher lists checkpoints/ afresh at each poll (gcsfs's listing cache is off): with
+    the cache it saw only the first listing, here step 2 of 2..12, and stopped with exit 0."""
+    from t2t import checkpoint_read, data, metrics
+    from tests import toy_corpus
+    from tests.conftest import one_device_env
+
+    (tmp_path / 'corpus').mkdir()
+    corpus = toy_corpus.make_corpus(tmp_path / 'corpus', train=200, validation=4, test=4,
+                                    long_validation=0)
+    config = toy_corpus.tiny_config(corpus, **TRAIN)
+    data.get_tokenizer(config)  # trained once here, not by both processes at the same time
+    workdir = f'{bucket}/watched'
+    env = {**one_device_env(), 'PYTHONUNBUFFERED': '1'}
+    spec = {'corpus': {k: str(v) for k, v in corpus.items() if k != 'validation_texts'},
+            'overrides': TRAIN, 'workdir': workdir, 'action': 'none'}
+    watched, trained = [], []
+    watcher, watch_reader = _started(
+        [sys.executable, 'evaluate.py', *_config_flags(config), f'--workdir={workdir}', '--watch',
+         '--poll=0.2', '--timeout=300'], env, watched)
+    training, train_reader = _started(
+        [sys.executable, '-m', 'tests.kill_driver', json.dumps(spec)], env, trained)
+    try:
+        training.wait(timeout=300)
+        watcher.wait(timeout=300)
+    finally:
+        for proc in (training, watcher):
+            proc.kill()
+            proc.wait()
+    train_reader.join(10)
+    watch_reader.join(10)
+    out = [line for _, line in watched]
+    assert training.returncode == 0, '\n'.join(line for _, line in trained)[-3000:]
+    assert watcher.returncode == 0, '\n'.join(out)[-3000:]
+    # The watcher polled from before the checkpoint of step 6 (logged after it) to the end.
+    polling = next(t for t, line in watched if line.startswith(f'watching {workdir}'))
+    assert polling < next(t for t, line in trained if line.startswith('step 6 |'))
+    steps = list(range(2, 13, 2))
+    assert checkpoint_read.finished_steps(workdir) == steps
+    # Each step once: in the watcher's records, in eval-test.json, in what it printed.
+    assert [r['step'] for r in metrics.read_jsonl(wd.path(workdir, 'watch-test'))] == steps
+    assert sorted(json.loads(wd.read_text(wd.path(workdir, 'eval-test.json')))) == sorted(
+        f'step-{s}' for s in steps)
+    assert [line.split()[1] for line in out if line.startswith('== step-')] == [
+        f'step-{s}' for s in steps]
+    assert f'training finished at step 12 (num_train_steps); evaluated {len(steps)} new ' \
+           'checkpoints' in out[-1]
