@@ -2,6 +2,7 @@
 tests/gcs_server.py): --watch sees every checkpoint a training beside it writes, concurrent merges
 of eval-<split>.json keep every record, and a storage failure is one line."""
 
+import http.server
 import json
 import subprocess
 import sys
@@ -131,3 +132,41 @@ def test_watch_on_a_bucket_evaluates_every_checkpoint_once(bucket, tmp_path):
         f'step-{s}' for s in steps]
     assert f'training finished at step 12 (num_train_steps); evaluated {len(steps)} new ' \
            'checkpoints' in out[-1]
+
+
+class _Refusing(http.server.BaseHTTPRequestHandler):
+    """A Cloud Storage endpoint that refuses every request (403), as a bucket the caller has no
+    access to: the real server has no access control."""
+
+    def _refuse(self):
+        body = json.dumps({'error': {'code': 403, 'message': 'the caller does not have '
+                                     'storage.objects.get access'}}).encode()
+        self.send_response(403)
+        self.send_header('Content-Type', 'application/json')
+        self.send_header('Content-Length', str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = do_PUT = do_DELETE = _refuse
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_refused_bucket_is_one_line_and_exit_1(tmp_path):
+    from t2t import exits
+    from tests.conftest import ROOT, one_device_env
+
+    server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), _Refusing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        env = {**one_device_env(),
+               **gcs_server.environment(f'http://127.0.0.1:{server.server_port}')}
+        run = subprocess.run([sys.executable, 'evaluate.py', '--config=configs/tiny.py',
+                              '--workdir=gs://refused/run', '--watch'], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=120)
+    finally:
+        server.shutdown()
+    # Not transient (a restart is refused again): ERROR, not STORAGE.
+    assert run.returncode == exits.ERROR
+    assert run.stderr.splitlines() == ['evaluate.py: storage: OSError: Forbidden: b/refused/o']
