@@ -170,3 +170,30 @@ def test_a_refused_bucket_is_one_line_and_exit_1(tmp_path):
     # Not transient (a restart is refused again): ERROR, not STORAGE.
     assert run.returncode == exits.ERROR
     assert run.stderr.splitlines() == ['evaluate.py: storage: OSError: Forbidden: b/refused/o']
+
+
+def test_attention_picture_lands_in_a_bucket_workdir(bucket):
+    import numpy as np
+
+    from t2t import attention_maps
+
+    rng = np.random.default_rng(0)
+    source, output = ['▁a', '▁cat', '</s>'], ['▁CAT', '▁A', '</s>']
+
+    def weights(queries, keys):  # rows of softmax weights
+        w = rng.random((2, len(queries), len(keys)))
+        return w / w.sum(-1, keepdims=True)
+
+    maps = attention_maps.SentenceMaps(
+        label='step-1', translation='CAT A', source_pieces=source, output_pieces=output,
+        decoder_input_pieces=[attention_maps.START_PIECE, *output[:-1]],
+        weights={attention_maps.KINDS[0]: [weights(source, source)],
+                 attention_maps.KINDS[1]: [weights(output, output)],
+                 attention_maps.KINDS[2]: [weights(output, source)]})
+    workdir = f'{bucket}/pictures'
+    path = attention_maps.default_output(workdir)
+    assert str(path) == f'{workdir}/attention.png'
+    figure = attention_maps.plot(maps, path)
+    assert len(figure.axes) == 3 * 2  # 1 layer x 2 heads per kind
+    assert wd.read_bytes(path)[:8] == b'\x89PNG\r\n\x1a\n'
+    assert [p.name for p in wd.glob(workdir, '*')] == ['attention.png']  # nothing else left
