@@ -9,7 +9,9 @@ Writes are atomic: a reader sees the old file or the whole new one, never a part
 temporary file in the same directory renamed over the target; in a bucket an object upload is
 atomic by itself (an object becomes visible only when its upload completes), so the object is
 written directly. A bucket has no append: `Appender` keeps the file's content and rewrites the
-whole object at each append (metrics files are small: one line per log step).
+whole object at each append (metrics files are small: one line per log step). A file that several
+processes change at once (eval-<split>.json) goes through `update`, which loses none of their
+changes: a lock locally, a generation precondition in a bucket.
 
 Bucket faults: every read and write here is retried on a transient failure (HTTP 408/429/5xx,
 connection resets, timeouts: gcsfs's own `is_retriable`, plus OSErrors of those kinds) with
