@@ -4,7 +4,7 @@
       [--step=N | --all | --average_last=N [--write_averaged=OUT_DIR]] [--split=test]
   python evaluate.py --config=... --workdir=DIR --translate [--input=FILE|-] [--output=FILE|-]
       [--truncate_long]
-  python evaluate.py --config=... --workdir=DIR --watch [--split=...] [--timeout=3600]
+  python evaluate.py --config=... --workdir=DIR --watch [--split=...] [--timeout=3600] [--poll=5]
 
 Several processes: the same command on each, with --coordinator_address/--num_processes/
 --process_id or --distributed as for train.py; they split the sentences, process 0 writes.
@@ -36,6 +36,7 @@ _WATCH = flags.DEFINE_bool('watch', False, 'Evaluate each new checkpoint while t
                            'until training finishes (see t2t/watch.py).')
 _TIMEOUT = flags.DEFINE_float('timeout', 3600.0, 'With --watch: give up after this many seconds '
                               'without a new checkpoint.')
+_POLL = flags.DEFINE_float('poll', 5.0, 'With --watch: seconds between looks for a new checkpoint.')
 
 
 def main(argv):
@@ -52,11 +53,14 @@ def main(argv):
     compile_cache.setup(_CONFIG.value)
     if not flags.FLAGS['verbosity'].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
-    from t2t import checkpoint, evaluation, startup, watch  # after flag parsing: fast --help
+    from t2t import checkpoint, evaluation, startup, watch, workdir  # after flags: fast --help
+
+    workdir.quiet_transient_failures()
 
     try:
         if _WATCH.value:
-            watch.run(_CONFIG.value, _WORKDIR.value, split=_SPLIT.value, timeout_s=_TIMEOUT.value)
+            watch.run(_CONFIG.value, _WORKDIR.value, split=_SPLIT.value, timeout_s=_TIMEOUT.value,
+                      poll_s=_POLL.value)
             return
         evaluation.run(
             _CONFIG.value, _WORKDIR.value, step=_STEP.value, all_steps=_ALL.value,
@@ -68,6 +72,10 @@ def main(argv):
     except (evaluation.EvalError, checkpoint.CheckpointError, startup.ConfigError,
             distributed.SyncError) as e:
         sys.exit(f'evaluate.py: {e}')
+    except Exception as e:  # the workdir's storage (a bucket down, a missing one): one line
+        if not workdir.is_storage_error(e):
+            raise
+        cli.exit_storage_error('evaluate.py', e)
 
 
 if __name__ == '__main__':

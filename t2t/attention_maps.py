@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import io
 import sys
 
 import jax
@@ -33,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from t2t import checkpoint, evaluation, inference
+from t2t import workdir as wd
 from t2t.ids import EOS_ID, PAD_ID
 from t2t.model import Transformer, TransformerConfig
 
@@ -125,8 +127,14 @@ def sentence_maps(config, workdir, sentence: str, *, step: int | None = None) ->
         weights={kind: [w[0] for w in layers] for kind, layers in weights.items()})
 
 
-def plot(maps: SentenceMaps, path: str, title: str = ''):
-    """Writes the PNG; returns the matplotlib figure (one axes per layer x head x kind)."""
+def default_output(workdir):
+    """WORKDIR/attention.png: a local path or an object in the workdir's bucket."""
+    return wd.path(workdir, 'attention.png')
+
+
+def plot(maps: SentenceMaps, path, title: str = ''):
+    """Writes the PNG to `path` (local or gs://..., atomically); returns the matplotlib figure
+    (one axes per layer x head x kind)."""
     import matplotlib
 
     matplotlib.use('Agg')  # no display needed
@@ -161,7 +169,9 @@ def plot(maps: SentenceMaps, path: str, title: str = ''):
                 ax.set_yticklabels(queries if first else [], fontsize=font)
                 ax.tick_params(length=0)
     fig.suptitle(title or f'{maps.label}: {maps.translation}', fontsize=11)
-    fig.savefig(path, dpi=110)
+    png = io.BytesIO()  # matplotlib writes local files only: the bytes go through workdir.py
+    fig.savefig(png, format='png', dpi=110)
+    wd.write_atomic(path, png.getvalue())
     plt.close(fig)
     return fig
 
@@ -287,7 +297,7 @@ def main(argv):
         if not f.sentence:
             raise app.UsageError('give --sentence="..." (a picture) or --recall_report')
         maps = sentence_maps(f.config, f.workdir, f.sentence, step=f.step)
-        output = f.output or f'{f.workdir}/attention.png'
+        output = f.output or default_output(f.workdir)
         plot(maps, output)
         print(f'{maps.label}: {f.sentence!r} -> {maps.translation!r}\nattention maps -> {output}')
     except (evaluation.EvalError, checkpoint.CheckpointError) as e:

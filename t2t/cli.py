@@ -121,7 +121,9 @@ def exit_storage_error(prog: str, error: BaseException) -> NoReturn:
     from t2t import exits, workdir
 
     line = str(error) if isinstance(error, workdir.StorageError) else workdir.describe(error)
-    print(f'{prog}: storage: {line}', file=sys.stderr, flush=True)
+    what = '' if type(error) in (FileNotFoundError, IsADirectoryError, NotADirectoryError) else \
+        'storage: '  # a path given wrong, not the storage failing
+    print(f'{prog}: {what}{line}', file=sys.stderr, flush=True)
     sys.exit(exits.STORAGE if workdir.is_transient(error) or isinstance(
         error, workdir.StorageError) else exits.ERROR)
 

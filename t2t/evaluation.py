@@ -150,11 +150,15 @@ def _write_lines(path, lines: list[str]) -> None:
 
 
 def merge_json(path, label: str, record: dict) -> None:
-    """Adds `record` under `label` to the JSON object in `path` (rewritten atomically)."""
-    text = wd.read_text(path)
-    results = json.loads(text) if text else {}
-    results[label] = record
-    wd.write_atomic(path, json.dumps(results, indent=2, sort_keys=True) + '\n')
+    """Adds `record` under `label` to the JSON object in `path`: rewritten atomically, and no
+    label is lost when several evaluate.py runs merge into it at once (workdir.update)."""
+
+    def add(text: str | None) -> str:
+        results = json.loads(text) if text else {}
+        results[label] = record
+        return json.dumps(results, indent=2, sort_keys=True) + '\n'
+
+    wd.update(path, add)
 
 
 def evaluate_params(config, params, tokenizer, eval_split, *, split: str, label: str,

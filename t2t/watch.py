@@ -5,10 +5,12 @@
 The eval-job pattern of large codebases. The loop polls WORKDIR for finished checkpoint steps:
 orbax writes a step into `<step>.orbax-checkpoint-tmp*` and renames it when complete (on GCS it
 adds a commit_success.txt instead); `checkpoint_read.finished_steps` lists only such steps, so a
-step still being written is never read. Each new step is decoded and scored like evaluate.py does
-(hypotheses file, WORKDIR/eval-<split>.json under the label step-N) and its scores are written to
-WORKDIR/watch-<split>/: metrics.jsonl (one record per step: the scores file) and TensorBoard
-events under eval/ tags (a run of its own beside the training run's events).
+step still being written is never read. Every poll lists the bucket afresh (t2t/workdir.py turns
+gcsfs's listing cache off; with it a watcher saw only its first listing). Each new step is
+decoded and scored like evaluate.py does (hypotheses file, WORKDIR/eval-<split>.json under the
+label step-N) and its scores are written to WORKDIR/watch-<split>/: metrics.jsonl (one record
+per step: the scores file) and TensorBoard events under eval/ tags (a run of its own beside the
+training run's events).
 
 Restartable: a step with a record in that metrics.jsonl is done (the record is written last); a
 restarted watcher skips those and drops anything written after the last one. It returns when

@@ -9,7 +9,9 @@ Writes are atomic: a reader sees the old file or the whole new one, never a part
 temporary file in the same directory renamed over the target; in a bucket an object upload is
 atomic by itself (an object becomes visible only when its upload completes), so the object is
 written directly. A bucket has no append: `Appender` keeps the file's content and rewrites the
-whole object at each append (metrics files are small: one line per log step).
+whole object at each append (metrics files are small: one line per log step). A file that several
+processes change at once (eval-<split>.json) goes through `update`, which loses none of their
+changes: a lock locally, a generation precondition in a bucket.
 
 Bucket faults: every read and write here is retried on a transient failure (HTTP 408/429/5xx,
 connection resets, timeouts: gcsfs's own `is_retriable`, plus OSErrors of those kinds) with
@@ -27,11 +29,16 @@ made after this module is imported (orbax's included: it lists through the same 
 from __future__ import annotations
 
 import errno
+import fcntl
+import json
 import logging
 import os
+import random
 import sys
 import tempfile
+import time
 import uuid
+from collections.abc import Callable
 
 import fsspec.config
 from etils import epath
@@ -220,6 +227,63 @@ def write_atomic(p, data: str | bytes, budget_s: float = RETRY_BUDGET_S) -> None
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def update(p, change: Callable[[str | None], str]) -> None:
+    """Rewrites the text file `p` as change(its text, None when absent), never losing an update
+    that another process or host makes at the same time (read-modify-write made safe).
+
+    Locally: under an exclusive lock (flock on `.<name>.lock` beside it), then replaced atomically
+    (readers never need the lock). In a bucket: the new object is written only if the object is
+    still the generation that was read (Cloud Storage's ifGenerationMatch precondition; 0: still
+    absent); when another writer came first (412), read, changed and written again.
+    """
+    p = epath.Path(p)
+    if is_url(p):
+        _update_in_bucket(p, change)
+        return
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with open(os.fspath(p.parent / f'.{p.name}.lock'), 'a') as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        write_atomic(p, change(read_text(p)))
+
+
+_BOUNDARY = '==t2t-update=='
+
+
+def _update_in_bucket(p: epath.Path, change: Callable[[str | None], str]) -> None:
+    from urllib.parse import quote
+
+    from etils.epath import backend
+
+    fs = backend.fsspec_backend.fs(p)
+    bucket, key, _ = fs.split_path(os.fspath(p))
+    upload = f'{fs._location}/upload/storage/v1/b/{quote(bucket)}/o'
+    deadline = time.monotonic() + RETRY_BUDGET_S
+    while True:
+        try:
+            generation = retried(fs.info, os.fspath(p))['generation']
+            # That generation's bytes: if it was replaced meanwhile, this is a 404 or the write
+            # below fails its precondition, and the loop goes round again.
+            data = retried(fs.cat_file, os.fspath(p), generation=generation)
+            text = data.decode('utf-8')
+        except FileNotFoundError:
+            generation, text = 0, None
+        # A multipart upload, as gcsfs's own: one request, atomic, with the precondition.
+        body = (f'--{_BOUNDARY}\nContent-Type: application/json; charset=UTF-8\n\n'
+                f'{json.dumps({"name": key})}\n--{_BOUNDARY}\n'
+                f'Content-Type: application/octet-stream\n\n').encode()
+        body += change(text).encode('utf-8') + f'\n--{_BOUNDARY}--'.encode()
+        try:
+            retried(fs.call, 'POST', upload, uploadType='multipart', data=body,
+                    ifGenerationMatch=str(generation), json_out=True,
+                    headers={'Content-Type': f'multipart/related; boundary="{_BOUNDARY}"'})
+            return
+        except FileExistsError:  # 412: another writer's generation is there now
+            if time.monotonic() > deadline:
+                raise StorageError(f'{p}: still changed by other writers after '
+                                   f'{RETRY_BUDGET_S:.0f} s of tries') from None
+            time.sleep(random.uniform(0.01, 0.2))
 
 
 def remove(p) -> bool:
