@@ -3,7 +3,12 @@ while seeded faults (SIGKILLs and SIGSTOPs of random processes at random moments
 result is compared with an uninterrupted run of the same launcher.
 
     python bench/chaos.py [--kills=18] [--stops=2] [--steps=60] [--seed=0] [--hang_timeout_s=30]
-        [--workdir=gs://BUCKET/chaos]   # (with the bucket's environment set) else a local dir
+        [--bucket [--p_503=0.02] [--p_drop=0.01]]   # else a local workdir
+
+--bucket puts the chaos run's workdir in a bucket on the local Cloud Storage server
+(tests/gcs_server.py) behind the fault-injecting front (tests/fault_front.py): storage faults
+on top of the process faults. The RESULT line then also holds the front's counts, and the goodput
+summary of the run (python -m t2t.goodput) is printed.
 
 Prints one RESULT line (JSON): faults applied, restarts, wall time of both runs, steps trained
 again, and whether the final parameters (bitwise) and metrics.jsonl (each step once) are exact.
@@ -13,6 +18,7 @@ tests/test_chaos.py is the short form (tests/chaos_run.py holds the machinery).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -33,7 +39,9 @@ def main() -> int:
     p.add_argument('--steps', type=int, default=60)
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--hang_timeout_s', type=float, default=30.0)
-    p.add_argument('--workdir', default='', help='the chaos run\'s workdir (default: a temp dir)')
+    p.add_argument('--bucket', action='store_true', help='the chaos run\'s workdir in a bucket')
+    p.add_argument('--p_503', type=float, default=0.02)
+    p.add_argument('--p_drop', type=float, default=0.01)
     args = p.parse_args()
     root = tempfile.mkdtemp(prefix='t2t-chaos-')
     data_dir = os.path.join(root, 'data')
@@ -45,11 +53,25 @@ def main() -> int:
               file=sys.stderr)
         return 1
     faults = chaos_run.plan(args.seed, args.kills, args.stops)
-    workdir = args.workdir or os.path.join(root, 'run')
-    got = chaos_run.run(workdir, os.path.join(root, 'logs-run'), args.steps, data_dir, faults,
-                        hang_timeout_s=args.hang_timeout_s, timeout_s=3600)
-    counts = chaos_run.step_counts(workdir)
-    exact = got['status'] == 0 and chaos_run.params_differ(workdir, reference, args.steps) == []
+    with contextlib.ExitStack() as stack:
+        workdir, front = os.path.join(root, 'run'), None
+        if args.bucket:
+            from tests import fault_front, gcs_server
+
+            url = stack.enter_context(gcs_server.serve())
+            front = fault_front.start(url, seed=args.seed, p_503=args.p_503, p_drop=args.p_drop)
+            stack.callback(front.stop)
+            os.environ.update(gcs_server.environment(front.url))  # the launcher inherits it
+            workdir = gcs_server.make_bucket(url, 'chaos') + '/run'
+        got = chaos_run.run(workdir, os.path.join(root, 'logs-run'), args.steps, data_dir,
+                            faults, hang_timeout_s=args.hang_timeout_s, timeout_s=3600)
+        counts = chaos_run.step_counts(workdir)
+        exact = got['status'] == 0 and \
+            chaos_run.params_differ(workdir, reference, args.steps) == []
+        if args.bucket:
+            from t2t.goodput import report
+
+            report.print_summary(workdir)
     result = {
         'faults': len(got['applied']),
         'sigkills': sum(f['signal'] == 'SIGKILL' for f in got['applied']),
@@ -60,6 +82,7 @@ def main() -> int:
         'steps': args.steps, 'steps_redone': got['steps_redone'],
         'each_step_once': counts == {s: 1 for s in range(1, args.steps + 1)},
         'params_bitwise_equal': exact, 'seed': args.seed, 'hang_timeout_s': args.hang_timeout_s,
+        'storage': dict(front.counts) if front else 'local',
     }
     print('RESULT ' + json.dumps(result), flush=True)
     ok = exact and result['each_step_once']

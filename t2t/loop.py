@@ -359,7 +359,11 @@ def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> Tra
                 interval.check_finite(config.skip_nonfinite)  # never save a non-finite state
                 ledger.mark('checkpoint')
                 dog.mark('save', step)
-                writer.flush(outage_limit_s)  # the records up to a saved step are never behind it
+                # The records up to a saved step are never behind it; the other processes wait
+                # here for process 0 (a bucket outage), not in the save's barriers.
+                writer.flush(outage_limit_s)
+                distributed.wait_for('metrics-flushed', 'process 0 writes the metrics',
+                                     outage_limit_s + 600, processes=[0])
                 save_args = dict(data_iter=train_iter, extra_metadata={
                     'train_seconds': train_seconds(),
                     'unlogged_metrics': interval.unlogged(),

@@ -52,8 +52,7 @@ def _storage(kind: str, tmp_path):
             front.stop()
 
 
-# 'bucket': the same run in a bucket behind tests/fault_front.py (the switch; not yet run here).
-@pytest.mark.parametrize('storage', ['local'])
+@pytest.mark.parametrize('storage', ['local', 'bucket'])
 def test_chaos_run_restarts_and_ends_exact(reference, tmp_path, storage, capsys):
     faults = chaos_run.plan(SEED, kills=5, stops=1)
     with _storage(storage, tmp_path) as (workdir, front):
