@@ -93,6 +93,9 @@ def test_faults_an_outage_and_one_past_the_limit(tmp_path):
                 results[name] = (*_finish(proc, tmp_path / name), time.monotonic() - began)
             limit_end = fronts['limit'].outages
             fronts['limit'].end_outage()
+            print('bucket faults: ' + '; '.join(  # pytest -rP shows it
+                f'{name}: exit {r[0]} {r[3]:.0f} s after the outage began, front '
+                f'{fronts[name].counts}' for name, r in results.items()))
 
             # Weather: requests refused and lost on the way, and nothing else changes.
             status, out, err, _ = results['weather']

@@ -236,7 +236,10 @@ class Ledger:
             return
         with self._lock:
             try:
-                self._appender.append(json.dumps(record) + '\n')
+                # Once failing, one try per write (the record is kept for the next one), so
+                # that a bucket outage does not hold training at every ledger slice.
+                self._appender.append(json.dumps(record) + '\n',
+                                      budget_s=0.0 if self._warned else wd.RETRY_BUDGET_S)
             except Exception as e:  # noqa: BLE001 - the ledger never stops training
                 if not self._warned:
                     self._warned = True
