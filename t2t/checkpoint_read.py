@@ -253,13 +253,19 @@ def _restore_params(mgr: ocp.CheckpointManager, step: int, abstract_params=None,
                     weights: str = 'raw'):
     step_dir = step_path(mgr, step)
     key = WEIGHTS[weights]
-    if weights == 'ema' and not _has_ema(mgr, step):
-        raise _no_ema(mgr, step)
+    stored = None  # the checkpoint's tree (its metadata): read once, when needed
+    if weights == 'ema':
+        try:
+            stored = _stored_tree(mgr, step)
+        except Exception as e:
+            raise unreadable(step_dir, e) from e
+        if key not in stored:
+            raise _no_ema(mgr, step)
     try:
         if abstract_params is None:
             # The structure comes from the checkpoint's own metadata; numpy arrays on the host
             # work whatever devices the checkpoint was written from.
-            tree = _stored_tree(mgr, step)[key]
+            tree = (stored or _stored_tree(mgr, step))[key]
             item = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree)
             restore_args = jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), tree)
         else:

@@ -24,15 +24,15 @@ from t2t import (
 )
 from tests import toy_corpus
 from tests.test_resume import _assert_bitwise_equal, _drive, _final_state
-from tests.test_train import _put, _synthetic_batch
 
 pytestmark = pytest.mark.xdist_group(__name__)
 
 DECAY = 0.9
 # A checkpoint after every step: the EMA's recurrence can be checked step by step from disk.
-SETTINGS = dict(num_train_steps=5, log_every_steps=2, eval_every_steps=5, checkpoint_every_steps=1,
-                keep_checkpoints=5, eval_bleu_sentences=0, num_eval_batches=2, max_len=32,
+SETTINGS = dict(num_train_steps=3, log_every_steps=2, eval_every_steps=3, checkpoint_every_steps=1,
+                keep_checkpoints=3, eval_bleu_sentences=0, num_eval_batches=1, max_len=32,
                 eval_batch_size=8, ema_decay=DECAY)
+LAST = SETTINGS['num_train_steps']
 
 
 def _fake_bleu(params):
@@ -48,24 +48,22 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope='module')
 def ema_run(corpus, tmp_path_factory):
-    """One uninterrupted run with ema_decay=0.9: checkpoints 1..5, evaluated at 5."""
+    """One uninterrupted run with ema_decay=0.9: checkpoints 1, 2, 3, evaluated at 3."""
     config = toy_corpus.tiny_config(corpus, **SETTINGS)
     workdir = tmp_path_factory.mktemp('ema') / 'run'
     with pytest.MonkeyPatch.context() as patch:  # the routing of BLEU, without a beam compile
         patch.setattr(loop, '_make_bleu_eval', lambda *args: _fake_bleu)
         result = loop.train_and_evaluate(config, str(workdir))
-    assert result.step == 5
+    assert result.step == LAST
     return {'config': config, 'workdir': workdir, 'result': result,
-            'state': _final_state(config, workdir, 5)}
+            'state': _final_state(config, workdir, LAST)}
 
 
 def test_ema_follows_its_formula_step_by_step_and_is_evaluated_beside_the_params(ema_run):
     config, workdir = ema_run['config'], ema_run['workdir']
-    assert checkpoint_read.finished_steps(workdir) == [1, 2, 3, 4, 5]
-    mesh = sharding.make_mesh(config.mesh_shape)
-    initial, _ = train_lib.create_sharded_state(config, mesh, optim.make_optimizer(config))
-    ema = jax.device_get(initial.params)  # the average starts at the initial parameters
-    for step in range(1, 6):
+    assert checkpoint_read.finished_steps(workdir) == [1, 2, 3]
+    ema = checkpoint_read.restore_params(workdir, 1, weights='ema')
+    for step in range(2, LAST + 1):
         params = checkpoint_read.restore_params(workdir, step, weights='raw')
         stored = checkpoint_read.restore_params(workdir, step, weights='ema')
         ema = jax.tree.map(lambda e, p: np.float32(DECAY) * e + np.float32(1 - DECAY) * p,
@@ -77,25 +75,26 @@ def test_ema_follows_its_formula_step_by_step_and_is_evaluated_beside_the_params
                                                          jax.tree.leaves(params), strict=True))
     assert gap > 1e-3
     # Sharded like the params: every EMA leaf has its param's sharding.
+    mesh = sharding.make_mesh(config.mesh_shape)
     state = train_lib.abstract_state(config, mesh, optim.make_optimizer(config))
     assert jax.tree.leaves(jax.tree.map(lambda x: x.sharding, state.ema)) == \
         jax.tree.leaves(jax.tree.map(lambda x: x.sharding, state.params))
 
-    # The evaluation at step 5 reports both weights under distinct names, each of its own.
+    # The evaluation at the last step reports both weights under distinct names, each of its own.
     evaluated = ema_run['result'].eval_metrics
     assert evaluated['eval_loss'] != evaluated['eval_loss_ema']
     assert {'eval_nll_ema', 'eval_accuracy_ema', 'eval_perplexity_ema'} <= evaluated.keys()
     assert evaluated['eval_bleu'] == _fake_bleu(params)['eval_bleu']
     assert evaluated['eval_bleu_ema'] == _fake_bleu(stored)['eval_bleu']
     logged = metrics.read_jsonl(workdir)[-1]
-    assert logged['step'] == 5 and logged['eval_loss_ema'] == evaluated['eval_loss_ema']
+    assert logged['step'] == LAST and logged['eval_loss_ema'] == evaluated['eval_loss_ema']
 
     # evaluate.py's readers: auto picks the EMA; an average of EMAs is their mean.
     assert checkpoint_read.choose_weights(workdir, None, 'auto') == 'ema'
-    averaged = evaluation.load_params(workdir, [4, 5], weights='ema')
-    ema_4 = checkpoint_read.restore_params(workdir, 4, weights='ema')
+    averaged = evaluation.load_params(workdir, [LAST - 1, LAST], weights='ema')
+    before = checkpoint_read.restore_params(workdir, LAST - 1, weights='ema')
     jax.tree.map(lambda a, x, y: np.testing.assert_allclose(a, (x + y) / 2, rtol=1e-6),
-                 averaged, ema_4, stored)
+                 averaged, before, stored)
 
 
 def test_warmup_of_the_decay():
@@ -107,25 +106,31 @@ def test_warmup_of_the_decay():
 def test_killed_mid_save_and_resumed_the_ema_and_params_are_bitwise_those_of_one_run(
         corpus, ema_run, tmp_path):
     workdir = tmp_path / 'run'
-    killed = _drive(corpus, workdir, 'kill_in_save', at=3, overrides=SETTINGS)
+    killed = _drive(corpus, workdir, 'kill_in_save', at=2, overrides=SETTINGS)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    assert checkpoint_read.finished_steps(workdir) == [1, 2]
+    assert checkpoint_read.finished_steps(workdir) == [1]
     config = ema_run['config']
-    assert loop.train_and_evaluate(config, str(workdir)).step == 5
-    resumed = _final_state(config, workdir, 5)
+    assert loop.train_and_evaluate(config, str(workdir)).step == LAST
+    resumed = _final_state(config, workdir, LAST)
     assert isinstance(resumed, train_lib.EmaTrainState)
     _assert_bitwise_equal(resumed, ema_run['state'])  # step, params, opt_state, rng and ema
 
 
 def test_ema_decay_0_is_the_state_and_checkpoint_of_before(corpus, ema_run, tmp_path):
+    from t2t import data
+
     plain = toy_corpus.tiny_config(corpus, **{**SETTINGS, 'ema_decay': 0.0})
     mesh = sharding.make_mesh(plain.mesh_shape)
-    batch = _put(_synthetic_batch(8, 32, 400), mesh)
+    # A batch of the run's own data: the EMA run's step is compiled already (the cache).
+    batch = next(data.train_iterator(plain, data.get_tokenizer(plain)))
+    batch = sharding.put_rows(batch, sharding.batch_sharding(mesh), plain.batch_size)
     states = {}
     for decay in (0.0, DECAY):
         config = toy_corpus.tiny_config(corpus, **{**SETTINGS, 'ema_decay': decay})
         tx = optim.make_optimizer(config)
         state, shardings = train_lib.create_sharded_state(config, mesh, tx)
+        if decay:  # the average starts at the initial parameters
+            _assert_bitwise_equal(jax.device_get(state.ema), jax.device_get(state.params))
         step = train_lib.jit_train_step(train_lib.StepConfig.from_config(config), tx, shardings,
                                         mesh)
         for _ in range(2):
