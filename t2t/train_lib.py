@@ -236,19 +236,20 @@ def train_step(state: TrainState, batch, *, step_config: StepConfig,
             lambda n, o: jnp.where(finite, n, o), new, old)
         new_params = keep(new_params, state.params)
         new_opt_state = keep(new_opt_state, state.opt_state)
-    new_state = state.replace(step=state.step + 1, params=new_params, opt_state=new_opt_state)
+    ema = {}
     if step_config.ema_decay > 0:  # after the optimizer step; a skipped step leaves it too
         decay = optim.ema_decay_at(step_config.ema_decay, state.step + 1, step_config.ema_warmup)
-        new_ema = optim.update_ema(state.ema, new_params, decay)
+        ema['ema'] = optim.update_ema(state.ema, new_params, decay)
         if step_config.skip_nonfinite:
-            new_ema = keep(new_ema, state.ema)
-        new_state = new_state.replace(ema=new_ema)
+            ema['ema'] = keep(ema['ema'], state.ema)
 
     metrics = dict(sums, grad_norm=grad_norm, nonfinite=1.0 - finite.astype(jnp.float32),
                    source_tokens=(batch['inputs'] != PAD_ID).sum().astype(jnp.float32))
     applied_lr = optim.applied_learning_rate(new_opt_state)
     if applied_lr is not None:  # what Adam used; after a skipped step, the last rate applied
         metrics['learning_rate'] = applied_lr
+    new_state = state.replace(step=state.step + 1, params=new_params, opt_state=new_opt_state,
+                              **ema)
     return new_state, metrics
 
 
