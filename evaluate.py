@@ -5,6 +5,7 @@
   python evaluate.py --config=... --workdir=DIR --translate [--input=FILE|-] [--output=FILE|-]
       [--truncate_long]
   python evaluate.py --config=... --workdir=DIR --watch [--split=...] [--timeout=3600] [--poll=5]
+  any of them with --weights=ema|raw (default auto: the EMA of a run with ema_decay > 0, else raw)
 
 Several processes: the same command on each, with --coordinator_address/--num_processes/
 --process_id or --distributed as for train.py; they split the sentences, process 0 writes.
@@ -34,6 +35,10 @@ _TRUNCATE_LONG = flags.DEFINE_bool(
     '(and counted) instead of left empty.')
 _WATCH = flags.DEFINE_bool('watch', False, 'Evaluate each new checkpoint while training runs, '
                            'until training finishes (see t2t/watch.py).')
+_WEIGHTS = flags.DEFINE_enum(
+    'weights', 'auto', ['auto', 'ema', 'raw'], 'ema: the moving average of the params that a run '
+    'with ema_decay > 0 saved (labels end in -ema); raw: the params as trained; auto: ema when '
+    'the checkpoint holds it, else raw.')
 _TIMEOUT = flags.DEFINE_float('timeout', 3600.0, 'With --watch: give up after this many seconds '
                               'without a new checkpoint.')
 _POLL = flags.DEFINE_float('poll', 5.0, 'With --watch: seconds between looks for a new checkpoint.')
@@ -60,13 +65,14 @@ def main(argv):
     try:
         if _WATCH.value:
             watch.run(_CONFIG.value, _WORKDIR.value, split=_SPLIT.value, timeout_s=_TIMEOUT.value,
-                      poll_s=_POLL.value)
+                      poll_s=_POLL.value, weights=_WEIGHTS.value)
             return
         evaluation.run(
             _CONFIG.value, _WORKDIR.value, step=_STEP.value, all_steps=_ALL.value,
             average_last=_AVERAGE_LAST.value, write_averaged=_WRITE_AVERAGED.value,
             split=_SPLIT.value, translate=_TRANSLATE.value, input_path=_INPUT.value,
-            output_path=_OUTPUT.value, truncate_long=_TRUNCATE_LONG.value)
+            output_path=_OUTPUT.value, truncate_long=_TRUNCATE_LONG.value,
+            weights=_WEIGHTS.value)
     except distributed.PeerLost as e:  # exit 4: another process of the job is gone
         distributed.exit_peer_lost(f'evaluate.py: {e}')
     except (evaluation.EvalError, checkpoint.CheckpointError, startup.ConfigError,

@@ -95,6 +95,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.num_train_steps = 100_000
     c.train_time_budget_s = 0.0  # > 0: stop (and save) after this many seconds of training
     c.skip_nonfinite = False  # True: skip a step whose loss is NaN/inf instead of stopping
+    c.ema_decay = 0.0  # > 0: keep ema = d*ema + (1-d)*params after each update (0 = off)
+    c.ema_warmup = False  # True: update t uses min(ema_decay, (1+t)/(10+t)) (TF's num_updates)
     c.seed = 0
 
     # --- loop, checkpoints, evaluation

@@ -121,6 +121,7 @@ def _rules() -> tuple[Rule, ...]:
         Rule('weight_decay', _at_least(0), ge0),
         Rule('clip_grad_norm', _at_least(0), 'must be >= 0 (0: off)'),
         Rule('label_smoothing', _in_unit, unit),
+        Rule('ema_decay', _in_unit, unit),
         Rule('grad_accum_steps', _at_least(1), ge1),
         Rule('batch_size', lambda v, c: c.grad_accum_steps < 1 or v % c.grad_accum_steps == 0,
              'must be a multiple of grad_accum_steps={c.grad_accum_steps}'),

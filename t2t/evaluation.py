@@ -6,6 +6,10 @@
     run(config, workdir, average_last=5, write_averaged=OUT)   # the paper's checkpoint average
     run(config, workdir, translate=True, input_path='-', output_path='-')
 
+Weights (weights='auto', 'ema' or 'raw'): a checkpoint of a run with ema_decay > 0 holds the moving
+average of the params beside them; 'auto' evaluates it when there is one, else the raw params, and
+the label of EMA weights ends in -ema (step-N-ema), so the two never share a line or a file.
+
 Each evaluated checkpoint gets a label (step-N, or avgN-FIRST-LAST); its hypotheses go to
 WORKDIR/hypotheses-<split>-<label>.txt (one line per example of the split, in order) and its scores
 into WORKDIR/eval-<split>.json, merged by label. Scores are over every example of the split: an
@@ -85,13 +89,14 @@ def select(workdir, *, step: int | None = None, all_steps: bool = False,
     return [(f'step-{steps[-1]}', [steps[-1]])]
 
 
-def load_params(workdir, steps: list[int], *, scan_layers: bool = False):
+def load_params(workdir, steps: list[int], *, scan_layers: bool = False, weights: str = 'raw'):
     """Params of one step, or the element-wise mean of several (host numpy arrays), in the layer
-    layout of a model with this scan_layers setting whatever layout they were saved in."""
+    layout of a model with this scan_layers setting whatever layout they were saved in.
+    weights: 'raw' or 'ema' (checkpoint_read.choose_weights)."""
     if len(steps) == 1:
-        params = checkpoint_read.restore_params(workdir, steps[0])
+        params = checkpoint_read.restore_params(workdir, steps[0], weights=weights)
     else:
-        params = checkpoint_read.average_checkpoints(workdir, steps)
+        params = checkpoint_read.average_checkpoints(workdir, steps, weights=weights)
     return layers_convert.to_layout(params, scan_layers=scan_layers)
 
 
@@ -161,9 +166,15 @@ def merge_json(path, label: str, record: dict) -> None:
     wd.update(path, add)
 
 
+def weights_label(label: str, weights: str) -> str:
+    """The label of a checkpoint's EMA weights ends in -ema; raw weights keep the plain one."""
+    return f'{label}-ema' if weights == 'ema' else label
+
+
 def evaluate_params(config, params, tokenizer, eval_split, *, split: str, label: str,
                     steps: list[int], workdir, progress: bool = True,
-                    echo: Callable[[str], None] = print, mesh=None) -> dict:
+                    echo: Callable[[str], None] = print, mesh=None,
+                    weights: str = 'raw') -> dict:
     """Decodes `eval_split` (on the devices of `mesh`, default one device), writes hypotheses
     (process 0) and scores, prints the report; returns the record."""
     model_config = TransformerConfig.from_config(config)
@@ -187,6 +198,7 @@ def evaluate_params(config, params, tokenizer, eval_split, *, split: str, label:
     record = {
         **scores,
         'steps': steps,
+        'weights': weights,
         'split': eval_split.name,
         'sentences': n,
         'skipped_too_long': len(eval_split.skipped),
@@ -285,7 +297,7 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
         average_last: int = 0, write_averaged: str = '', split: str = '',
         translate: bool = False, input_path: str = '-', output_path: str = '-',
         truncate_long: bool = False, progress: bool = True, echo: Callable[[str], None] = print,
-        devices=None) -> dict[str, dict]:
+        devices=None, weights: str = 'auto') -> dict[str, dict]:
     """Everything evaluate.py does; returns {label: record} (empty for --translate).
 
     Decodes on `devices` (default: all devices of all processes).
@@ -309,7 +321,7 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
         check_vocabulary(workdir, steps, tokenizer, label)
     if translate:
         label, steps = selection[0]
-        params = _params_for(config, workdir, label, steps, write_averaged, mesh)
+        params, _ = _params_for(config, workdir, label, steps, write_averaged, mesh, weights)
         check_params(params, TransformerConfig.from_config(config), tokenizer, label)
         translate_file(config, params, tokenizer, input_path, output_path, mesh,
                        truncate_long=truncate_long)
@@ -321,16 +333,18 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
     results = {}
     for label, steps in selection:
         try:
-            params = _params_for(config, workdir, label, steps, write_averaged, mesh)
+            params, used = _params_for(config, workdir, label, steps, write_averaged, mesh,
+                                       weights)
         except checkpoint.CorruptCheckpointError as e:
             if len(selection) == 1:
                 raise
             echo(f'== {label}: corrupt: {e}')  # --all: report it and go on
             results[label] = {'corrupt': str(e), 'steps': steps}
             continue
+        label = weights_label(label, used)
         record = evaluate_params(config, params, tokenizer, eval_split, split=split, label=label,
                                  steps=steps, workdir=workdir, progress=progress, echo=echo,
-                                 mesh=mesh)
+                                 mesh=mesh, weights=used)
         if jax.process_index() == 0:
             merge_json(json_path, label, record)
         results[label] = record
@@ -340,14 +354,17 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
     return results
 
 
-def _params_for(config, workdir, label, steps, write_averaged, mesh):
-    """The params of `steps` (averaged when several), replicated once on the mesh's devices."""
-    params = load_params(workdir, steps, scan_layers=config.scan_layers)
+def _params_for(config, workdir, label, steps, write_averaged, mesh, weights='auto'):
+    """(the params of `steps` (averaged when several), replicated once on the mesh's devices,
+    the weights they are: 'raw' or 'ema')."""
+    used = checkpoint_read.choose_weights(workdir, steps[-1], weights)
+    params = load_params(workdir, steps, scan_layers=config.scan_layers, weights=used)
     if write_averaged and len(steps) > 1:
-        out = checkpoint.write_averaged(write_averaged, params, steps[-1], config=config,
-                                        extra_metadata={'averaged': steps, 'source': workdir})
-        logging.info('averaged checkpoint %s -> %s', label, out)
-    return sharding.put_global(params, sharding.replicated(mesh))
+        out = checkpoint.write_averaged(
+            write_averaged, params, steps[-1], config=config,
+            extra_metadata={'averaged': steps, 'source': workdir, 'weights': used})
+        logging.info('averaged checkpoint %s -> %s', weights_label(label, used), out)
+    return sharding.put_global(params, sharding.replicated(mesh)), used
 
 
 def translate_file(config, params, tokenizer, input_path: str, output_path: str,
