@@ -1,0 +1,175 @@
+"""Sampling (decode_strategy='sample'), n-best output and forced-decoding scores on a tiny model."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+
+from configs import tiny
+from t2t import cli, decode, inference, scoring, sharding, translate
+from t2t.ids import EOS_ID
+from t2t.model import Transformer
+from tests.test_inference import CFG, _EchoTokenizer  # a random tiny model's config; '3 4' <-> ids
+
+# Its module fixtures are computed once: all its tests run on one xdist worker (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group(__name__)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SETTINGS = dict(beam_size=3, alpha=0.6, max_decode_len=24, max_decode_extra=16)
+
+
+@pytest.fixture(scope='module')
+def params():
+    """A random tiny model: greedy and sampled sentences run to their limits at varied lengths."""
+    ids = jnp.ones((1, 8), jnp.int32)
+    return nn.unbox(jax.jit(Transformer(CFG).init)(jax.random.key(0), ids, ids))['params']
+
+
+@pytest.fixture(scope='module')
+def eos_params(params):
+    """The same with its EOS logit lifted (the last LayerNorm's bias 1, the tied EOS row
+    constant): beam search's hypotheses end in EOS, at varied lengths."""
+    params = jax.tree.map(lambda x: x, params)
+    norm = params[f'decoder_{CFG.num_decoder_layers - 1}']['ffn_block']['norm']
+    norm['bias'] = jnp.ones_like(norm['bias'])
+    params['embedder']['embedding'] = params['embedder']['embedding'].at[EOS_ID].set(0.06)
+    return params
+
+
+def _sources(n, seed):
+    rng = np.random.default_rng(seed)
+    inputs = np.zeros((n, 8), np.int32)
+    for row, length in enumerate(rng.integers(2, 8, n)):
+        inputs[row, :length - 1] = rng.integers(3, CFG.vocab_size, length - 1)
+        inputs[row, length - 1] = EOS_ID
+    return inputs
+
+
+def _sample(params, inputs, sampling, seed=0, mesh=None):
+    predict = inference.make_predict_fn(CFG, sampling=sampling, seed=seed, mesh=mesh, **SETTINGS)
+    return np.asarray(predict(params, inference.feed(inputs, mesh)).ids_BL)
+
+
+def test_top_k_one_is_greedy(params):
+    inputs = _sources(8, seed=1)
+    greedy = inference.make_predict_fn(CFG, greedy=True, **SETTINGS)
+    want = np.asarray(greedy(params, inputs).ids_BL)
+    got = _sample(params, inputs, decode.Sampling(temperature=0.7, top_k=1), seed=5)
+    np.testing.assert_array_equal(got, want)
+    assert len({tuple(row) for row in want}) > 4  # the rows differ: a real comparison
+
+
+def test_a_seed_reproduces_a_sentence_whatever_its_batch_and_devices(params):
+    sampling = decode.Sampling(temperature=1.5, top_p=0.95)
+    inputs = _sources(8, seed=2)
+    first = _sample(params, inputs, sampling)
+    np.testing.assert_array_equal(_sample(params, inputs, sampling), first)
+    # Other batch mates, rows in another order: rows 0..3 sample what they sampled before.
+    others = np.concatenate([_sources(4, seed=3), inputs[:4]])[::-1]
+    np.testing.assert_array_equal(_sample(params, others, sampling)[::-1][4:], first[:4])
+    # On 8 devices, one row each: the same samples.
+    mesh = sharding.make_mesh((-1, 1, 1))
+    assert mesh.size == 8
+    np.testing.assert_array_equal(_sample(params, inputs, sampling, mesh=mesh), first)
+    other_seed = _sample(params, inputs, sampling, seed=1)
+    assert (other_seed != first).any(axis=1).sum() >= 4  # most sentences change
+    greedy = np.asarray(inference.make_predict_fn(CFG, greedy=True, **SETTINGS)(
+        params, inputs).ids_BL)
+    assert (first != greedy).any()  # sampling at temperature 1.5 is not the argmax
+
+
+def test_top_k_and_top_p_keep_the_most_likely_tokens():
+    logits = jnp.log(jnp.array([[0.05, 0.5, 0.15, 0.3]]))
+    kept = lambda **kw: np.isfinite(np.asarray(decode.sampling_logits(logits, decode.Sampling(
+        **kw))))[0].tolist()  # noqa: E731
+    assert kept() == [True] * 4
+    assert kept(top_k=2) == [False, True, False, True]
+    assert kept(top_p=0.7) == [False, True, False, True]  # 0.5 < 0.7, 0.5 + 0.3 is not
+    assert kept(top_p=0.81) == [False, True, True, True]
+    assert kept(top_p=0.4) == [False, True, False, False]  # the most likely always stays
+    assert kept(top_k=3, top_p=0.1) == [False, True, False, False]
+    np.testing.assert_allclose(decode.sampling_logits(logits, decode.Sampling(temperature=2.0)),
+                               logits / 2.0, rtol=1e-6)
+
+
+def _tsv(path):
+    header, *rows = path.read_text(encoding='utf-8').splitlines()
+    return header, [row.split('\t') for row in rows]
+
+
+def test_nbest_scores_are_forced_decoding_scores_over_the_length_penalty(eos_params, tmp_path):
+    params = eos_params
+    tok = _EchoTokenizer()
+    texts = [' '.join(map(str, row[row > 1])) for row in _sources(12, seed=4)]
+    texts.insert(2, '')  # a blank line: no rows
+    source, out = tmp_path / 'in.txt', tmp_path / 'out.tsv'
+    source.write_text(''.join(t + '\n' for t in texts), encoding='utf-8')
+    predict = inference.make_predict_fn(CFG, nbest=3, **SETTINGS)
+    stats = translate.translate_stream(predict, params, tok, str(source), str(out), max_len=32,
+                                       token_budget=128, progress=False, nbest_alpha=0.6)
+    # Every best hypothesis ended in EOS, so (under beam_unfinished='fallback') every listed one
+    # did: its text + EOS is the sequence beam search scored.
+    assert stats.translated == 12 and stats.hit_limit == 0
+    header, rows = _tsv(out)
+    assert header == 'index\trank\tscore=log_prob/((5+tokens)/6)^0.6\ttext'
+    assert sorted({int(r[0]) for r in rows}) == [i for i in range(13) if i != 2]
+    for i in {int(r[0]) for r in rows}:
+        mine = [r for r in rows if int(r[0]) == i]
+        assert [int(r[1]) for r in mine] == list(range(1, len(mine) + 1))
+        scores = [float(r[2]) for r in mine]
+        assert scores == sorted(scores, reverse=True)
+    assert sum(len({r[3] for r in rows if r[0] == i}) > 1 for i in {r[0] for r in rows}) >= 6
+
+    # Forced decoding of the same pairs, and one pair too long to score (counted, not cut).
+    sources = [texts[int(r[0])] for r in rows] + ['3 4']
+    targets = [r[3] for r in rows] + [' '.join(['5'] * 40)]
+    result = scoring.score_pairs(scoring.make_score_fn(CFG), params, tok, sources, targets,
+                                 max_len=32, token_budget=128)
+    assert result.too_long == [len(rows)] and result.scored == len(rows)
+    table = [line.split('\t') for line in scoring.tsv(result).splitlines()]
+    assert table[0] == ['index', 'tokens', 'log_prob', 'log_prob_per_token']
+    assert table[-1] == [str(len(rows)), '41', '', '']
+    for r, (index, tokens, log_prob, per_token) in zip(rows, table[1:-1], strict=True):
+        n = int(tokens)
+        assert n == len(r[3].split()) + 1  # EOS counted
+        assert float(per_token) == pytest.approx(float(log_prob) / n, abs=1e-5)
+        want = float(log_prob) / float(decode.length_penalty(n, 0.6))
+        assert abs(float(r[2]) - want) < 1e-4, (index, r, log_prob)
+    assert 'not scored' in scoring.report(result, 32) and '1 pairs over' in scoring.report(
+        result, 32)
+
+
+BAD = [('top_p', 0.0, 'top_p=0.0 must be in (0, 1] (1: every token)'),
+       ('top_k', -1, 'top_k=-1 must be >= 0 (0: every token)'),
+       ('temperature', 0.0, "temperature=0.0 must be > 0 (1: the model's distribution)"),
+       ('temperature', -1.0, "temperature=-1.0 must be > 0 (1: the model's distribution)"),
+       ('decode_strategy', 'topk',
+        "decode_strategy='topk' must be one of ('beam', 'greedy', 'sample')")]
+
+
+def test_bad_values_are_one_line_before_any_compile():
+    for key, value, line in BAD:
+        config = tiny.get_config()
+        config[key] = value
+        with pytest.raises(SystemExit) as info:
+            cli.check_values(config, 'evaluate.py')
+        assert str(info.value.code) == f'evaluate.py: {line}'
+    with pytest.raises(ValueError, match='top_p=0'):
+        decode.Sampling(top_p=0.0)
+    with pytest.raises(ValueError, match='nbest=4 needs beam search'):
+        inference.make_predict_fn(CFG, nbest=4, **SETTINGS)
+    # The command line: one line, exit 1, from a run that reads no checkpoint and compiles nothing.
+    for flags, line in [(['--config.top_p=0'], BAD[0][2]),
+                        (['--translate', '--nbest=3'], '--nbest=3 needs --translate, '
+                         'decode_strategy=beam and 1 <= nbest <= beam_size=2')]:
+        proc = subprocess.run(
+            [sys.executable, 'evaluate.py', '--config=configs/tiny.py', '--workdir=/nonexistent',
+             *flags], cwd=ROOT, capture_output=True, text=True, timeout=120,
+            env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+        assert proc.returncode == 1 and 'Traceback' not in proc.stderr, proc.stderr
+        assert proc.stderr.strip().splitlines() == [f'evaluate.py: {line}']
