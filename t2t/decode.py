@@ -19,7 +19,7 @@ leaves of ndim 0 (e.g. a shared cache index) are shared by all rows. `beam_searc
 example's leaves K times itself and re-gathers them by parent beam after every step; the model
 glue only runs the encoder once and initialises the cache for B sequences.
 
-Both searches are pure functions built from `lax.while_loop` with static shapes, meant to be
+The searches are pure functions built from `lax.while_loop` with static shapes, meant to be
 called inside `jax.jit` with `tokens_to_logits` closed over, e.g.
 
     @functools.partial(jax.jit, static_argnames=('beam_size', 'max_decode_len'))
@@ -41,7 +41,7 @@ another batch size may bring).
 Shape letters:
   B  batch size
   K  beam size
-  N  B * K rows fed to the model (B for greedy), batch-major
+  N  B * K rows fed to the model (B for greedy and sampling), batch-major
   C  2 * K candidates kept per example at each step
   M  3 * K = K finished + C candidates, the pool the finished set is chosen from
   L  max_decode_len, the number of generated positions returned

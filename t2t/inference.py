@@ -23,6 +23,11 @@ at most max_decode_len (the paper: source length + 50).
 The decode buffers are min(max_decode_len, S + max_decode_extra) long, static per bucket length S,
 so there is one compile per (B, S) and short buckets do not pay for long buffers.
 
+Greedy decoding and sampling (make_predict_fn's greedy, sampling: decode.greedy_search and
+decode.sample_search, one row per example, the whole buffer's cache from the start) replace the
+beam search; a sampled sentence's PRNG key comes from the seed and its own source tokens
+(`sample_keys`). nbest=N also returns beam search's best N hypotheses and their scores.
+
 A hypothesis that ends at its length limit without EOS is never dropped nor silently cut: it is
 flagged (hit_limit), and flagged again (capped) when that limit was max_decode_len rather than
 source length + max_decode_extra, i.e. when the static buffer truncated it.
@@ -277,7 +282,9 @@ def config_predict_fn(config, model_config: TransformerConfig, *, num_valid_ids:
         greedy=config.decode_strategy == 'greedy', num_valid_ids=num_valid_ids,
         beam_unfinished=config.beam_unfinished, beam_stop=config.beam_stop,
         shrink_floor=config.beam_shrink_floor, sampling=config_sampling(config),
-        seed=config.decode_seed, nbest=nbest, mesh=mesh)
+        # Searches read no seed: keeping it 0 for them shares their cached functions.
+        seed=config.decode_seed if config.decode_strategy == 'sample' else 0, nbest=nbest,
+        mesh=mesh)
 
 
 def feed(inputs_BS, mesh=None):

@@ -173,3 +173,19 @@ def test_bad_values_are_one_line_before_any_compile():
             env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
         assert proc.returncode == 1 and 'Traceback' not in proc.stderr, proc.stderr
         assert proc.stderr.strip().splitlines() == [f'evaluate.py: {line}']
+
+
+def test_config_keys_reach_the_predict_function(monkeypatch):
+    config = tiny.get_config()
+    config.update(decode_strategy='sample', temperature=0.5, top_k=7, top_p=0.9, decode_seed=3)
+    seen = {}
+    monkeypatch.setattr(inference, 'make_predict_fn', lambda cfg, **kwargs: seen.update(kwargs))
+    inference.config_predict_fn(config, CFG, num_valid_ids=48)
+    assert seen['sampling'] == decode.Sampling(temperature=0.5, top_k=7, top_p=0.9)
+    assert seen['seed'] == 3 and not seen['greedy'] and seen['nbest'] == 1
+    config.decode_strategy = 'greedy'
+    inference.config_predict_fn(config, CFG, num_valid_ids=48, nbest=1)
+    assert seen['greedy'] and seen['sampling'] is None
+    config.decode_strategy = 'beam'
+    inference.config_predict_fn(config, CFG, num_valid_ids=48, nbest=2)
+    assert not seen['greedy'] and seen['sampling'] is None and seen['nbest'] == 2
