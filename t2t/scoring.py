@@ -11,6 +11,11 @@ takes part in the softmax but is never a target, as beam search sets it to -inf 
 renormalizing. Beam search's score of a hypothesis of `tokens` tokens (EOS included) is then
 log_prob / ((5 + tokens) / 6) ** alpha (decode.length_penalty).
 
+The text is scored as the tokenizer segments it. A model may generate another segmentation of the
+same text (sentencepiece: '.' as a bare piece where encoding '.' gives '▁', '.'); such an n-best
+hypothesis scores here as the tokenizer's segmentation, a different token sequence, whose
+log_prob differs from the one beam search ranked.
+
 A pair whose source or target is longer than max_len tokens (EOS included: the position table)
 is never cut: it is not scored, it is counted, and its row has empty score fields. Pairs run in
 batches of a few bucketed shapes (translate.py's buckets over the longer side), one compile each.

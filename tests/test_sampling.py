@@ -11,15 +11,16 @@ import pytest
 from flax import linen as nn
 
 from configs import tiny
-from t2t import cli, decode, inference, scoring, sharding, translate
+from t2t import cli, decode, evaluation, inference, scoring, sharding
 from t2t.ids import EOS_ID
 from t2t.model import Transformer
-from tests.test_inference import CFG, _EchoTokenizer  # a random tiny model's config; '3 4' <-> ids
+from tests.test_inference import CFG  # a random tiny model's config
 
 # Its module fixtures are computed once: all its tests run on one xdist worker (--dist loadgroup).
 pytestmark = pytest.mark.xdist_group(__name__)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EOS_LIFT = 0.06  # the tied EOS row's value in recall_run (0 leaves hypotheses cut at the limit)
 SETTINGS = dict(beam_size=3, alpha=0.6, max_decode_len=24, max_decode_extra=16)
 
 
@@ -28,17 +29,6 @@ def params():
     """A random tiny model: greedy and sampled sentences run to their limits at varied lengths."""
     ids = jnp.ones((1, 8), jnp.int32)
     return nn.unbox(jax.jit(Transformer(CFG).init)(jax.random.key(0), ids, ids))['params']
-
-
-@pytest.fixture(scope='module')
-def eos_params(params):
-    """The same with its EOS logit lifted (the last LayerNorm's bias 1, the tied EOS row
-    constant): beam search's hypotheses end in EOS, at varied lengths."""
-    params = jax.tree.map(lambda x: x, params)
-    norm = params[f'decoder_{CFG.num_decoder_layers - 1}']['ffn_block']['norm']
-    norm['bias'] = jnp.ones_like(norm['bias'])
-    params['embedder']['embedding'] = params['embedder']['embedding'].at[EOS_ID].set(0.06)
-    return params
 
 
 def _sources(n, seed):
@@ -102,46 +92,69 @@ def _tsv(path):
     return header, [row.split('\t') for row in rows]
 
 
-def test_nbest_scores_are_forced_decoding_scores_over_the_length_penalty(eos_params, tmp_path):
-    params = eos_params
-    tok = _EchoTokenizer()
-    texts = [' '.join(map(str, row[row > 1])) for row in _sources(12, seed=4)]
+@pytest.fixture(scope='module')
+def recall_run(tmp_path_factory):
+    """A workdir with one checkpoint of a random tiny model of the recall toy, whose fixed
+    symbols re-encode exactly what the model generates (the segmentation is the text's)."""
+    from configs import recall_toy
+    from t2t import checkpoint, data, optim, train_lib
+
+    root = tmp_path_factory.mktemp('recall')
+    config = recall_toy.get_config()
+    config.update(data_dir=str(root / 'data'), d_model=32, d_ff=64, max_position=64,
+                  max_decode_len=12, max_decode_extra=4, beam_size=3)
+    data.get_tokenizer(config)
+    mesh = sharding.make_mesh(config.mesh_shape)
+    state, _ = train_lib.create_sharded_state(config, mesh, optim.make_optimizer(config))
+    # EOS lifted (the last LayerNorm's bias 1, the tied EOS row constant): hypotheses end in EOS
+    # at varied lengths, so each one's text + EOS is the sequence beam search scored.
+    params = jax.tree.map(lambda x: x, state.params)
+    norm = params[f'decoder_{config.num_decoder_layers - 1}']['ffn_block']['norm']
+    norm['bias'] = jnp.ones_like(norm['bias'])
+    params['embedder']['embedding'] = params['embedder']['embedding'].at[EOS_ID].set(EOS_LIFT)
+    manager = checkpoint.make_manager(root / 'run', config, async_=False)
+    checkpoint.save(manager, 1, state.replace(params=params))
+    checkpoint.close(manager)
+    return config, str(root / 'run'), root
+
+
+def test_nbest_scores_are_forced_decoding_scores_over_the_length_penalty(recall_run):
+    config, workdir, root = recall_run
+    rng = np.random.default_rng(4)
+    texts = [' '.join(rng.choice(list('01abcd'), n)) for n in rng.integers(1, 9, 10)]
     texts.insert(2, '')  # a blank line: no rows
-    source, out = tmp_path / 'in.txt', tmp_path / 'out.tsv'
+    source, out = root / 'in.txt', root / 'nbest.tsv'
     source.write_text(''.join(t + '\n' for t in texts), encoding='utf-8')
-    predict = inference.make_predict_fn(CFG, nbest=3, **SETTINGS)
-    stats = translate.translate_stream(predict, params, tok, str(source), str(out), max_len=32,
-                                       token_budget=128, progress=False, nbest_alpha=0.6)
-    # Every best hypothesis ended in EOS, so (under beam_unfinished='fallback') every listed one
-    # did: its text + EOS is the sequence beam search scored.
-    assert stats.translated == 12 and stats.hit_limit == 0
+    evaluation.run(config, workdir, translate=True, input_path=str(source),
+                   output_path=str(out), nbest=3, progress=False, echo=lambda _: None)
     header, rows = _tsv(out)
     assert header == 'index\trank\tscore=log_prob/((5+tokens)/6)^0.6\ttext'
-    assert sorted({int(r[0]) for r in rows}) == [i for i in range(13) if i != 2]
+    assert sorted({int(r[0]) for r in rows}) == [i for i in range(11) if i != 2]
     for i in {int(r[0]) for r in rows}:
         mine = [r for r in rows if int(r[0]) == i]
         assert [int(r[1]) for r in mine] == list(range(1, len(mine) + 1))
         scores = [float(r[2]) for r in mine]
         assert scores == sorted(scores, reverse=True)
-    assert sum(len({r[3] for r in rows if r[0] == i}) > 1 for i in {r[0] for r in rows}) >= 6
+    assert sum(len({r[3] for r in rows if r[0] == i}) == 3 for i in {r[0] for r in rows}) >= 6
 
-    # Forced decoding of the same pairs, and one pair too long to score (counted, not cut).
-    sources = [texts[int(r[0])] for r in rows] + ['3 4']
-    targets = [r[3] for r in rows] + [' '.join(['5'] * 40)]
-    result = scoring.score_pairs(scoring.make_score_fn(CFG), params, tok, sources, targets,
-                                 max_len=32, token_budget=128)
+    # evaluate.py --score of the same pairs, and one pair too long to score (counted, not cut).
+    sources, targets = root / 'src.txt', root / 'tgt.txt'
+    sources.write_text(''.join(texts[int(r[0])] + '\n' for r in rows) + 'a\n', encoding='utf-8')
+    targets.write_text(''.join(r[3] + '\n' for r in rows) + 'b ' * 70 + '\n', encoding='utf-8')
+    lines = []
+    result = scoring.run(config, workdir, input_path=str(sources), references_path=str(targets),
+                         output_path=str(root / 'scores.tsv'), echo=lines.append)
     assert result.too_long == [len(rows)] and result.scored == len(rows)
-    table = [line.split('\t') for line in scoring.tsv(result).splitlines()]
-    assert table[0] == ['index', 'tokens', 'log_prob', 'log_prob_per_token']
-    assert table[-1] == [str(len(rows)), '41', '', '']
-    for r, (index, tokens, log_prob, per_token) in zip(rows, table[1:-1], strict=True):
+    assert '1 pairs over max_position=64 tokens on a side not scored' in lines[-1]
+    header, table = _tsv(root / 'scores.tsv')
+    assert header == 'index\ttokens\tlog_prob\tlog_prob_per_token'
+    assert table[-1] == [str(len(rows)), '71', '', '']
+    for r, (index, tokens, log_prob, per_token) in zip(rows, table[:-1], strict=True):
         n = int(tokens)
         assert n == len(r[3].split()) + 1  # EOS counted
         assert float(per_token) == pytest.approx(float(log_prob) / n, abs=1e-5)
         want = float(log_prob) / float(decode.length_penalty(n, 0.6))
         assert abs(float(r[2]) - want) < 1e-4, (index, r, log_prob)
-    assert 'not scored' in scoring.report(result, 32) and '1 pairs over' in scoring.report(
-        result, 32)
 
 
 BAD = [('top_p', 0.0, 'top_p=0.0 must be in (0, 1] (1: every token)'),
