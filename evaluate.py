@@ -3,7 +3,8 @@
   python evaluate.py --config=configs/default.py --workdir=DIR            # the latest checkpoint
       [--step=N | --all | --average_last=N [--write_averaged=OUT_DIR]] [--split=test]
   python evaluate.py --config=... --workdir=DIR --translate [--input=FILE|-] [--output=FILE|-]
-      [--truncate_long]
+      [--truncate_long] [--nbest=N]
+  python evaluate.py --config=... --workdir=DIR --score --input=SRC --references=TGT [--output=FILE]
   python evaluate.py --config=... --workdir=DIR --watch [--split=...] [--timeout=3600] [--poll=5]
   any of them with --weights=ema|raw (default auto: the EMA of a run with ema_decay > 0, else raw)
 
@@ -33,6 +34,13 @@ _OUTPUT = flags.DEFINE_string('output', '-', 'With --translate: the output file,
 _TRUNCATE_LONG = flags.DEFINE_bool(
     'truncate_long', False, 'With --translate: a line over max_position tokens is cut to it '
     '(and counted) instead of left empty.')
+_NBEST = flags.DEFINE_integer(
+    'nbest', 1, 'With --translate: beam search\'s best N per line (N <= beam_size), as TSV: '
+    'index, rank, score (sum log-prob / length penalty), text.')
+_SCORE = flags.DEFINE_bool('score', False, 'Forced decoding: the log-probability of each '
+                           '--references line given its --input line, as TSV (t2t/scoring.py).')
+_REFERENCES = flags.DEFINE_string('references', '', 'With --score: the translations, one per '
+                                  '--input line.')
 _WATCH = flags.DEFINE_bool('watch', False, 'Evaluate each new checkpoint while training runs, '
                            'until training finishes (see t2t/watch.py).')
 _WEIGHTS = flags.DEFINE_enum(
@@ -58,11 +66,18 @@ def main(argv):
     compile_cache.setup(_CONFIG.value)
     if not flags.FLAGS['verbosity'].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
-    from t2t import checkpoint, evaluation, startup, watch, workdir  # after flags: fast --help
+    # after flag parsing: fast --help
+    from t2t import checkpoint, evaluation, scoring, startup, watch, workdir
 
     workdir.quiet_transient_failures()
 
     try:
+        if _SCORE.value:
+            scoring.run(_CONFIG.value, _WORKDIR.value, input_path=_INPUT.value,
+                        references_path=_REFERENCES.value, output_path=_OUTPUT.value,
+                        step=_STEP.value, average_last=_AVERAGE_LAST.value,
+                        echo=lambda line: print(line, file=sys.stderr))
+            return
         if _WATCH.value:
             watch.run(_CONFIG.value, _WORKDIR.value, split=_SPLIT.value, timeout_s=_TIMEOUT.value,
                       poll_s=_POLL.value, weights=_WEIGHTS.value)
@@ -72,7 +87,7 @@ def main(argv):
             average_last=_AVERAGE_LAST.value, write_averaged=_WRITE_AVERAGED.value,
             split=_SPLIT.value, translate=_TRANSLATE.value, input_path=_INPUT.value,
             output_path=_OUTPUT.value, truncate_long=_TRUNCATE_LONG.value,
-            weights=_WEIGHTS.value)
+            weights=_WEIGHTS.value, nbest=_NBEST.value)
     except distributed.PeerLost as e:  # exit 4: another process of the job is gone
         distributed.exit_peer_lost(f'evaluate.py: {e}')
     except (evaluation.EvalError, checkpoint.CheckpointError, startup.ConfigError,

@@ -139,6 +139,11 @@ def _rules() -> tuple[Rule, ...]:
         Rule('slow_save_s', _at_least(0), 'must be >= 0 (0: off)'),
         Rule('storage_outage_limit_s', _at_least(0), 'must be >= 0 (0: not retried)'),
         # decoding
+        Rule('decode_strategy', *_one_of(decode.STRATEGIES)),
+        Rule('temperature', lambda v, c: v > 0, "must be > 0 (1: the model's distribution)"),
+        Rule('top_k', _at_least(0), 'must be >= 0 (0: every token)'),
+        Rule('top_p', lambda v, c: 0 < v <= 1, 'must be in (0, 1] (1: every token)'),
+        Rule('decode_seed', _at_least(0), ge0),
         Rule('beam_size', _at_least(1), ge1),
         Rule('length_penalty_alpha', _at_least(0), ge0),
         Rule('beam_unfinished', *_one_of(decode.UNFINISHED_RULES)),

@@ -204,6 +204,9 @@ def evaluate_params(config, params, tokenizer, eval_split, *, split: str, label:
         'skipped_too_long': len(eval_split.skipped),
         'hit_length_limit': len(result.hit_limit),
         'capped_at_max_decode_len': len(result.capped),
+        'decode_strategy': config.decode_strategy,
+        **({key: config[key] for key in ('temperature', 'top_k', 'top_p', 'decode_seed')}
+           if config.decode_strategy == 'sample' else {}),
         'beam_size': config.beam_size,
         'length_penalty_alpha': config.length_penalty_alpha,
         'beam_unfinished': config.beam_unfinished,
@@ -215,9 +218,8 @@ def evaluate_params(config, params, tokenizer, eval_split, *, split: str, label:
         'hypotheses_file': str(hyp_path),
     }
 
-    stop = '' if config.beam_stop == 'bound' else f', stop {config.beam_stop}'
-    echo(f'== {label} on {eval_split.name} ({n} sentences, beam {config.beam_size}, '
-         f'alpha {config.length_penalty_alpha}{stop}, {result.sentences_per_s:.1f} sentences/s)')
+    echo(f'== {label} on {eval_split.name} ({n} sentences, {inference.describe_decoding(config)}'
+         f', {result.sentences_per_s:.1f} sentences/s)')
     echo(bleu.format_report(scores))
     echo(f'skipped (longer than max_eval_len={config.max_eval_len}, scored as empty): '
          f'{len(eval_split.skipped)}; ended at the length limit without EOS: '
@@ -296,8 +298,9 @@ def check_vocabulary(workdir, steps: list[int], tokenizer, label: str) -> None:
 def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
         average_last: int = 0, write_averaged: str = '', split: str = '',
         translate: bool = False, input_path: str = '-', output_path: str = '-',
-        truncate_long: bool = False, progress: bool = True, echo: Callable[[str], None] = print,
-        devices=None, weights: str = 'auto') -> dict[str, dict]:
+        truncate_long: bool = False, nbest: int = 1, progress: bool = True,
+        echo: Callable[[str], None] = print, devices=None,
+        weights: str = 'auto') -> dict[str, dict]:
     """Everything evaluate.py does; returns {label: record} (empty for --translate).
 
     Decodes on `devices` (default: all devices of all processes).
@@ -309,6 +312,10 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
         raise EvalError('--write_averaged needs --average_last=N')
     if translate and all_steps:
         raise EvalError('--translate takes one checkpoint: --step, --average_last or the latest')
+    if nbest != 1 and not (translate and config.decode_strategy == 'beam'
+                           and 1 <= nbest <= config.beam_size):
+        raise EvalError(f'--nbest={nbest} needs --translate, decode_strategy=beam and '
+                        f'1 <= nbest <= beam_size={config.beam_size}')
     if translate and input_path == '-' and jax.process_count() > 1:
         raise EvalError('with several processes --translate reads --input=FILE, not stdin')
     selection = select(workdir, step=step, all_steps=all_steps, average_last=average_last)
@@ -324,7 +331,7 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
         params, _ = _params_for(config, workdir, label, steps, write_averaged, mesh, weights)
         check_params(params, TransformerConfig.from_config(config), tokenizer, label)
         translate_file(config, params, tokenizer, input_path, output_path, mesh,
-                       truncate_long=truncate_long)
+                       truncate_long=truncate_long, nbest=nbest)
         return {}
 
     split = split or config.test_split
@@ -368,20 +375,21 @@ def _params_for(config, workdir, label, steps, write_averaged, mesh, weights='au
 
 
 def translate_file(config, params, tokenizer, input_path: str, output_path: str,
-                   mesh=None, truncate_long: bool = False) -> None:
+                   mesh=None, truncate_long: bool = False, nbest: int = 1) -> None:
     """Translates the lines of a file (or stdin, '-') into a file (or stdout, '-'), in order,
-    streamed and resumable (t2t/translate.py). With several processes each reads the file and
-    decodes its rows; process 0 writes."""
+    streamed and resumable (t2t/translate.py); nbest > 1: beam search's best nbest per line as
+    TSV. With several processes each reads the file and decodes its rows; process 0 writes."""
     from t2t import translate
 
     model_config = TransformerConfig.from_config(config)
-    predict = inference.config_predict_fn(config, model_config,
+    predict = inference.config_predict_fn(config, model_config, nbest=nbest,
                                           num_valid_ids=tokenizer.vocab_size, mesh=mesh)
     try:
         stats = translate.translate_stream(
             predict, params, tokenizer, input_path, output_path, max_len=config.max_position,
             token_budget=max(translate.DEFAULT_TOKEN_BUDGET, config.max_position),
             truncate_long=truncate_long, mesh=mesh, write=jax.process_index() == 0,
+            nbest_alpha=config.length_penalty_alpha if nbest > 1 else None,
             progress=output_path != '-' and jax.process_index() == 0)
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise EvalError(f'--translate {input_path} -> {output_path}: {e}') from e
