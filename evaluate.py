@@ -3,8 +3,10 @@
   python evaluate.py --config=configs/default.py --workdir=DIR            # the latest checkpoint
       [--step=N | --all | --average_last=N [--write_averaged=OUT_DIR]] [--split=test]
   python evaluate.py --config=... --workdir=DIR --translate [--input=FILE|-] [--output=FILE|-]
-      [--truncate_long]
+      [--truncate_long] [--nbest=N]
+  python evaluate.py --config=... --workdir=DIR --score --input=SRC --references=TGT [--output=FILE]
   python evaluate.py --config=... --workdir=DIR --watch [--split=...] [--timeout=3600] [--poll=5]
+  any of them with --weights=ema|raw (default auto: the EMA of a run with ema_decay > 0, else raw)
 
 Several processes: the same command on each, with --coordinator_address/--num_processes/
 --process_id or --distributed as for train.py; they split the sentences, process 0 writes.
@@ -32,8 +34,19 @@ _OUTPUT = flags.DEFINE_string('output', '-', 'With --translate: the output file,
 _TRUNCATE_LONG = flags.DEFINE_bool(
     'truncate_long', False, 'With --translate: a line over max_position tokens is cut to it '
     '(and counted) instead of left empty.')
+_NBEST = flags.DEFINE_integer(
+    'nbest', 1, 'With --translate: beam search\'s best N per line (N <= beam_size), as TSV: '
+    'index, rank, score (sum log-prob / length penalty), text.')
+_SCORE = flags.DEFINE_bool('score', False, 'Forced decoding: the log-probability of each '
+                           '--references line given its --input line, as TSV (t2t/scoring.py).')
+_REFERENCES = flags.DEFINE_string('references', '', 'With --score: the translations, one per '
+                                  '--input line.')
 _WATCH = flags.DEFINE_bool('watch', False, 'Evaluate each new checkpoint while training runs, '
                            'until training finishes (see t2t/watch.py).')
+_WEIGHTS = flags.DEFINE_enum(
+    'weights', 'auto', ['auto', 'ema', 'raw'], 'ema: the moving average of the params that a run '
+    'with ema_decay > 0 saved (labels end in -ema); raw: the params as trained; auto: ema when '
+    'the checkpoint holds it, else raw.')
 _TIMEOUT = flags.DEFINE_float('timeout', 3600.0, 'With --watch: give up after this many seconds '
                               'without a new checkpoint.')
 _POLL = flags.DEFINE_float('poll', 5.0, 'With --watch: seconds between looks for a new checkpoint.')
@@ -53,20 +66,28 @@ def main(argv):
     compile_cache.setup(_CONFIG.value)
     if not flags.FLAGS['verbosity'].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
-    from t2t import checkpoint, evaluation, startup, watch, workdir  # after flags: fast --help
+    # after flag parsing: fast --help
+    from t2t import checkpoint, evaluation, scoring, startup, watch, workdir
 
     workdir.quiet_transient_failures()
 
     try:
+        if _SCORE.value:
+            scoring.run(_CONFIG.value, _WORKDIR.value, input_path=_INPUT.value,
+                        references_path=_REFERENCES.value, output_path=_OUTPUT.value,
+                        step=_STEP.value, average_last=_AVERAGE_LAST.value,
+                        echo=lambda line: print(line, file=sys.stderr))
+            return
         if _WATCH.value:
             watch.run(_CONFIG.value, _WORKDIR.value, split=_SPLIT.value, timeout_s=_TIMEOUT.value,
-                      poll_s=_POLL.value)
+                      poll_s=_POLL.value, weights=_WEIGHTS.value)
             return
         evaluation.run(
             _CONFIG.value, _WORKDIR.value, step=_STEP.value, all_steps=_ALL.value,
             average_last=_AVERAGE_LAST.value, write_averaged=_WRITE_AVERAGED.value,
             split=_SPLIT.value, translate=_TRANSLATE.value, input_path=_INPUT.value,
-            output_path=_OUTPUT.value, truncate_long=_TRUNCATE_LONG.value)
+            output_path=_OUTPUT.value, truncate_long=_TRUNCATE_LONG.value,
+            weights=_WEIGHTS.value, nbest=_NBEST.value)
     except distributed.PeerLost as e:  # exit 4: another process of the job is gone
         distributed.exit_peer_lost(f'evaluate.py: {e}')
     except (evaluation.EvalError, checkpoint.CheckpointError, startup.ConfigError,

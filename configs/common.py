@@ -95,6 +95,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.num_train_steps = 100_000
     c.train_time_budget_s = 0.0  # > 0: stop (and save) after this many seconds of training
     c.skip_nonfinite = False  # True: skip a step whose loss is NaN/inf instead of stopping
+    c.ema_decay = 0.0  # > 0: keep ema = d*ema + (1-d)*params after each update (0 = off)
+    c.ema_warmup = False  # True: update t uses min(ema_decay, (1+t)/(10+t)) (TF's num_updates)
     c.seed = 0
 
     # --- loop, checkpoints, evaluation
@@ -129,6 +131,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.compilation_cache_dir = ''
 
     # --- decoding
+    c.decode_strategy = 'beam'  # 'beam' (beam_size, alpha), 'greedy' (argmax) or 'sample'
+    c.temperature = 1.0  # decode_strategy='sample': logits / temperature (1: the model's own)
+    c.top_k = 0  # decode_strategy='sample': draw from the k most likely tokens (0: all)
+    c.top_p = 1.0  # decode_strategy='sample': then from the fewest holding this mass (1: all)
+    c.decode_seed = 0  # decode_strategy='sample': a sentence's draw = f(this, its source tokens)
     c.beam_size = 4
     c.length_penalty_alpha = 0.6
     # A hypothesis cut at its length limit without EOS: 'fallback' (tensor2tensor) counts it only

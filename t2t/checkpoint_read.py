@@ -13,6 +13,10 @@ names the step directory.
 
 `restore_params`, `average_checkpoints` and `read_metadata` may run on one process alone, beside a
 training run that is still saving (read-only managers).
+
+Weights: a run with ema_decay > 0 stores the moving average of its params beside them (state.ema,
+the same tree). The readers take `weights`: 'raw' (state.params, as trained) or 'ema';
+`choose_weights` turns 'auto' into 'ema' when the checkpoint holds one, else 'raw'.
 """
 
 import contextlib
@@ -28,6 +32,7 @@ from etils import epath
 
 STATE, META = 'state', 'meta'
 ITERATOR_KEY = 'data_iterator'  # the grain iterator's get_state(), inside META
+WEIGHTS = {'raw': 'params', 'ema': 'ema'}  # weights -> the state's subtree that holds them
 
 
 def _not_read_only_notice(record: logging.LogRecord) -> bool:
@@ -212,51 +217,95 @@ def read_metadata(workdir, step: int | None = None) -> dict:
             raise unreadable(step_path(mgr, step), e) from e
 
 
-def _restore_params(mgr: ocp.CheckpointManager, step: int, abstract_params=None):
+def _stored_tree(mgr: ocp.CheckpointManager, step: int) -> dict:
+    tree = mgr.item_metadata(step)[STATE]
+    return getattr(tree, 'tree', tree)
+
+
+def _has_ema(mgr: ocp.CheckpointManager, step: int) -> bool:
+    try:
+        return WEIGHTS['ema'] in _stored_tree(mgr, step)
+    except Exception as e:
+        raise unreadable(step_path(mgr, step), e) from e
+
+
+def _no_ema(mgr: ocp.CheckpointManager, step: int) -> CheckpointError:
+    return CheckpointError(f'checkpoint {step_path(mgr, step)} holds no EMA weights (trained with '
+                           'ema_decay=0): evaluate its raw weights (--weights=raw)')
+
+
+def choose_weights(workdir, step: int | None, weights: str) -> str:
+    """'raw' or 'ema' for `weights` ('auto': 'ema' when checkpoint `step` holds an EMA)."""
+    if weights not in ('auto', *WEIGHTS):
+        raise ValueError(f'weights={weights!r}; one of auto, {", ".join(WEIGHTS)}')
+    if weights == 'raw':
+        return weights
+    with _reader(workdir) as mgr:
+        step = resolve_step(mgr, step)
+        if _has_ema(mgr, step):
+            return 'ema'
+        if weights == 'ema':
+            raise _no_ema(mgr, step)
+        return 'raw'
+
+
+def _restore_params(mgr: ocp.CheckpointManager, step: int, abstract_params=None,
+                    weights: str = 'raw'):
     step_dir = step_path(mgr, step)
+    key = WEIGHTS[weights]
+    stored = None  # the checkpoint's tree (its metadata): read once, when needed
+    if weights == 'ema':
+        try:
+            stored = _stored_tree(mgr, step)
+        except Exception as e:
+            raise unreadable(step_dir, e) from e
+        if key not in stored:
+            raise _no_ema(mgr, step)
     try:
         if abstract_params is None:
             # The structure comes from the checkpoint's own metadata; numpy arrays on the host
             # work whatever devices the checkpoint was written from.
-            tree = mgr.item_metadata(step)[STATE]
-            tree = getattr(tree, 'tree', tree)['params']
+            tree = (stored or _stored_tree(mgr, step))[key]
             item = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree)
             restore_args = jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), tree)
         else:
             item = abstract_params
             restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_params)
         state_args = ocp.args.PyTreeRestore(
-            item={'params': item}, restore_args={'params': restore_args}, partial_restore=True
+            item={key: item}, restore_args={key: restore_args}, partial_restore=True
         )
         restored = mgr.restore(
             step, args=ocp.args.Composite(**{STATE: state_args, META: ocp.args.JsonRestore()})
         )
     except Exception as e:
         raise unreadable(step_dir, e) from e
-    params = restored[STATE]['params']
-    verify((restored[META] or {}).get('checksums'), {'params': params}, step_dir)
+    params = restored[STATE][key]
+    verify((restored[META] or {}).get('checksums'), {key: params}, step_dir)
     return params
 
 
-def restore_params(workdir, step: int | None = None, abstract_params=None):
-    """The model parameters of checkpoint `step` (None: the latest), for evaluation.
+def restore_params(workdir, step: int | None = None, abstract_params=None,
+                   weights: str = 'raw'):
+    """The model parameters of checkpoint `step` (None: the latest), for evaluation; with
+    weights='ema' their moving average (a CheckpointError when the checkpoint has none).
 
     Without `abstract_params` the parameter tree is read from the checkpoint's metadata and comes
     back as numpy arrays on the host (nothing about the optimizer or the model needs to be known);
-    with it, as jax arrays in its shardings. Only the params are read from disk.
+    with it, as jax arrays in its shardings. Only those params are read from disk.
     """
     with _reader(workdir) as mgr:
-        return _restore_params(mgr, resolve_step(mgr, step), abstract_params)
+        return _restore_params(mgr, resolve_step(mgr, step), abstract_params, weights)
 
 
-def average_checkpoints(workdir, steps: Sequence[int]):
-    """The element-wise mean of the params of `steps`, summed in float32, cast back per leaf."""
+def average_checkpoints(workdir, steps: Sequence[int], weights: str = 'raw'):
+    """The element-wise mean of the params (or EMAs) of `steps`, summed in float32, cast back
+    per leaf."""
     if not steps:
         raise ValueError('average_checkpoints needs at least one step')
     total = reference = None
     with _reader(workdir) as mgr:
         for step in steps:
-            params = _restore_params(mgr, resolve_step(mgr, step))
+            params = _restore_params(mgr, resolve_step(mgr, step), weights=weights)
             as_f32 = jax.tree.map(lambda x: np.asarray(x, np.float32), params)
             if total is None:
                 total, reference = as_f32, params

@@ -1,4 +1,4 @@
-"""Beam search and greedy decoding, model-agnostic and fully jitted.
+"""Beam search, greedy decoding and sampling, model-agnostic and fully jitted.
 
 The model is seen only through a closure
 
@@ -19,7 +19,7 @@ leaves of ndim 0 (e.g. a shared cache index) are shared by all rows. `beam_searc
 example's leaves K times itself and re-gathers them by parent beam after every step; the model
 glue only runs the encoder once and initialises the cache for B sequences.
 
-Both searches are pure functions built from `lax.while_loop` with static shapes, meant to be
+The searches are pure functions built from `lax.while_loop` with static shapes, meant to be
 called inside `jax.jit` with `tokens_to_logits` closed over, e.g.
 
     @functools.partial(jax.jit, static_argnames=('beam_size', 'max_decode_len'))
@@ -41,7 +41,7 @@ another batch size may bring).
 Shape letters:
   B  batch size
   K  beam size
-  N  B * K rows fed to the model (B for greedy), batch-major
+  N  B * K rows fed to the model (B for greedy and sampling), batch-major
   C  2 * K candidates kept per example at each step
   M  3 * K = K finished + C candidates, the pool the finished set is chosen from
   L  max_decode_len, the number of generated positions returned
@@ -69,6 +69,8 @@ NEG_INF = float('-inf')
 UNFINISHED_RULES = ('fallback', 'compete')
 # When an example stops searching (see `beam_search`).
 STOP_RULES = ('bound', 'k_finished')
+# How a hypothesis is found: beam_search, greedy_search (argmax) or sample_search.
+STRATEGIES = ('beam', 'greedy', 'sample')
 
 TokensToLogits = Callable[[jax.Array, Any, Any], tuple[jax.Array, Any]]
 
@@ -365,12 +367,14 @@ def greedy_search(
     max_decode_len: int,
     max_lengths=None,
     constants=None,
+    pick: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
 ):
     """Greedy (argmax) decoding with the conventions of `beam_search`, one row per example (N = B).
 
     The cache and constants are used as given (leading dim B, no tiling). An example stops at
     EOS or at its limit (max_lengths clipped to [0, max_decode_len]); later positions are 0. The
-    loop stops when all examples have stopped.
+    loop stops when all examples have stopped. pick: (logits_BV with PAD at -inf, step) ->
+    int32[B], the token of each row instead of the argmax (`sample_search`).
 
     Returns:
       sequences int32[B, max_decode_len]: generated tokens (BOS excluded), EOS, then 0s.
@@ -391,7 +395,11 @@ def greedy_search(
         i = state.step
         logits_BV, cache = tokens_to_logits(state.seqs_BT[:, i][:, None], state.cache,
                                            constants)
-        token_B = jnp.argmax(logits_BV.at[:, PAD_ID].set(NEG_INF), axis=-1).astype(jnp.int32)
+        logits_BV = logits_BV.astype(jnp.float32).at[:, PAD_ID].set(NEG_INF)  # never generated
+        if pick is None:
+            token_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+        else:
+            token_B = pick(logits_BV, i)
         token_B = jnp.where(state.finished_B, 0, token_B)
         finished_B = state.finished_B | (token_B == eos_id) | (i + 1 >= limit_B)
         return GreedyState(
@@ -403,3 +411,68 @@ def greedy_search(
 
     state = lax.while_loop(cond_fn, body_fn, state)
     return state.seqs_BT[:, 1:]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """What `sample_search` draws from: softmax(logits / temperature) over the top_k tokens
+    (0: all), then over the fewest most likely of those whose mass reaches top_p (1: all)."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if not (self.temperature > 0 and self.top_k >= 0 and 0 < self.top_p <= 1):
+            raise ValueError(f'temperature={self.temperature} must be > 0, top_k={self.top_k} '
+                             f'>= 0 and top_p={self.top_p} in (0, 1]')
+
+
+def sampling_logits(logits_BV, sampling: Sampling):
+    """float32 logits_BV with temperature applied and the tokens top_k / top_p leave out at -inf
+    (ties at either threshold stay in)."""
+    logits_BV = logits_BV.astype(jnp.float32) / sampling.temperature
+    V = logits_BV.shape[-1]
+    if 0 < sampling.top_k < V:
+        kth_B1 = lax.top_k(logits_BV, sampling.top_k)[0][:, -1:]
+        logits_BV = jnp.where(logits_BV < kth_B1, NEG_INF, logits_BV)
+    if sampling.top_p < 1:
+        sorted_BV = -jnp.sort(-logits_BV, axis=-1)  # most likely first
+        probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+        # A token stays when the tokens more likely than it hold less than top_p: the first
+        # always does.
+        kept_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV < sampling.top_p
+        least_B1 = jnp.min(jnp.where(kept_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
+        logits_BV = jnp.where(logits_BV < least_B1, NEG_INF, logits_BV)
+    return logits_BV
+
+
+def sample_search(
+    tokens_to_logits: TokensToLogits,
+    cache,
+    *,
+    keys_B,
+    sampling: Sampling,
+    batch_size: int,
+    eos_id: int,
+    max_decode_len: int,
+    max_lengths=None,
+    constants=None,
+):
+    """Ancestral sampling, `greedy_search` with each token drawn from `sampling_logits`.
+
+    keys_B: one PRNG key per row; step t of row b draws with fold_in(keys_B[b], t), so a row's
+    sample depends on its key and its own logits only, never on the other rows of the batch.
+    PAD is never drawn. top_k=1 is greedy decoding (but for exact ties).
+
+    Returns:
+      sequences int32[B, max_decode_len]: generated tokens (BOS excluded), EOS, then 0s.
+    """
+    def pick(logits_BV, step):
+        keys_B_step = jax.vmap(jax.random.fold_in, (0, None))(keys_B, step)
+        logits_BV = sampling_logits(logits_BV, sampling)
+        return jax.vmap(jax.random.categorical)(keys_B_step, logits_BV).astype(jnp.int32)
+
+    return greedy_search(tokens_to_logits, cache, batch_size=batch_size, eos_id=eos_id,
+                         max_decode_len=max_decode_len, max_lengths=max_lengths,
+                         constants=constants, pick=pick)

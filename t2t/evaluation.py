@@ -6,6 +6,10 @@
     run(config, workdir, average_last=5, write_averaged=OUT)   # the paper's checkpoint average
     run(config, workdir, translate=True, input_path='-', output_path='-')
 
+Weights (weights='auto', 'ema' or 'raw'): a checkpoint of a run with ema_decay > 0 holds the moving
+average of the params beside them; 'auto' evaluates it when there is one, else the raw params, and
+the label of EMA weights ends in -ema (step-N-ema), so the two never share a line or a file.
+
 Each evaluated checkpoint gets a label (step-N, or avgN-FIRST-LAST); its hypotheses go to
 WORKDIR/hypotheses-<split>-<label>.txt (one line per example of the split, in order) and its scores
 into WORKDIR/eval-<split>.json, merged by label. Scores are over every example of the split: an
@@ -85,13 +89,14 @@ def select(workdir, *, step: int | None = None, all_steps: bool = False,
     return [(f'step-{steps[-1]}', [steps[-1]])]
 
 
-def load_params(workdir, steps: list[int], *, scan_layers: bool = False):
+def load_params(workdir, steps: list[int], *, scan_layers: bool = False, weights: str = 'raw'):
     """Params of one step, or the element-wise mean of several (host numpy arrays), in the layer
-    layout of a model with this scan_layers setting whatever layout they were saved in."""
+    layout of a model with this scan_layers setting whatever layout they were saved in.
+    weights: 'raw' or 'ema' (checkpoint_read.choose_weights)."""
     if len(steps) == 1:
-        params = checkpoint_read.restore_params(workdir, steps[0])
+        params = checkpoint_read.restore_params(workdir, steps[0], weights=weights)
     else:
-        params = checkpoint_read.average_checkpoints(workdir, steps)
+        params = checkpoint_read.average_checkpoints(workdir, steps, weights=weights)
     return layers_convert.to_layout(params, scan_layers=scan_layers)
 
 
@@ -161,9 +166,15 @@ def merge_json(path, label: str, record: dict) -> None:
     wd.update(path, add)
 
 
+def weights_label(label: str, weights: str) -> str:
+    """The label of a checkpoint's EMA weights ends in -ema; raw weights keep the plain one."""
+    return f'{label}-ema' if weights == 'ema' else label
+
+
 def evaluate_params(config, params, tokenizer, eval_split, *, split: str, label: str,
                     steps: list[int], workdir, progress: bool = True,
-                    echo: Callable[[str], None] = print, mesh=None) -> dict:
+                    echo: Callable[[str], None] = print, mesh=None,
+                    weights: str = 'raw') -> dict:
     """Decodes `eval_split` (on the devices of `mesh`, default one device), writes hypotheses
     (process 0) and scores, prints the report; returns the record."""
     model_config = TransformerConfig.from_config(config)
@@ -187,11 +198,15 @@ def evaluate_params(config, params, tokenizer, eval_split, *, split: str, label:
     record = {
         **scores,
         'steps': steps,
+        'weights': weights,
         'split': eval_split.name,
         'sentences': n,
         'skipped_too_long': len(eval_split.skipped),
         'hit_length_limit': len(result.hit_limit),
         'capped_at_max_decode_len': len(result.capped),
+        'decode_strategy': config.decode_strategy,
+        **({key: config[key] for key in ('temperature', 'top_k', 'top_p', 'decode_seed')}
+           if config.decode_strategy == 'sample' else {}),
         'beam_size': config.beam_size,
         'length_penalty_alpha': config.length_penalty_alpha,
         'beam_unfinished': config.beam_unfinished,
@@ -203,9 +218,8 @@ def evaluate_params(config, params, tokenizer, eval_split, *, split: str, label:
         'hypotheses_file': str(hyp_path),
     }
 
-    stop = '' if config.beam_stop == 'bound' else f', stop {config.beam_stop}'
-    echo(f'== {label} on {eval_split.name} ({n} sentences, beam {config.beam_size}, '
-         f'alpha {config.length_penalty_alpha}{stop}, {result.sentences_per_s:.1f} sentences/s)')
+    echo(f'== {label} on {eval_split.name} ({n} sentences, {inference.describe_decoding(config)}'
+         f', {result.sentences_per_s:.1f} sentences/s)')
     echo(bleu.format_report(scores))
     echo(f'skipped (longer than max_eval_len={config.max_eval_len}, scored as empty): '
          f'{len(eval_split.skipped)}; ended at the length limit without EOS: '
@@ -284,8 +298,9 @@ def check_vocabulary(workdir, steps: list[int], tokenizer, label: str) -> None:
 def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
         average_last: int = 0, write_averaged: str = '', split: str = '',
         translate: bool = False, input_path: str = '-', output_path: str = '-',
-        truncate_long: bool = False, progress: bool = True, echo: Callable[[str], None] = print,
-        devices=None) -> dict[str, dict]:
+        truncate_long: bool = False, nbest: int = 1, progress: bool = True,
+        echo: Callable[[str], None] = print, devices=None,
+        weights: str = 'auto') -> dict[str, dict]:
     """Everything evaluate.py does; returns {label: record} (empty for --translate).
 
     Decodes on `devices` (default: all devices of all processes).
@@ -297,6 +312,10 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
         raise EvalError('--write_averaged needs --average_last=N')
     if translate and all_steps:
         raise EvalError('--translate takes one checkpoint: --step, --average_last or the latest')
+    if nbest != 1 and not (translate and config.decode_strategy == 'beam'
+                           and 1 <= nbest <= config.beam_size):
+        raise EvalError(f'--nbest={nbest} needs --translate, decode_strategy=beam and '
+                        f'1 <= nbest <= beam_size={config.beam_size}')
     if translate and input_path == '-' and jax.process_count() > 1:
         raise EvalError('with several processes --translate reads --input=FILE, not stdin')
     selection = select(workdir, step=step, all_steps=all_steps, average_last=average_last)
@@ -309,10 +328,10 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
         check_vocabulary(workdir, steps, tokenizer, label)
     if translate:
         label, steps = selection[0]
-        params = _params_for(config, workdir, label, steps, write_averaged, mesh)
+        params, _ = _params_for(config, workdir, label, steps, write_averaged, mesh, weights)
         check_params(params, TransformerConfig.from_config(config), tokenizer, label)
         translate_file(config, params, tokenizer, input_path, output_path, mesh,
-                       truncate_long=truncate_long)
+                       truncate_long=truncate_long, nbest=nbest)
         return {}
 
     split = split or config.test_split
@@ -321,16 +340,18 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
     results = {}
     for label, steps in selection:
         try:
-            params = _params_for(config, workdir, label, steps, write_averaged, mesh)
+            params, used = _params_for(config, workdir, label, steps, write_averaged, mesh,
+                                       weights)
         except checkpoint.CorruptCheckpointError as e:
             if len(selection) == 1:
                 raise
             echo(f'== {label}: corrupt: {e}')  # --all: report it and go on
             results[label] = {'corrupt': str(e), 'steps': steps}
             continue
+        label = weights_label(label, used)
         record = evaluate_params(config, params, tokenizer, eval_split, split=split, label=label,
                                  steps=steps, workdir=workdir, progress=progress, echo=echo,
-                                 mesh=mesh)
+                                 mesh=mesh, weights=used)
         if jax.process_index() == 0:
             merge_json(json_path, label, record)
         results[label] = record
@@ -340,31 +361,35 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
     return results
 
 
-def _params_for(config, workdir, label, steps, write_averaged, mesh):
-    """The params of `steps` (averaged when several), replicated once on the mesh's devices."""
-    params = load_params(workdir, steps, scan_layers=config.scan_layers)
+def _params_for(config, workdir, label, steps, write_averaged, mesh, weights='auto'):
+    """(the params of `steps` (averaged when several), replicated once on the mesh's devices,
+    the weights they are: 'raw' or 'ema')."""
+    used = checkpoint_read.choose_weights(workdir, steps[-1], weights)
+    params = load_params(workdir, steps, scan_layers=config.scan_layers, weights=used)
     if write_averaged and len(steps) > 1:
-        out = checkpoint.write_averaged(write_averaged, params, steps[-1], config=config,
-                                        extra_metadata={'averaged': steps, 'source': workdir})
-        logging.info('averaged checkpoint %s -> %s', label, out)
-    return sharding.put_global(params, sharding.replicated(mesh))
+        out = checkpoint.write_averaged(
+            write_averaged, params, steps[-1], config=config,
+            extra_metadata={'averaged': steps, 'source': workdir, 'weights': used})
+        logging.info('averaged checkpoint %s -> %s', weights_label(label, used), out)
+    return sharding.put_global(params, sharding.replicated(mesh)), used
 
 
 def translate_file(config, params, tokenizer, input_path: str, output_path: str,
-                   mesh=None, truncate_long: bool = False) -> None:
+                   mesh=None, truncate_long: bool = False, nbest: int = 1) -> None:
     """Translates the lines of a file (or stdin, '-') into a file (or stdout, '-'), in order,
-    streamed and resumable (t2t/translate.py). With several processes each reads the file and
-    decodes its rows; process 0 writes."""
+    streamed and resumable (t2t/translate.py); nbest > 1: beam search's best nbest per line as
+    TSV. With several processes each reads the file and decodes its rows; process 0 writes."""
     from t2t import translate
 
     model_config = TransformerConfig.from_config(config)
-    predict = inference.config_predict_fn(config, model_config,
+    predict = inference.config_predict_fn(config, model_config, nbest=nbest,
                                           num_valid_ids=tokenizer.vocab_size, mesh=mesh)
     try:
         stats = translate.translate_stream(
             predict, params, tokenizer, input_path, output_path, max_len=config.max_position,
             token_budget=max(translate.DEFAULT_TOKEN_BUDGET, config.max_position),
             truncate_long=truncate_long, mesh=mesh, write=jax.process_index() == 0,
+            nbest_alpha=config.length_penalty_alpha if nbest > 1 else None,
             progress=output_path != '-' and jax.process_index() == 0)
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise EvalError(f'--translate {input_path} -> {output_path}: {e}') from e

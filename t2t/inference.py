@@ -23,6 +23,11 @@ at most max_decode_len (the paper: source length + 50).
 The decode buffers are min(max_decode_len, S + max_decode_extra) long, static per bucket length S,
 so there is one compile per (B, S) and short buckets do not pay for long buffers.
 
+Greedy decoding and sampling (make_predict_fn's greedy, sampling: decode.greedy_search and
+decode.sample_search, one row per example, the whole buffer's cache from the start) replace the
+beam search; a sampled sentence's PRNG key comes from the seed and its own source tokens
+(`sample_keys`). nbest=N also returns beam search's best N hypotheses and their scores.
+
 A hypothesis that ends at its length limit without EOS is never dropped nor silently cut: it is
 flagged (hit_limit), and flagged again (capped) when that limit was max_decode_len rather than
 source length + max_decode_extra, i.e. when the static buffer truncated it.
@@ -61,6 +66,10 @@ class Prediction:
     capped_B: jax.Array  # bool: hit_limit where the limit was max_decode_len (truncated)
     # float32: beam search's score of ids_BL, sum log-prob / length penalty; None for greedy
     score_B: jax.Array | None = None
+    # make_predict_fn(nbest=N > 1): beam search's best N, int32 [B, N, L], their scores (as
+    # score_B's, -inf for an empty slot) float32 [B, N], best first; else None
+    nbest_ids_BNL: jax.Array | None = None
+    nbest_scores_BN: jax.Array | None = None
 
 
 Predict = Callable[[object, object], Prediction]
@@ -96,6 +105,21 @@ def _grow_cache(cache, length: int):
 # against 25.5 s and 5.6 s with halves).
 SHRINK_FACTOR = 4
 
+# Odd multiplier of the source hash that seeds a row's sampling key (any odd 32-bit number).
+_HASH_MULTIPLIER = 0x01000193
+
+
+def sample_keys(inputs_BS, seed: int):
+    """A PRNG key per row from the seed and the row's source tokens alone (a polynomial hash,
+    mod 2**32, in which padding counts for nothing): a sentence's sample does not depend on its
+    batch mates, its bucket's length or the device that decodes it. Equal sources get equal
+    keys."""
+    weights_S = np.array([pow(_HASH_MULTIPLIER, i, 1 << 32) for i in range(inputs_BS.shape[1])],
+                         np.uint32)
+    hash_B = jnp.sum(inputs_BS.astype(jnp.uint32) * weights_S, axis=1, dtype=jnp.uint32)
+    base = jax.random.key(seed, impl='threefry2x32')  # not rng_impl: the same on every backend
+    return jax.vmap(jax.random.fold_in, (None, 0))(base, hash_B)
+
 
 def shrink_ladder(rows: int, floor: int) -> tuple[int, ...]:
     """The batch sizes beam search compacts a batch of `rows` examples to (decode.beam_search's
@@ -112,7 +136,8 @@ def make_predict_fn(model_config: TransformerConfig, *, beam_size: int, alpha: f
                     max_decode_len: int, max_decode_extra: int, greedy: bool = False,
                     num_valid_ids: int | None = None, eos_id: int = EOS_ID,
                     beam_unfinished: str = 'fallback', beam_stop: str = 'bound',
-                    shrink_floor: int = 0, mesh=None) -> Predict:
+                    shrink_floor: int = 0, sampling: decode.Sampling | None = None,
+                    seed: int = 0, nbest: int = 1, mesh=None) -> Predict:
     """A jitted predict(params, inputs_BS) -> Prediction with the best beam (or greedy output).
 
     mesh: decode on every device of it, the batch split over all its axes (inputs_BS: a global
@@ -130,13 +155,17 @@ def make_predict_fn(model_config: TransformerConfig, *, beam_size: int, alpha: f
     'k_finished': as soon as beam_size hypotheses ended, as fairseq and CTranslate2).
     shrink_floor: beam search drops ended examples from the batch, compacting it to quarters
     down to this many examples (`shrink_ladder`; 0: never): a batch then pays for its longest
-    sentences with few rows; each stage compiles once more. Cached, so every caller with the
-    same settings shares one function and its compiled buckets.
+    sentences with few rows; each stage compiles once more. sampling: draw each token
+    (`decode.sample_search`, keys from `sample_keys` with `seed`) instead of searching.
+    nbest: beam search also returns its best nbest hypotheses (<= beam_size). Cached, so every
+    caller with the same settings shares one function and its compiled buckets.
     """
     if beam_size < 1 or max_decode_len < 1 or max_decode_extra < 0 or shrink_floor < 0:
         raise ValueError(f'beam_size={beam_size}, max_decode_len={max_decode_len} must be >= 1 '
                          f'and max_decode_extra={max_decode_extra}, shrink_floor={shrink_floor} '
                          '>= 0')
+    if not 1 <= nbest <= beam_size or (nbest > 1 and (greedy or sampling is not None)):
+        raise ValueError(f'nbest={nbest} needs beam search with beam_size={beam_size} >= it')
     if max_decode_len > model_config.max_position:  # positions beyond the table would clamp
         raise ValueError(f'max_decode_len={max_decode_len} exceeds the model\'s max_position='
                          f'{model_config.max_position}')
@@ -157,7 +186,8 @@ def make_predict_fn(model_config: TransformerConfig, *, beam_size: int, alpha: f
         # cache_lengths): most sentences end before, and every step's reorder and attention
         # cost follows the cache's length.
         first = S + SHORT_CACHE_OVER_SOURCE
-        if greedy or L - first < SHORT_CACHE_MIN_SAVING:  # not worth its loop's compile
+        # Greedy and sampling never grow the cache; a short saving is not worth its compile.
+        if greedy or sampling is not None or L - first < SHORT_CACHE_MIN_SAVING:
             first = L
 
         def decoder_for(length):
@@ -186,8 +216,13 @@ def make_predict_fn(model_config: TransformerConfig, *, beam_size: int, alpha: f
                 logits_NV = jnp.where(valid_V, logits_NV, -1e9)
             return logits_NV, new_vars['cache']
 
-        score_B = None
-        if greedy:
+        score_B = nbest_ids_BNL = nbest_scores_BN = None
+        if sampling is not None:
+            ids_BL = decode.sample_search(
+                tokens_to_logits, variables['cache'], keys_B=sample_keys(inputs_BS, seed),
+                sampling=sampling, batch_size=B, eos_id=eos_id, max_decode_len=L,
+                max_lengths=limit_B, constants=constants)
+        elif greedy:
             ids_BL = decode.greedy_search(
                 tokens_to_logits, variables['cache'], batch_size=B, eos_id=eos_id,
                 max_decode_len=L, max_lengths=limit_B, constants=constants)
@@ -199,9 +234,12 @@ def make_predict_fn(model_config: TransformerConfig, *, beam_size: int, alpha: f
                 shrink_to=shrink_ladder(B, shrink_floor), cache_lengths=(first,),
                 grow_cache=_grow_cache)
             ids_BL, score_B = seqs_BKL[:, 0], scores_BK[:, 0]
+            if nbest > 1:
+                nbest_ids_BNL, nbest_scores_BN = seqs_BKL[:, :nbest], scores_BK[:, :nbest]
         hit_limit_B = ~jnp.any(ids_BL == eos_id, axis=1) & (src_len_B > 0)
         return Prediction(ids_BL=ids_BL, hit_limit_B=hit_limit_B,
-                          capped_B=hit_limit_B & (wanted_B > max_decode_len), score_B=score_B)
+                          capped_B=hit_limit_B & (wanted_B > max_decode_len), score_B=score_B,
+                          nbest_ids_BNL=nbest_ids_BNL, nbest_scores_BN=nbest_scores_BN)
 
     if mesh is None:
         return jax.jit(predict)
@@ -215,14 +253,38 @@ def make_predict_fn(model_config: TransformerConfig, *, beam_size: int, alpha: f
                                  out_specs=rows, check_vma=False))
 
 
+def config_sampling(config) -> decode.Sampling | None:
+    """The config's sampling settings when decode_strategy='sample', else None."""
+    if config.decode_strategy != 'sample':
+        return None
+    return decode.Sampling(temperature=config.temperature, top_k=config.top_k,
+                           top_p=config.top_p)
+
+
+def describe_decoding(config) -> str:
+    """The config's decoding settings for a report line."""
+    if config.decode_strategy == 'greedy':
+        return 'greedy'
+    if config.decode_strategy == 'sample':
+        return (f'sampling: temperature {config.temperature}, top_k {config.top_k}, top_p '
+                f'{config.top_p}, seed {config.decode_seed}')
+    stop = '' if config.beam_stop == 'bound' else f', stop {config.beam_stop}'
+    return f'beam {config.beam_size}, alpha {config.length_penalty_alpha}{stop}'
+
+
 def config_predict_fn(config, model_config: TransformerConfig, *, num_valid_ids: int,
-                      mesh=None) -> Predict:
-    """The predict function of an experiment config's decoding settings (beam search)."""
+                      nbest: int = 1, mesh=None) -> Predict:
+    """The predict function of an experiment config's decoding settings (decode_strategy: beam
+    search, greedy or sampling), with beam search's best `nbest` hypotheses too."""
     return make_predict_fn(
         model_config, beam_size=config.beam_size, alpha=config.length_penalty_alpha,
         max_decode_len=config.max_decode_len, max_decode_extra=config.max_decode_extra,
-        num_valid_ids=num_valid_ids, beam_unfinished=config.beam_unfinished,
-        beam_stop=config.beam_stop, shrink_floor=config.beam_shrink_floor, mesh=mesh)
+        greedy=config.decode_strategy == 'greedy', num_valid_ids=num_valid_ids,
+        beam_unfinished=config.beam_unfinished, beam_stop=config.beam_stop,
+        shrink_floor=config.beam_shrink_floor, sampling=config_sampling(config),
+        # Searches read no seed: keeping it 0 for them shares their cached functions.
+        seed=config.decode_seed if config.decode_strategy == 'sample' else 0, nbest=nbest,
+        mesh=mesh)
 
 
 def feed(inputs_BS, mesh=None):
@@ -253,6 +315,9 @@ class Translations:
     hit_limit: list[int]  # indices whose best hypothesis ended at its limit without EOS
     capped: list[int]  # of those, the indices cut by max_decode_len
     seconds: float  # wall time of decoding, compiles included
+    # predict(nbest > 1): per index [(beam score, hypothesis)], best first (empty slots left
+    # out), None where hypotheses has None; else None
+    nbest: list[list[tuple[float, str]] | None] | None = None
 
     @property
     def num_translated(self) -> int:
@@ -273,6 +338,7 @@ def translate_batches(predict: Predict, params, batches: Iterable[dict], tokeniz
     fetched, so detokenizing overlaps with decoding.
     """
     hypotheses: list[str | None] = [None] * num_examples
+    nbest: list[list[tuple[float, str]] | None] = [None] * num_examples
     hit_limit, capped = [], []
     bar = tqdm(total=num_examples, unit='sent', desc='decoding', disable=not progress,
                dynamic_ncols=True)
@@ -287,6 +353,10 @@ def translate_batches(predict: Predict, params, batches: Iterable[dict], tokeniz
             if not 0 <= i < num_examples or hypotheses[i] is not None:
                 raise ValueError(f'batch index {i} is out of range [0, {num_examples}) or repeated')
             hypotheses[i] = tokenizer.decode(ids_BL[row].tolist())
+            if got.nbest_ids_BNL is not None:
+                nbest[i] = [(float(score), tokenizer.decode(ids.tolist())) for ids, score in
+                            zip(got.nbest_ids_BNL[row], got.nbest_scores_BN[row], strict=True)
+                            if score > -np.inf]
             if hit_B[row]:
                 hit_limit.append(i)
             if capped_B[row]:
@@ -305,7 +375,9 @@ def translate_batches(predict: Predict, params, batches: Iterable[dict], tokeniz
         collect(*pending)
     seconds = time.perf_counter() - start
     bar.close()
-    return Translations(hypotheses, sorted(hit_limit), sorted(capped), seconds)
+    has_nbest = any(entry is not None for entry in nbest)
+    return Translations(hypotheses, sorted(hit_limit), sorted(capped), seconds,
+                        nbest if has_nbest else None)
 
 
 def translate_texts(predict: Predict, params, tokenizer, texts: Sequence[str], *,

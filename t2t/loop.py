@@ -290,17 +290,24 @@ def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> Tra
 
     @ledger.timed('eval')
     def evaluate():
-        """The eval scalars (also written), or None when a SIGTERM arrived meanwhile."""
-        batches = eval_data.batches(config.eval_batch_size, eval_rows,
-                                    num_batches=config.num_eval_batches, seed=config.seed)
-        try:
-            summary = evaluate_loss(eval_step, state.params, preemption.interruptible(batches),
-                                    mesh, -1)
-        except Interrupted:
-            return None
-        summary = {f'eval_{k}': v for k, v in summary.items()}
+        """The eval scalars (also written), or None when a SIGTERM arrived meanwhile. With
+        ema_decay > 0 the EMA weights are evaluated too, the same way: eval_*_ema."""
+        weights = {'': state.params}
+        if train_lib.ema_params(state) is not None:
+            weights['_ema'] = train_lib.ema_params(state)
+        summary = {}
+        for suffix, params in weights.items():
+            batches = eval_data.batches(config.eval_batch_size, eval_rows,
+                                        num_batches=config.num_eval_batches, seed=config.seed)
+            try:
+                losses = evaluate_loss(eval_step, params, preemption.interruptible(batches),
+                                       mesh, -1)
+            except Interrupted:
+                return None
+            summary.update({f'eval_{k}{suffix}': v for k, v in losses.items()})
         if bleu_eval is not None:
-            summary.update(bleu_eval(state.params))
+            for suffix, params in weights.items():
+                summary.update({f'{k}{suffix}': v for k, v in bleu_eval(params).items()})
         writer.write_scalars(step, summary)
         return summary
 

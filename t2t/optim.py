@@ -1,4 +1,5 @@
-"""The paper's learning-rate schedule and optimizer (section 5.3).
+"""The paper's learning-rate schedule and optimizer (section 5.3), and the moving average of the
+weights (not in the paper: fairseq --ema-decay, Marian --exponential-smoothing).
 
 lr(step) = scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5), Adam(0.9, 0.98, 1e-9).
 
@@ -84,3 +85,18 @@ def applied_updates(opt_state):
     if applied_learning_rate(opt_state) is None:
         return None
     return opt_state.count
+
+
+def ema_decay_at(decay: float, step, warmup: bool = False):
+    """The EMA decay of update `step` (1 for the first update): `decay`, or with warmup
+    min(decay, (1 + step) / (10 + step)) (tf.train.ExponentialMovingAverage's num_updates), so
+    that early on the average follows the parameters instead of staying near their init."""
+    if not warmup:
+        return decay
+    step = jnp.asarray(step, jnp.float32)
+    return jnp.minimum(decay, (1.0 + step) / (10.0 + step))
+
+
+def update_ema(ema, params, decay):
+    """ema = decay * ema + (1 - decay) * params, leaf by leaf (optax's Polyak update)."""
+    return optax.incremental_update(params, ema, 1.0 - decay)

@@ -39,6 +39,14 @@ class TrainState:
     rng: jax.Array  # uint32 raw key data (of StepConfig.rng_impl): the run's base dropout key
 
 
+@struct.dataclass
+class EmaTrainState(TrainState):
+    """The state of a run with ema_decay > 0. A subclass rather than a None field, so that a run
+    without EMA has exactly the state and checkpoint it had before the EMA existed."""
+
+    ema: Any  # exponential moving average of params, same tree and shardings (optim.update_ema)
+
+
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
     """The static part of a training step (hashable: safe to close over in jitted code)."""
@@ -49,10 +57,14 @@ class StepConfig:
     skip_nonfinite: bool = False
     loss_chunk_len: int = 32  # target positions per chunk of the cross-entropy (0: one chunk)
     rng_impl: str = 'threefry'  # dropout key generator: 'threefry', 'rbg' or 'unsafe_rbg'
+    ema_decay: float = 0.0  # > 0: the state's EMA of the params (EmaTrainState) at this decay
+    ema_warmup: bool = False  # the decay of update t is min(ema_decay, (1 + t) / (10 + t))
 
     def __post_init__(self):
         if self.rng_impl not in RNG_IMPLS:
             raise ValueError(f'rng_impl={self.rng_impl!r}; one of {tuple(RNG_IMPLS)}')
+        if not 0 <= self.ema_decay < 1:
+            raise ValueError(f'ema_decay={self.ema_decay!r} must be in [0, 1)')
 
     @classmethod
     def from_config(cls, config) -> StepConfig:
@@ -61,7 +73,9 @@ class StepConfig:
                    grad_accum_steps=config.grad_accum_steps,
                    skip_nonfinite=config.skip_nonfinite,
                    loss_chunk_len=config.loss_chunk_len,
-                   rng_impl=config.rng_impl)
+                   rng_impl=config.rng_impl,
+                   ema_decay=config.ema_decay,
+                   ema_warmup=config.ema_warmup)
 
 
 # config name -> jax PRNG implementation of the dropout keys
@@ -101,8 +115,12 @@ def loss_sums(params, batch, rng, step_config: StepConfig, deterministic: bool):
 
 
 def init_state(rng, model_config: TransformerConfig, tx: optax.GradientTransformation,
-               batch_shape: tuple[int, int], rng_impl: str = 'threefry') -> TrainState:
-    """A fresh state; parameters are boxed with logical axis names (see sharding.init_sharded)."""
+               batch_shape: tuple[int, int], rng_impl: str = 'threefry',
+               ema: bool = False) -> TrainState:
+    """A fresh state; parameters are boxed with logical axis names (see sharding.init_sharded).
+
+    ema: an EmaTrainState whose average starts at the initial parameters (boxed alike, so it is
+    sharded like them)."""
     init_rng, dropout_rng = jax.random.split(rng)
     if rng_impl != 'threefry':  # the same draw seeds the other generator
         seed = jax.random.bits(dropout_rng, (), jnp.uint32)
@@ -110,14 +128,23 @@ def init_state(rng, model_config: TransformerConfig, tx: optax.GradientTransform
     ids = jnp.ones(batch_shape, jnp.int32)
     model = Transformer(model_config.replace(deterministic=True))
     params = model.init(init_rng, ids, ids)['params']
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                      rng=dropout_rng)
+    fields = dict(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                  rng=dropout_rng)
+    if ema:
+        return EmaTrainState(**fields, ema=params)
+    return TrainState(**fields)
+
+
+def ema_params(state):
+    """The EMA of the params a state holds (EmaTrainState), else None."""
+    return getattr(state, 'ema', None)
 
 
 def _config_init(config, tx):
     """(init function of the rng, the config's rng): what both state builders below start from."""
     init = functools.partial(init_state, model_config=TransformerConfig.from_config(config),
-                             tx=tx, batch_shape=(1, config.max_len), rng_impl=config.rng_impl)
+                             tx=tx, batch_shape=(1, config.max_len), rng_impl=config.rng_impl,
+                             ema=config.ema_decay > 0)
     return init, jax.random.PRNGKey(config.seed)
 
 
@@ -209,13 +236,20 @@ def train_step(state: TrainState, batch, *, step_config: StepConfig,
             lambda n, o: jnp.where(finite, n, o), new, old)
         new_params = keep(new_params, state.params)
         new_opt_state = keep(new_opt_state, state.opt_state)
+    ema = {}
+    if step_config.ema_decay > 0:  # after the optimizer step; a skipped step leaves it too
+        decay = optim.ema_decay_at(step_config.ema_decay, state.step + 1, step_config.ema_warmup)
+        ema['ema'] = optim.update_ema(state.ema, new_params, decay)
+        if step_config.skip_nonfinite:
+            ema['ema'] = keep(ema['ema'], state.ema)
 
     metrics = dict(sums, grad_norm=grad_norm, nonfinite=1.0 - finite.astype(jnp.float32),
                    source_tokens=(batch['inputs'] != PAD_ID).sum().astype(jnp.float32))
     applied_lr = optim.applied_learning_rate(new_opt_state)
     if applied_lr is not None:  # what Adam used; after a skipped step, the last rate applied
         metrics['learning_rate'] = applied_lr
-    new_state = state.replace(step=state.step + 1, params=new_params, opt_state=new_opt_state)
+    new_state = state.replace(step=state.step + 1, params=new_params, opt_state=new_opt_state,
+                              **ema)
     return new_state, metrics
 
 

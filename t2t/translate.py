@@ -17,6 +17,12 @@ nothing); without the progress file an existing output is overwritten.
 A line longer than max_len tokens (EOS included) is counted and its output left empty, or with
 truncate_long=True cut to max_len tokens; blank lines translate to ''. Progress shows sentences/s
 and the ETA (the lines are counted first, a fast byte scan; stdin has no ETA).
+
+N-best (a predict built with nbest=N, nbest_alpha given): the output is TSV, a header line, then
+per input line up to N rows `index rank score text` (index: the input line from 0, rank from 1,
+best first), the score beam search's own: sum of the tokens' log-probs (EOS included) over the
+length penalty ((5 + tokens) / 6) ** alpha, as the header says. A blank or too long (not
+truncated) line has no rows.
 """
 
 from __future__ import annotations
@@ -141,6 +147,18 @@ def one_line(hypothesis: str | None) -> str:
     return (hypothesis or '').replace('\r', ' ').replace('\n', ' ')
 
 
+def nbest_header(alpha: float) -> str:
+    """The header line of an n-best output: it names what the score column is."""
+    return f'index\trank\tscore=log_prob/((5+tokens)/6)^{alpha:g}\ttext\n'
+
+
+def nbest_rows(first: int, nbest: list[list[tuple[float, str]] | None]) -> str:
+    """The TSV rows of consecutive input lines from index `first` (see the module docstring)."""
+    return ''.join(f'{first + i}\t{rank}\t{score:.6f}\t{one_line(text)}\n'
+                   for i, entries in enumerate(nbest) for rank, (score, text)
+                   in enumerate(entries or (), 1))
+
+
 def _read_progress(path: str, input_path: str) -> tuple[int, int]:
     try:
         with open(path, encoding='utf-8') as f:
@@ -164,8 +182,11 @@ def _write_progress(path: str, input_path: str, lines: int, size: int) -> None:
 def translate_stream(predict: inference.Predict, params, tokenizer, input_path: str,
                      output_path: str, *, max_len: int, token_budget: int = DEFAULT_TOKEN_BUDGET,
                      window: int = DEFAULT_WINDOW, truncate_long: bool = False,
-                     progress: bool = True, write: bool = True, mesh=None) -> StreamStats:
+                     progress: bool = True, write: bool = True, nbest_alpha: float | None = None,
+                     mesh=None) -> StreamStats:
     """Translates `input_path` ('-': stdin) line by line into `output_path` ('-': stdout).
+
+    nbest_alpha: the output is n-best TSV (predict built with nbest > 1 and this alpha).
 
     write=False: decode (every process of a multi-host run must) but write nothing (processes
     other than 0). Raises ValueError for a bad progress file or a too small token budget.
@@ -189,6 +210,9 @@ def translate_stream(predict: inference.Predict, params, tokenizer, input_path: 
         sink = open(output_path, 'r+b' if skip else 'wb')
         sink.truncate(size)  # drops a window that was half written when the run stopped
         sink.seek(size)
+    if sink is not None and nbest_alpha is not None and not skip:
+        header = nbest_header(nbest_alpha)
+        sink.write(header if sink is sys.stdout else header.encode('utf-8'))
     bar = tqdm(total=total, initial=skip, unit='sent', disable=not progress, dynamic_ncols=True,
                desc='translating')
     start = time.perf_counter()
@@ -211,7 +235,11 @@ def translate_stream(predict: inference.Predict, params, tokenizer, input_path: 
             stats.capped += len(result.capped)
             stats.lines += len(texts)
             if sink is not None:
-                text = ''.join(one_line(h) + '\n' for h in result.hypotheses)
+                if nbest_alpha is not None:
+                    text = nbest_rows(stats.lines - len(texts),
+                                      result.nbest or [None] * len(texts))
+                else:
+                    text = ''.join(one_line(h) + '\n' for h in result.hypotheses)
                 if sink is sys.stdout:
                     sink.write(text)
                     sink.flush()

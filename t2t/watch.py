@@ -17,6 +17,9 @@ restarted watcher skips those and drops anything written after the last one. It 
 training has finished (WORKDIR/TRAINING_FINISHED, written after the last save) and every step is
 evaluated, or after timeout_s without a new checkpoint. A step that keep_checkpoints deleted before
 it was read, or that is corrupt, is reported in one line and skipped.
+
+weights ('auto', 'ema', 'raw'; evaluation.py): a step evaluated with EMA weights is labelled
+step-N-ema and its tags end in _ema. A step counts as done whichever weights it was evaluated with.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ def _done_steps(logdir) -> set[int]:
 def run(config, workdir, *, split: str = '', timeout_s: float = 3600.0, poll_s: float = 5.0,
         progress: bool = False, echo: Callable[[str], None] = print,
         clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], None] = time.sleep) -> dict[int, dict]:
+        sleep: Callable[[float], None] = time.sleep, weights: str = 'auto') -> dict[int, dict]:
     """Evaluates each new checkpoint of WORKDIR once; returns {step: record} of this call."""
     from t2t import loop
 
@@ -73,13 +76,15 @@ def run(config, workdir, *, split: str = '', timeout_s: float = 3600.0, poll_s: 
                 [] if finished is None else [finished['step']])
             for step in todo:
                 label = f'step-{step}'
+                used = 'raw'
                 if tokenizer is None:
                     tokenizer = evaluation.workdir_tokenizer(config, workdir)
                     eval_split = evaluation._load_split(config, tokenizer, split)
                 try:
                     evaluation.check_vocabulary(workdir, [step], tokenizer, label)
+                    used = checkpoint_read.choose_weights(workdir, step, weights)
                     params = evaluation.load_params(workdir, [step],
-                                                    scan_layers=config.scan_layers)
+                                                    scan_layers=config.scan_layers, weights=used)
                     params = sharding.put_global(params, sharding.replicated(mesh))
                 except checkpoint_read.CheckpointError as e:
                     gone = step not in checkpoint_read.finished_steps(workdir)
@@ -87,15 +92,19 @@ def run(config, workdir, *, split: str = '', timeout_s: float = 3600.0, poll_s: 
                                             'was read' if gone else f'corrupt: {e}'))
                     skipped.add(step)
                     continue
+                label = evaluation.weights_label(label, used)
                 record = evaluation.evaluate_params(
                     config, params, tokenizer, eval_split, split=split, label=label,
-                    steps=[step], workdir=workdir, progress=progress, echo=echo, mesh=mesh)
+                    steps=[step], workdir=workdir, progress=progress, echo=echo, mesh=mesh,
+                    weights=used)
                 if writes:
                     evaluation.merge_json(json_path, label, record)
+                tail = '_ema' if used == 'ema' else ''
                 writer.write_scalars(step, {
-                    'eval/sacrebleu': record['sacrebleu'], 'eval/chrf': record['chrf'],
-                    'eval/tok_bleu': record['tok_bleu_compound_split'],
-                    'eval/hit_length_limit': record['hit_length_limit']})
+                    f'eval/sacrebleu{tail}': record['sacrebleu'],
+                    f'eval/chrf{tail}': record['chrf'],
+                    f'eval/tok_bleu{tail}': record['tok_bleu_compound_split'],
+                    f'eval/hit_length_limit{tail}': record['hit_length_limit']})
                 done.add(step)
                 results[step] = record
             if todo:

@@ -31,11 +31,11 @@ def test_watch_evaluates_each_checkpoint_once_while_training_runs(tmp_path, monk
     reads = []
     real_restore = checkpoint_read.restore_params
 
-    def restore_finished_only(workdir_, step=None, abstract_params=None):
+    def restore_finished_only(workdir_, step=None, abstract_params=None, weights='raw'):
         # Never a step orbax has not finalized (its temporary directory is still being written).
         assert step in checkpoint_read.finished_steps(workdir_)
         reads.append(step)
-        return real_restore(workdir_, step, abstract_params)
+        return real_restore(workdir_, step, abstract_params, weights)
 
     monkeypatch.setattr(checkpoint_read, 'restore_params', restore_finished_only)
     try:

@@ -111,10 +111,12 @@ def write(fmt: str, output: str, params, model_config, tokenizer, *, beam_size: 
 
 
 def export(config, workdir: str, *, fmt: str, output: str, step: int | None = None,
-           average_last: int = 0, quantization: str = '', length_penalty: str = 'fitted') -> str:
+           average_last: int = 0, quantization: str = '', length_penalty: str = 'fitted',
+           weights: str = 'auto') -> str:
     """Exports checkpoint `step` (default: the latest) or the mean of the last `average_last`
-    checkpoints of `workdir`, trained with experiment `config`; returns the output directory."""
-    from t2t import evaluation
+    checkpoints of `workdir`, trained with experiment `config`; returns the output directory.
+    weights: 'ema', 'raw' or 'auto' (the EMA when the checkpoints hold one; evaluation.py)."""
+    from t2t import checkpoint_read, evaluation
     from t2t.model import TransformerConfig
 
     if fmt not in FORMATS:
@@ -135,7 +137,8 @@ def export(config, workdir: str, *, fmt: str, output: str, step: int | None = No
         (label, steps), = evaluation.select(workdir, step=step, average_last=average_last)
         tokenizer = evaluation.workdir_tokenizer(config, workdir)  # the run's pinned copy
         evaluation.check_vocabulary(workdir, steps, tokenizer, label)
-        params = evaluation.load_params(workdir, steps, scan_layers=False)
+        used = checkpoint_read.choose_weights(workdir, steps[-1], weights)
+        params = evaluation.load_params(workdir, steps, scan_layers=False, weights=used)
         evaluation.check_params(params, model_config.replace(scan_layers=False), tokenizer,
                                 label)
     except evaluation.EvalError as e:

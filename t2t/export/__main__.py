@@ -12,6 +12,9 @@ _WORKDIR = flags.DEFINE_string('workdir', None, 'The training workdir (holds che
 _STEP = flags.DEFINE_integer('step', None, 'Export this checkpoint step (default: the latest).')
 _AVERAGE_LAST = flags.DEFINE_integer('average_last', 0,
                                      'Export the mean of the last N checkpoints.')
+_WEIGHTS = flags.DEFINE_enum('weights', 'auto', ['auto', 'ema', 'raw'],
+                             'ema: the moving average of a run with ema_decay > 0; raw: the '
+                             'params as trained; auto: ema when the checkpoint holds it.')
 _FORMAT = flags.DEFINE_enum('format', None, list(FORMATS),
                             'hf: transformers MarianMT directory; ct2: CTranslate2 model.')
 _OUTPUT = flags.DEFINE_string('output', None, 'The directory to write (new or empty).')
@@ -38,7 +41,7 @@ def main(argv):
         out = export.export(_CONFIG.value, _WORKDIR.value, fmt=_FORMAT.value,
                             output=_OUTPUT.value, step=_STEP.value,
                             average_last=_AVERAGE_LAST.value, quantization=_QUANTIZATION.value,
-                            length_penalty=_LENGTH_PENALTY.value)
+                            length_penalty=_LENGTH_PENALTY.value, weights=_WEIGHTS.value)
     except (export.ExportError, checkpoint.CheckpointError, startup.ConfigError) as e:
         sys.exit(f't2t.export: {e}')
     config = _CONFIG.value
