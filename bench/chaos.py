@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -83,6 +84,8 @@ def main() -> int:
         'each_step_once': counts == {s: 1 for s in range(1, args.steps + 1)},
         'params_bitwise_equal': exact, 'seed': args.seed, 'hang_timeout_s': args.hang_timeout_s,
         'storage': dict(front.counts) if front else 'local',
+        'restart_causes': re.findall(r'^launch_local: restart \d+ of \d+ at \d+ s: (.*)$',
+                                     got['launcher_err'], re.M),
     }
     print('RESULT ' + json.dumps(result), flush=True)
     ok = exact and result['each_step_once']
