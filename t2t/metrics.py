@@ -151,13 +151,11 @@ class MetricWriter:
             self._tb.close()
             self._tb = None
         try:
-            if not self._bucket or self._jsonl is None:
-                pass
-            elif quiet:
+            if self._bucket and self._jsonl is not None:
                 if self._failing is None:
-                    self._upload(wd.RETRY_BUDGET_S)
-            elif not self._upload(wd.RETRY_BUDGET_S):
-                self.flush(limit_s)
+                    self._upload(wd.RETRY_BUDGET_S)  # the last records
+                if not quiet:
+                    self.flush(limit_s)  # a no-op unless they failed
         finally:
             if self._jsonl is not None:
                 self._jsonl.close()

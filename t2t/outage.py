@@ -84,7 +84,7 @@ def _retry(manager, step, state, failed_steps, error, limit_s, say, save_kwargs)
     start, delay = time.monotonic(), 1.0
     # orbax's cached list (no storage call), without the steps whose saves failed
     intact = [s for s in checkpoint.all_steps(manager) if s not in failed_steps]
-    why = wd.describe(wd.transient_cause(error)) if error else 'on another process'
+    why = _why(error)
     say(f'saving checkpoint {step} failed ({why}); saving it again for up to {limit_s:.0f} s '
         '(storage_outage_limit_s), training waits')
     while True:
@@ -102,11 +102,7 @@ def _retry(manager, step, state, failed_steps, error, limit_s, say, save_kwargs)
             _discard_unfinished(manager, failed_steps)
             checkpoint.save(manager, step, state, force=True, **save_kwargs)
             checkpoint.wait(manager)
-        except checkpoint.CheckpointError as e:
-            if wd.transient_cause(e) is None:
-                raise
-            error = e
-        except Exception as e:  # the discard's own storage calls
+        except Exception as e:  # the save's CheckpointError, or the discard's own storage calls
             if wd.transient_cause(e) is None:
                 raise
             error = e
@@ -114,5 +110,10 @@ def _retry(manager, step, state, failed_steps, error, limit_s, say, save_kwargs)
             say(f'checkpoint {step} saved after {time.monotonic() - start:.0f} s of storage '
                 'failures')
             return True
-        why = wd.describe(wd.transient_cause(error)) if error else 'on another process'
+        why = _why(error)
+
+
+def _why(error: BaseException | None) -> str:
+    """This process's transient failure in one line (None: another process failed)."""
+    return wd.describe(wd.transient_cause(error)) if error else 'on another process'
 

@@ -211,9 +211,7 @@ def write_atomic(p, data: str | bytes, budget_s: float = RETRY_BUDGET_S) -> None
     if is_url(p):
         # One object upload, visible only when complete; repeating it after a lost answer
         # writes the same bytes again.
-        from etils.epath import backend
-
-        retried(backend.fsspec_backend.fs(p).pipe_file, os.fspath(p), data, budget_s=budget_s)
+        retried(_fs(p).pipe_file, os.fspath(p), data, budget_s=budget_s)
         return
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.fspath(p.parent), prefix=f'.{p.name}.', suffix='.tmp')
@@ -227,6 +225,13 @@ def write_atomic(p, data: str | bytes, budget_s: float = RETRY_BUDGET_S) -> None
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def _fs(p: epath.Path):
+    """The fsspec file system epath uses for the URL `p` (one per protocol, shared)."""
+    from etils.epath import backend
+
+    return backend.fsspec_backend.fs(p)
 
 
 def update(p, change: Callable[[str | None], str]) -> None:
@@ -254,9 +259,7 @@ _BOUNDARY = '==t2t-update=='
 def _update_in_bucket(p: epath.Path, change: Callable[[str | None], str]) -> None:
     from urllib.parse import quote
 
-    from etils.epath import backend
-
-    fs = backend.fsspec_backend.fs(p)
+    fs = _fs(p)
     bucket, key, _ = fs.split_path(os.fspath(p))
     upload = f'{fs._location}/upload/storage/v1/b/{quote(bucket)}/o'
     deadline = time.monotonic() + RETRY_BUDGET_S
