@@ -127,8 +127,9 @@ def test_faults_an_outage_and_one_past_the_limit(tmp_path):
                 rf'train\.py: storage: saving checkpoint {workdirs["limit"]}/checkpoints/6 failed '
                 rf'for \d+ s \(storage_outage_limit_s={LIMIT_S:g}\): HttpError: .+; the last '
                 r'checkpoint saved is step 3', last), last
-            assert limit_end and limit_end[0][2].startswith('/storage/v1/b/limit/o/run/'
-                                                            'checkpoints/6'), limit_end
+            # Begun by the first request about checkpoint 6: its write, or orbax's listing first.
+            assert len(limit_end) == 1 and re.search(r'\brun/checkpoints/6\b',
+                                                     limit_end[0][2]), limit_end
             assert chaos_run.params_differ(str(tmp_path / 'reference'),
                                            workdirs['limit'], 3) == []
         finally:
