@@ -31,7 +31,7 @@ import tempfile
 
 from t2t import workdir as wd
 from t2t.data import durable, identity, progress
-from t2t.startup import ConfigError
+from t2t.exits import ConfigError
 
 PART_BYTES = 64 << 20  # bytes per object of a file's copy: one read or write, one retry's loss
 MANIFEST_SUFFIX = '.manifest.json'
