@@ -84,8 +84,8 @@ MUTANTS = (
            ('tests/test_optim.py', _SET + 'test_accumulation_with_dropout_and_adam_equals_the_'
             'micro_batches_added_by_hand'), "Adam's beta2 fixed at 0.999"),
     Mutant('label_smoothing_formula', 't2t/loss.py',
-           '    confidence, low = 1.0 - smoothing, smoothing / (vocab - 1)\n    max_BC',
-           '    confidence, low = 1.0 - smoothing, smoothing / vocab\n    max_BC',
+           '    return 1.0 - smoothing, smoothing / (vocab - 1)\n',
+           '    return 1.0 - smoothing, smoothing / vocab\n',
            (_SET + 'test_validation_metrics_equal_a_direct_computation_over_the_whole_split',),
            'label smoothing spreads over V instead of V - 1 tokens (the loss value)'),
     Mutant('length_penalty_formula', 't2t/decode.py', 'jnp.power((5.0 + length) / 6.0,',

@@ -13,7 +13,8 @@ import pytest
 import sacrebleu
 
 from t2t import checkpoint, checkpoint_read, loop, metrics, optim, sharding, startup, train_lib
-from tests import plain_loss, toy_corpus
+from t2t.loss import label_smoothed_cross_entropy
+from tests import toy_corpus
 from tests.conftest import tiny_config
 
 # Its module fixtures are computed once: all its tests run on one xdist worker (--dist loadgroup).
@@ -24,8 +25,7 @@ def test_label_smoothed_loss_equals_hand_computation():
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(2, 3, 5)).astype(np.float32)
     targets = np.array([[1, 4, 0], [2, 2, 3]], np.int32)
-    smoothed, nll = plain_loss.label_smoothed_cross_entropy(jnp.asarray(logits),
-                                                            jnp.asarray(targets), 0.1)
+    smoothed, nll = label_smoothed_cross_entropy(jnp.asarray(logits), jnp.asarray(targets), 0.1)
     for b in range(2):
         for t in range(3):
             logp = logits[b, t] - np.log(np.exp(logits[b, t]).sum())
