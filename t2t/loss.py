@@ -32,7 +32,7 @@ device holds its own slot ([V, D] per device) and adds its own rows to it, with 
 devices inside the loop (a plain [V, D] carry is a sum over the sharded batch, which XLA
 completed with an all-reduce of dW once per chunk: bench/RESULTS.md). Weights w [V, D]: the
 slots are summed once after the loop, dW's one reduction. Weights given as one copy per batch
-shard, w [S, V, D] (model.TokenTable), each shard's rows times its own copy: the loss returns
+shard, w [S, V, D] (tables.TokenTable), each shard's rows times its own copy: the loss returns
 the slots unsummed, as the copies' gradient, and the transpose of the broadcast that made the
 copies sums them after JAX has added the gradients of the copies' other readers (the
 embedding's lookups): the tied embedding's whole gradient is reduced across devices once a
@@ -91,7 +91,7 @@ def cross_entropy_sums(y_BTD, w, targets_BT, weights_BT, *, smoothing: float,
 
     y_BTD: decoder output in the compute dtype; w: the output projection, float32 parameters
     (cast to y's dtype for the matmuls), [V, D] or one copy per batch shard [S, V, D]
-    (model.TokenTable); z_loss: the weight of (log Z)^2; chunk_len: target positions per chunk
+    (tables.TokenTable); z_loss: the weight of (log Z)^2; chunk_len: target positions per chunk
     (0 or >= T: one chunk). T is padded to a multiple of chunk_len with weight 0.
     """
     b, t, d = y_BTD.shape
