@@ -16,7 +16,6 @@ def get_config():
     # The fused loss (t2t/loss.py): the plain loss's value and gradient without float32 [B, T, V]
     # logits in memory (tests/test_loss_impl.py); loss_impl='plain' trains on the model's logits().
     c.loss_impl = 'fused'
-    c.attention_impl = 'dot_product'
     # Unrolled layers: measured by TPU AOT compile (bench/RESULTS.md, 2026-12-01, batch 128), the
     # scanned stacks need more temporaries per chip for the same matmul FLOPs (v5e-16: 1.91
     # against 1.04 GiB; v4-8: 6.97 against 4.03): the forward scan saves per-layer float32
