@@ -48,7 +48,7 @@ def make_step(impl: str, length: int, args):
                                num_heads=args.heads, dropout_rate=0.0, attention_impl=impl,
                                dtype=DTYPES[args.dtype], max_position=length, deterministic=True,
                                attention_bias=True)
-    layer = MultiHeadAttention(config, 'self')
+    layer = MultiHeadAttention(config.attention, 'self')
     x_BTD = jax.random.normal(jax.random.key(1), (args.batch, length, args.d_model), jnp.float32)
 
     def mask():  # the encoder's padding mask over a batch without padding

@@ -187,7 +187,8 @@ def report(kind: str, times, per_round, extra: dict) -> dict:
 def compare_train(models, args):
     levers = SimpleNamespace(batch=64, len=64, vocab=args.vocab, dtype='float32', pad=True,
                              remat=args.remat, scan_layers=args.scan_layers,
-                             loss_chunk_len=args.loss_chunk_len, rng_impl=args.rng_impl)
+                             loss_impl=args.loss_impl, loss_chunk_len=args.loss_chunk_len,
+                             rng_impl=args.rng_impl)
     step, state, batch = build_train_step(SHAPE, args.attention, levers)
     compiled = step.lower(state, batch).compile()
     host_batch = make_batch(64, 64, args.vocab, True)
@@ -210,7 +211,7 @@ def compare_train(models, args):
     times, per_round = alternate({'t2t': run_t2t, 'peer': run_peer}, args.rounds, args.steps)
     return report('train_step', times, per_round, dict(
         attention=args.attention, remat=args.remat, scan_layers=args.scan_layers,
-        loss_chunk_len=args.loss_chunk_len, rng_impl=args.rng_impl))
+        loss_impl=args.loss_impl, loss_chunk_len=args.loss_chunk_len, rng_impl=args.rng_impl))
 
 
 def compare_beam(models, decode, args):
@@ -248,7 +249,8 @@ def compare_compile(models, args):
     base = MODELS['BASE']
     levers = SimpleNamespace(batch=64, len=64, vocab=args.vocab, dtype='float32', pad=True,
                              remat=args.remat, scan_layers=args.compile_scan,
-                             loss_chunk_len=args.loss_chunk_len, rng_impl=args.rng_impl)
+                             loss_impl=args.loss_impl, loss_chunk_len=args.loss_chunk_len,
+                             rng_impl=args.rng_impl)
     host_batch = make_batch(64, 64, args.vocab, True)
 
     def t2t_compile():
@@ -294,6 +296,7 @@ def main(argv=None) -> int:
     ap.add_argument('--scan_layers', action='store_true', help='t2t train/beam with scan')
     ap.add_argument('--compile_scan', action=argparse.BooleanOptionalAction, default=True,
                     help='t2t compile comparison with scanned layers (default on)')
+    ap.add_argument('--loss_impl', default='fused', choices=('plain', 'fused'))
     ap.add_argument('--loss_chunk_len', type=int, default=32)
     ap.add_argument('--rng_impl', default='threefry')
     args = ap.parse_args(argv)

@@ -118,7 +118,7 @@ def main(argv=None) -> int:
         vocab_size=args.vocab, d_model=d, d_ff=ff, num_heads=h, num_encoder_layers=layers,
         num_decoder_layers=layers, dropout_rate=0.1,
         dtype={'bfloat16': jnp.bfloat16, 'float32': jnp.float32}[args.dtype], **model_kw)
-    step_kw = parse_kw(args.step_kw)
+    step_kw = {'loss_impl': 'fused', **parse_kw(args.step_kw)}  # the recorded numbers' loss
     step_config = train_lib.StepConfig(model=mc, label_smoothing=0.1, **step_kw)
     tx = optim.make_optimizer(SimpleNamespace(
         d_model=d, warmup_steps=4000, learning_rate_scale=1.0, adam_b1=0.9, adam_b2=0.98,

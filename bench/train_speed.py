@@ -19,8 +19,9 @@ measurement, also appended to $OUT/t2t_results.jsonl when OUT is set.
 
 --model cpu is the CPU comparison shape (bench/cpu_vs_flax.py): d_model 256, 4 heads, d_ff 1024,
 3+3 layers, vocab 8000, 64 pairs x 64 tokens with padding (each side's length uniform in
-[32, 64], `make_batch`), float32. The levers --remat, --scan_layers, --loss_chunk_len and
---rng_impl set the config keys of the same names (configs/common.py).
+[32, 64], `make_batch`), float32. The levers --remat, --scan_layers, --loss_impl (default fused,
+as the recorded numbers ran), --loss_chunk_len and --rng_impl set the config keys of the same
+names (configs/common.py).
 
 Needs jax, flax, optax and numpy only (no ml_collections, grain or TFDS): it builds the configs
 directly, so it runs on a bare GPU machine from the repository root.
@@ -128,7 +129,7 @@ def time_steps(run, n: int) -> list[float]:
 
 def levers(args) -> dict:
     """The speed/memory config keys of this run (model and step config fields)."""
-    return dict(remat=args.remat, scan_layers=args.scan_layers,
+    return dict(remat=args.remat, scan_layers=args.scan_layers, loss_impl=args.loss_impl,
                 loss_chunk_len=args.loss_chunk_len, rng_impl=args.rng_impl)
 
 
@@ -138,7 +139,7 @@ def build_train_step(shape, attention: str, args):
     B, S, V = args.batch, args.len, args.vocab
     mc = model_config(shape, V, args.dtype, attention, remat=args.remat,
                       scan_layers=args.scan_layers)
-    step_config = train_lib.StepConfig(model=mc, label_smoothing=0.1,
+    step_config = train_lib.StepConfig(model=mc, label_smoothing=0.1, loss_impl=args.loss_impl,
                                        loss_chunk_len=args.loss_chunk_len, rng_impl=args.rng_impl)
     tx = optim.make_optimizer(optimizer_config(d))
     mesh = sharding.make_mesh((-1, 1, 1))
@@ -220,6 +221,7 @@ def parse_with_defaults(ap: argparse.ArgumentParser, argv, tiny: dict, full: dic
 def add_lever_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument('--remat', default='none', choices=('none', 'dots_saveable', 'full'))
     ap.add_argument('--scan_layers', action='store_true')
+    ap.add_argument('--loss_impl', default='fused', choices=('plain', 'fused'))
     ap.add_argument('--loss_chunk_len', type=int, default=32)
     ap.add_argument('--rng_impl', default='threefry', choices=('threefry', 'rbg', 'unsafe_rbg'))
 

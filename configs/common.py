@@ -91,6 +91,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.weight_decay = 0.0
     c.clip_grad_norm = 0.0  # 0 = off
     c.label_smoothing = 0.1
+    # The loss: 'plain' (label-smoothed cross-entropy on the model's logits(), t2t/loss.py) or
+    # 'fused' (the same from the decoder output, chunk by chunk: no [B, T, V] logits in memory)
+    c.loss_impl = 'plain'
+    c.z_loss = 0.0  # weight of log(Z)^2 per token in the loss (t5x's z-loss; 0 = off)
     c.grad_accum_steps = 1  # micro-batches per update; batch_size is split across them
     c.num_train_steps = 100_000
     c.train_time_budget_s = 0.0  # > 0: stop (and save) after this many seconds of training
@@ -146,8 +150,8 @@ def base_config() -> ml_collections.ConfigDict:
     # beam_size hypotheses have finished: sooner, and a hypothesis that would win later is lost.
     c.beam_stop = 'bound'
     c.max_decode_extra = 50  # max output length = source length + this
-    # Beam search drops finished sentences from the batch: it compacts to halves of it as they
-    # end, down to this many sentences (0: the whole batch to the end; t2t/decode.py).
+    # Beam search drops finished sentences from the batch: it compacts to a quarter of its rows at
+    # a time as they end, down to this many sentences (0: the whole batch to the end; decode.py).
     c.beam_shrink_floor = 8
     c.max_decode_len = 256  # static length bound of the decode buffers
 

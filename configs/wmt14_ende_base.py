@@ -13,7 +13,9 @@ def get_config():
     c.batch_size = 104  # ~25k source and ~25k target tokens per batch, as in the paper
     c.num_train_steps = 100_000
     c.dtype = 'bfloat16'
-    c.attention_impl = 'dot_product'
+    # The fused loss (t2t/loss.py): the plain loss's value and gradient without float32 [B, T, V]
+    # logits in memory (tests/test_loss_impl.py); loss_impl='plain' trains on the model's logits().
+    c.loss_impl = 'fused'
     # Unrolled layers: measured by TPU AOT compile (bench/RESULTS.md, 2026-12-01, batch 128), the
     # scanned stacks need more temporaries per chip for the same matmul FLOPs (v5e-16: 1.91
     # against 1.04 GiB; v4-8: 6.97 against 4.03): the forward scan saves per-layer float32

@@ -15,7 +15,9 @@ def get_config():
     c.dropout_rate = 0.3  # the paper's P_drop for big EN-DE
     c.num_train_steps = 300_000
     c.dtype = 'bfloat16'
-    c.attention_impl = 'dot_product'
+    # The fused loss (t2t/loss.py): the plain loss's value and gradient without float32 [B, T, V]
+    # logits in memory (tests/test_loss_impl.py); loss_impl='plain' trains on the model's logits().
+    c.loss_impl = 'fused'
     # Unrolled layers: measured by TPU AOT compile (bench/RESULTS.md, 2026-12-01, batch 128), the
     # scanned stacks need more temporaries per chip for the same matmul FLOPs (v5e-16: 4.58
     # against 2.43 GiB, 3.02 with remat='dots_saveable'; v4-8: 14.60 against 7.64): the forward scan

@@ -15,7 +15,9 @@ def get_config():
     c.dropout_rate = 0.1  # EN-FR big used P_drop = 0.1, not 0.3
     c.num_train_steps = 300_000
     c.dtype = 'bfloat16'
-    c.attention_impl = 'dot_product'
+    # The fused loss (t2t/loss.py): the plain loss's value and gradient without float32 [B, T, V]
+    # logits in memory (tests/test_loss_impl.py); loss_impl='plain' trains on the model's logits().
+    c.loss_impl = 'fused'
     # Unrolled layers, as in wmt14_ende_big (the same model but for the vocabulary, whose numbers
     # are in bench/RESULTS.md, 2026-12-01): scanned stacks take more temporaries per chip for the
     # same matmul FLOPs (v5e-16, batch 128: 4.58 against 2.43 GiB) and only compile faster.

@@ -20,7 +20,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from t2t import decode, model, sharding, train_lib
+from t2t import decode, loss, model, sharding, train_lib
 from t2t.data import sources
 from t2t.data.tokenizer import MIN_VOCAB_SIZE
 
@@ -111,6 +111,8 @@ def _rules() -> tuple[Rule, ...]:
         Rule('remat', *_one_of(tuple(model._REMAT_POLICIES))),
         Rule('dtype', *_one_of(tuple(model._DTYPES))),
         Rule('loss_chunk_len', _at_least(0), 'must be >= 0 (0: one chunk)'),
+        Rule('loss_impl', *_one_of(loss.IMPLS)),
+        Rule('z_loss', _at_least(0), 'must be >= 0 (0: off)'),
         Rule('rng_impl', *_one_of(tuple(train_lib.RNG_IMPLS))),
         # optimization
         Rule('learning_rate_scale', lambda v, c: v > 0, 'must be > 0'),

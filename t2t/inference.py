@@ -4,10 +4,9 @@
                               max_decode_extra=50, mesh=mesh)
     prediction = predict(params, inputs_BS)   # Prediction(ids_BL, hit_limit_B, capped_B, score_B)
     result = translate_batches(predict, params, eval_split.batches(64), tokenizer, n, mesh=mesh)
-    texts = translate_texts(predict, params, tokenizer, ['A sentence.'], batch_size=64, mesh=mesh)
 
 With a mesh, predict is shard_map-ped over every device of it: each device decodes its own rows
-of the batch (B must divide by the number of devices; translate_* pad it with rows they drop)
+of the batch (B must divide by the number of devices; translate_batches pads it with rows it drops)
 with the parameters replicated; the hypotheses are gathered back on every process in order.
 Inside, the model runs without logical axis rules (its sharding constraints would name axes the
 shard_map has made manual), so the function may be traced under the training step's rules too;
@@ -41,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -378,33 +377,3 @@ def translate_batches(predict: Predict, params, batches: Iterable[dict], tokeniz
     has_nbest = any(entry is not None for entry in nbest)
     return Translations(hypotheses, sorted(hit_limit), sorted(capped), seconds,
                         nbest if has_nbest else None)
-
-
-def translate_texts(predict: Predict, params, tokenizer, texts: Sequence[str], *,
-                    batch_size: int, max_len: int | None = None,
-                    progress: bool = False, mesh=None) -> Translations:
-    """Translates raw sentences (tokenized + EOS, bucketed by length), keeping their order.
-
-    Blank lines translate to ''. A sentence over max_len tokens (e.g. the model's max_position)
-    is an error naming its line, never silently cut.
-    """
-    ids = [tokenizer.encode(t) + [EOS_ID] if t.strip() else [] for t in texts]
-    for n, seq in enumerate(ids, 1):
-        if max_len is not None and len(seq) > max_len:
-            raise ValueError(f'line {n} has {len(seq)} tokens (EOS included), more than '
-                             f'max_len={max_len}')
-    todo = [i for i, seq in enumerate(ids) if seq]
-    # The evaluation splits' batching: length buckets, -1 padding rows, `index` for the order.
-    from t2t.data.pipeline import EvalSplit
-
-    longest = max((len(ids[i]) for i in todo), default=1)
-    lines = EvalSplit(name='input', sources=[texts[i] for i in todo], references=[''] * len(todo),
-                      inputs=[ids[i] for i in todo], targets=[[] for _ in todo], skipped=(),
-                      read_skipped={}, max_len=max_len or 1 << (longest - 1).bit_length())
-    result = translate_batches(predict, params, lines.batches(batch_size), tokenizer, len(todo),
-                               progress=progress, mesh=mesh)
-    hypotheses: list[str | None] = [''] * len(texts)
-    for j, i in enumerate(todo):
-        hypotheses[i] = result.hypotheses[j]
-    return Translations(hypotheses, [todo[j] for j in result.hit_limit],
-                        [todo[j] for j in result.capped], result.seconds)

@@ -1,36 +1,43 @@
-"""Label-smoothed cross-entropy straight from the decoder output, a chunk of positions at a time.
+"""The training loss: label-smoothed cross-entropy (plus an optional z-loss), two ways.
 
-    loss_sum, nll_sum, correct_sum = cross_entropy_sums(y_BTD, w_VD, targets_BT, weights_BT,
-                                                        smoothing=0.1, chunk_len=32)
+    loss_impl='plain' (the default: the textbook path):
+        logits_BTV = model.logits(...)            # Transformer.__call__, the model's logits()
+        loss_sum, nll_sum, correct_sum = plain_sums(logits_BTV, targets_BT, weights_BT,
+                                                    smoothing=0.1, z_loss=0.0)
+    loss_impl='fused' (a memory lever, equal to the plain loss by test):
+        loss_sum, nll_sum, correct_sum = cross_entropy_sums(y_BTD, w_VD, targets_BT, weights_BT,
+                                                            smoothing=0.1, chunk_len=32)
 
-The logits y W^T are never materialized for the whole batch: a lax.scan over chunks of
-`chunk_len` target positions computes, per chunk, the float32 logits [B, C, V] (compute-dtype
-matmul, float32 accumulation), their log-sum-exp, the smoothed loss, the NLL and the argmax, all
-from the one chunk of logits. Under jax.grad the same pass also computes the gradient
-(a custom_vjp): the softmax gradient of the chunk is cast to the compute dtype and both vocabulary
-matmuls of the backward pass (dy = dlogits W, dW = dlogits^T y) run in it with float32
-accumulation (dW summed over chunks in float32), so the backward pass neither recomputes nor
-keeps any logits. Peak memory of the loss: one float32 [B, C, V] chunk (plus its gradient in the
-compute dtype) instead of several float32 [B, T, V] arrays.
+Per token, with logits z, log Z = logsumexp(z) and log p = z - log Z, the loss is
+-sum_v q_v log p_v + z_loss * (log Z)^2: q is tensor2tensor's smoothed target distribution
+(1 - smoothing on the gold token, smoothing / (V - 1) on every other one), the second term t5x's
+z-loss (0: off), which keeps the softmax's normalizer near 1. Both ways return sums weighted by
+weights_BT (1 on non-pad targets), so the train step's mean over non-pad tokens is the same for
+both. Gradients flow through the loss sum only: the NLL and accuracy sums are metrics
+(stop_gradient).
+
+The fused loss starts from the decoder output: the logits y W^T are never materialized for the
+whole batch. A lax.scan over chunks of `chunk_len` target positions computes, per chunk, the
+float32 logits [B, C, V] (compute-dtype matmul, float32 accumulation), their log-sum-exp, the
+loss terms, the NLL and the argmax, all from the one chunk of logits. Under jax.grad the same
+pass also computes the gradient (a custom_vjp): the softmax gradient of the chunk is cast to the
+compute dtype and both vocabulary matmuls of the backward pass (dy = dlogits W,
+dW = dlogits^T y) run in it with float32 accumulation (dW summed over chunks in float32), so the
+backward pass neither recomputes nor keeps any logits. Peak memory of the loss: one float32
+[B, C, V] chunk (plus its gradient in the compute dtype) instead of several float32 [B, T, V]
+arrays.
 
 Under a mesh that splits the batch over S devices (data x fsdp), the dW carry is [S, V, D]: a
 device holds its own slot ([V, D] per device) and adds its own rows to it, with no sum across
 devices inside the loop (a plain [V, D] carry is a sum over the sharded batch, which XLA
 completed with an all-reduce of dW once per chunk: bench/RESULTS.md). Weights w [V, D]: the
 slots are summed once after the loop, dW's one reduction. Weights given as one copy per batch
-shard, w [S, V, D] (sharding.per_batch_shard), each shard's rows times its own copy: the loss
-returns the slots unsummed, as the copies' gradient, and the transpose of the broadcast that
-made the copies sums them after JAX has added the gradients of the copies' other readers. With
-the tied embedding under data parallelism (Transformer.features passes the copies its lookups
-read) its whole gradient, both lookups and the output projection, is thus reduced across devices
-once a step, like every other gradient; summed here instead, dW was reduced on its own and again
-with the lookups' part (an extra float32 [V, D] a step). Likewise the weights are cast and
-gathered whole along d_model once, before the loop (under fsdp XLA gathered their shards in
-every chunk).
-
-Gradients flow through the loss sum only: the NLL and accuracy sums are metrics (stop_gradient).
-The smoothed target distribution is tensor2tensor's: 1 - smoothing on the gold token and
-smoothing / (V - 1) on every other one (tests/plain_loss.py is the plain reference it equals).
+shard, w [S, V, D] (tables.TokenTable), each shard's rows times its own copy: the loss returns
+the slots unsummed, as the copies' gradient, and the transpose of the broadcast that made the
+copies sums them after JAX has added the gradients of the copies' other readers (the
+embedding's lookups): the tied embedding's whole gradient is reduced across devices once a
+step, like every other gradient. Likewise the weights are cast and gathered whole along d_model
+once, before the loop (under fsdp XLA gathered their shards in every chunk).
 
 Shape letters: B batch rows, T target length, C positions per chunk, N chunks, D d_model,
 V vocabulary, S batch shards (devices the batch is split over; 1 without a mesh).
@@ -46,15 +53,46 @@ from flax import linen as nn
 
 from t2t import sharding
 
+IMPLS = ('plain', 'fused')  # loss_impl: the loss on the model's logits, or the chunked one
+
+
+def _smoothing_weights(smoothing: float, vocab: int) -> tuple[float, float]:
+    """(q on the gold token, q on every other token) of the smoothed target distribution."""
+    return 1.0 - smoothing, smoothing / (vocab - 1)
+
+
+def label_smoothed_cross_entropy(logits_BTV, targets_BT, smoothing: float, z_loss: float = 0.0):
+    """Per token: (-sum_v q_v log p_v + z_loss * (log Z)^2, the NLL -log p_gold), float32 [B, T]."""
+    confidence, low = _smoothing_weights(smoothing, logits_BTV.shape[-1])
+    logits_BTV = logits_BTV.astype(jnp.float32)
+    log_z_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
+    logp_BTV = logits_BTV - log_z_BT[..., None]
+    gold_BT = jnp.take_along_axis(logp_BTV, targets_BT[..., None], axis=-1)[..., 0]
+    # sum_v q_v log p_v with q = low everywhere plus (confidence - low) on the gold token.
+    smoothed_BT = -(confidence - low) * gold_BT - low * logp_BTV.sum(-1)
+    if z_loss:
+        smoothed_BT = smoothed_BT + z_loss * jnp.square(log_z_BT)
+    return smoothed_BT, -gold_BT
+
+
+def plain_sums(logits_BTV, targets_BT, weights_BT, *, smoothing: float, z_loss: float = 0.0):
+    """(loss sum, NLL sum, correct-argmax sum) of the full logits, each weighted by weights_BT;
+    float32. What cross_entropy_sums computes chunk by chunk."""
+    weights_BT = weights_BT.astype(jnp.float32)
+    smoothed_BT, nll_BT = label_smoothed_cross_entropy(logits_BTV, targets_BT, smoothing, z_loss)
+    correct_BT = (jnp.argmax(logits_BTV, axis=-1) == targets_BT).astype(jnp.float32)
+    return ((smoothed_BT * weights_BT).sum(), jax.lax.stop_gradient((nll_BT * weights_BT).sum()),
+            jax.lax.stop_gradient((correct_BT * weights_BT).sum()))
+
 
 def cross_entropy_sums(y_BTD, w, targets_BT, weights_BT, *, smoothing: float,
-                       chunk_len: int = 0):
+                       z_loss: float = 0.0, chunk_len: int = 0):
     """(smoothed loss sum, NLL sum, correct-argmax sum), each weighted by weights_BT; float32.
 
     y_BTD: decoder output in the compute dtype; w: the output projection, float32 parameters
     (cast to y's dtype for the matmuls), [V, D] or one copy per batch shard [S, V, D]
-    (sharding.per_batch_shard); chunk_len: target positions per chunk (0 or >= T: one
-    chunk). T is padded to a multiple of chunk_len with weight 0.
+    (tables.TokenTable); z_loss: the weight of (log Z)^2; chunk_len: target positions per chunk
+    (0 or >= T: one chunk). T is padded to a multiple of chunk_len with weight 0.
     """
     b, t, d = y_BTD.shape
     c = t if chunk_len <= 0 else min(chunk_len, t)
@@ -67,8 +105,8 @@ def cross_entropy_sums(y_BTD, w, targets_BT, weights_BT, *, smoothing: float,
     y_NBCD = y_BTD.reshape(b, n, c, d).swapaxes(0, 1)
     targets_NBC = targets_BT.reshape(b, n, c).swapaxes(0, 1)
     weights_NBC = weights_BT.astype(jnp.float32).reshape(b, n, c).swapaxes(0, 1)
-    loss_sum, nll_sum, correct_sum = _chunked_sums(float(smoothing), y_NBCD, w, targets_NBC,
-                                                   weights_NBC)
+    loss_sum, nll_sum, correct_sum = _chunked_sums(float(smoothing), float(z_loss), y_NBCD, w,
+                                                   targets_NBC, weights_NBC)
     return loss_sum, jax.lax.stop_gradient(nll_sum), jax.lax.stop_gradient(correct_sum)
 
 
@@ -105,11 +143,11 @@ def _chunk_logits(y_BCD, w_c):
                                       ('batch', 'length', 'vocab'))
 
 
-def _chunk_terms(smoothing, logits_BCV, targets_BC, weights_BC):
+def _chunk_terms(smoothing, z_loss, logits_BCV, targets_BC, weights_BC):
     """Weighted sums of one chunk, and what its gradient needs (the softmax, from the same
-    exponentials as the log-sum-exp)."""
+    exponentials as the log-sum-exp, and the log-sum-exp)."""
     vocab = logits_BCV.shape[-1]
-    confidence, low = 1.0 - smoothing, smoothing / (vocab - 1)
+    confidence, low = _smoothing_weights(smoothing, vocab)
     max_BC = jnp.max(logits_BCV, axis=-1)
     exp_BCV = jnp.exp(logits_BCV - max_BC[..., None])
     sum_exp_BC = jnp.sum(exp_BCV, axis=-1)
@@ -118,6 +156,8 @@ def _chunk_terms(smoothing, logits_BCV, targets_BC, weights_BC):
     gold_logp_BC = gold_BC - lse_BC
     sum_logp_BC = jnp.sum(logits_BCV, axis=-1) - vocab * lse_BC
     smoothed_BC = -(confidence - low) * gold_logp_BC - low * sum_logp_BC
+    if z_loss:
+        smoothed_BC = smoothed_BC + z_loss * jnp.square(lse_BC)
     # argmax as the first index holding the maximum (jnp.argmax's tie rule) by a select and a
     # min: argmax's (value, index) reduction over the vocabulary ran several times slower.
     first_max_BC = jnp.min(jnp.where(logits_BCV == max_BC[..., None],
@@ -125,24 +165,24 @@ def _chunk_terms(smoothing, logits_BCV, targets_BC, weights_BC):
     correct_BC = (first_max_BC == targets_BC).astype(jnp.float32)
     sums = jnp.stack([(smoothed_BC * weights_BC).sum(), (-gold_logp_BC * weights_BC).sum(),
                       (correct_BC * weights_BC).sum()])
-    return sums, exp_BCV / sum_exp_BC[..., None]
+    return sums, exp_BCV / sum_exp_BC[..., None], lse_BC
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _chunked_sums(smoothing, y_NBCD, w, targets_NBC, weights_NBC):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _chunked_sums(smoothing, z_loss, y_NBCD, w, targets_NBC, weights_NBC):
     w_c = _whole_weights(w, y_NBCD.dtype)
 
     def body(sums, chunk):
         y_BCD, targets_BC, weights_BC = chunk
-        chunk_sums, _ = _chunk_terms(smoothing, _chunk_logits(y_BCD, w_c), targets_BC,
-                                     weights_BC)
+        chunk_sums, _, _ = _chunk_terms(smoothing, z_loss, _chunk_logits(y_BCD, w_c),
+                                        targets_BC, weights_BC)
         return sums + chunk_sums, None
 
     sums, _ = jax.lax.scan(body, jnp.zeros(3, jnp.float32), (y_NBCD, targets_NBC, weights_NBC))
     return sums[0], sums[1], sums[2]
 
 
-def _chunked_sums_fwd(smoothing, y_NBCD, w, targets_NBC, weights_NBC):
+def _chunked_sums_fwd(smoothing, z_loss, y_NBCD, w, targets_NBC, weights_NBC):
     w_c = _whole_weights(w, y_NBCD.dtype)
     s = w.shape[0] if w.ndim == 3 else sharding.batch_shards(y_NBCD.shape[1])
 
@@ -150,15 +190,18 @@ def _chunked_sums_fwd(smoothing, y_NBCD, w, targets_NBC, weights_NBC):
         sums, dw_SVD = carry
         y_BCD, targets_BC, weights_BC = chunk
         logits_BCV = _chunk_logits(y_BCD, w_c)
-        chunk_sums, p_BCV = _chunk_terms(smoothing, logits_BCV, targets_BC, weights_BC)
-        # d(weighted smoothed loss)/d logits
-        #   = w ((conf - low + low V) p - low - (conf - low) 1[gold])
+        chunk_sums, p_BCV, lse_BC = _chunk_terms(smoothing, z_loss, logits_BCV, targets_BC,
+                                                 weights_BC)
+        # d(weighted loss)/d logits
+        #   = w ((conf - low + low V + 2 z_loss log Z) p - low - (conf - low) 1[gold])
         vocab = logits_BCV.shape[-1]
-        confidence, low = 1.0 - smoothing, smoothing / (vocab - 1)
+        confidence, low = _smoothing_weights(smoothing, vocab)
         gold_BCV = jnp.arange(vocab, dtype=targets_BC.dtype) == targets_BC[..., None]
+        p_scale_BC1 = confidence - low + low * vocab
+        if z_loss:
+            p_scale_BC1 = p_scale_BC1 + 2.0 * z_loss * lse_BC[..., None]
         dlogits_BCV = weights_BC[..., None] * (
-            (confidence - low + low * vocab) * p_BCV - low
-            - jnp.where(gold_BCV, confidence - low, 0.0))
+            p_scale_BC1 * p_BCV - low - jnp.where(gold_BCV, confidence - low, 0.0))
         dlogits_BCV = nn.with_logical_constraint(dlogits_BCV.astype(y_BCD.dtype),
                                                  ('batch', 'length', 'vocab'))
         dy_BCD = _times_weights(dlogits_BCV, w_c, 'embed').astype(y_BCD.dtype)
@@ -180,7 +223,7 @@ def _chunked_sums_fwd(smoothing, y_NBCD, w, targets_NBC, weights_NBC):
     return (sums[0], sums[1], sums[2]), (dy_NBCD, dw)
 
 
-def _chunked_sums_bwd(smoothing, residuals, cotangents):
+def _chunked_sums_bwd(smoothing, z_loss, residuals, cotangents):
     dy_NBCD, dw = residuals
     g_loss = cotangents[0]  # the NLL and accuracy sums are metrics: no gradient through them
     dy = (dy_NBCD * g_loss.astype(dy_NBCD.dtype)).astype(dy_NBCD.dtype)

@@ -18,9 +18,11 @@ K head dim (d_k = d_v = D / H), F d_ff, V vocabulary.
 
 Masks (padding, causality, packed segments) are built once at the top of encode()/decode(), in
 the form the attention kernel wants (`AttentionMask`), and passed down (t2t/attention.py holds
-masks, kernels and the attention layer). decode() is the
-teacher-forced decoder (gold targets, shifted right here); features() stops before the output
-projection (the loss applies it chunk by chunk, t2t/loss.py). In decode mode (config.decode)
+masks, kernels and the attention layer). The token tables are read through one object made once
+per pass (`TokenTables`: both lookups and the output projection, in copies per batch shard under
+data parallelism). decode() is the teacher-forced decoder (gold targets, shifted right here) and
+logits() the output projection; features() stops before it (loss_impl='fused' applies it chunk
+by chunk, t2t/loss.py). In decode mode (config.decode)
 decode_step() runs one token per call and the decoder keeps its self-attention keys/values
 (head-major buffers [B, H, decode_len, K]) in the 'cache' collection and the cross-attention
 keys/values, projected once from the encoder output, in 'cross_cache' ([B, H, S, K]). The first
@@ -40,9 +42,10 @@ import numpy as np
 from flax import linen as nn
 
 from t2t import sharding
-from t2t.attention import MultiHeadAttention, make_attention_mask
+from t2t.attention import AttentionConfig, MultiHeadAttention, make_attention_mask
 from t2t.dropout import Dropout
 from t2t.ids import PAD_ID
+from t2t.tables import TokenTable, TokenTables
 
 Array = jax.Array
 _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
@@ -125,6 +128,12 @@ class TransformerConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
+
+    @property
+    def attention(self) -> AttentionConfig:
+        """The fields the attention layer reads."""
+        return AttentionConfig(**{f.name: getattr(self, f.name)
+                                  for f in dataclasses.fields(AttentionConfig)})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -211,7 +220,7 @@ class EncoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x_BSD, mask_B1SS, positions_BS):
         cfg = self.config
-        attn = MultiHeadAttention(cfg, 'self', name='self_attention')
+        attn = MultiHeadAttention(cfg.attention, 'self', name='self_attention')
         x_BSD = Residual(cfg, name='attention_block')(
             x_BSD, lambda h: attn(h, h, mask_B1SS, positions_BS, positions_BS))
         x_BSD = Residual(cfg, name='ffn_block')(x_BSD, FeedForward(cfg, name='ffn'))
@@ -226,8 +235,8 @@ class DecoderLayer(nn.Module):
     def __call__(self, y_BTD, encoded_BSD, self_mask_B1TT, cross_mask_B1TS, positions_BT,
                  cache_index=None):
         cfg = self.config
-        self_attn = MultiHeadAttention(cfg, 'self', name='self_attention')
-        cross_attn = MultiHeadAttention(cfg, 'cross', name='cross_attention')
+        self_attn = MultiHeadAttention(cfg.attention, 'self', name='self_attention')
+        cross_attn = MultiHeadAttention(cfg.attention, 'cross', name='cross_attention')
         y_BTD = Residual(cfg, name='self_attention_block')(
             y_BTD, lambda h: self_attn(h, h, self_mask_B1TT, positions_BT, positions_BT,
                                        cache_index=cache_index))
@@ -267,8 +276,8 @@ def _run_stack(layers, x, *args):
 
 
 class Embedder(nn.Module):
-    """Token embedding (x sqrt(D)) plus positions, with dropout; its table is the tied output
-    projection (Transformer.output_weights)."""
+    """Token embedding (x sqrt(D)) plus positions, with dropout. It holds the table; a pass reads
+    it through its TokenTable (the tied output projection reads the same one)."""
 
     config: TransformerConfig
 
@@ -288,18 +297,10 @@ class Embedder(nn.Module):
             )
         self.dropout = Dropout(cfg.dropout_rate)
 
-    def __call__(self, ids_BL, positions_BL, table_SVD=None):
-        """table_SVD: this table's copies per batch shard (Transformer.features), each shard's
-        rows looked up in its own copy; None: the table itself."""
+    def __call__(self, ids_BL, positions_BL, table: TokenTable):
+        """table: this embedding's table as the pass reads it (Transformer.token_tables)."""
         cfg = self.config
-        if table_SVD is None:
-            x_BLD = jnp.take(self.embedding, ids_BL, axis=0)
-        else:
-            s, b, length = table_SVD.shape[0], *ids_BL.shape
-            ids_SBL = nn.with_logical_constraint(ids_BL.reshape(s, b // s, length),
-                                                 ('batch', None, 'length'))
-            x_SBLD = jax.vmap(lambda t_VD, i_BL: jnp.take(t_VD, i_BL, axis=0))(table_SVD, ids_SBL)
-            x_BLD = x_SBLD.reshape(b, length, -1)
+        x_BLD = table.lookup(ids_BL)
         if cfg.scale_embeddings:
             x_BLD = x_BLD * math.sqrt(cfg.d_model)
         if cfg.position_embedding in ('sinusoidal', 'learned'):
@@ -318,23 +319,14 @@ class Embedder(nn.Module):
         return nn.with_logical_constraint(x_BLD, ('batch', 'length', 'embed'))
 
 
-def output_logits(y_BTD: Array, w_VD: Array) -> Array:
-    """Logits y W^T: y in the compute dtype, W cast to it, float32 accumulation and output."""
-    return jnp.einsum('btd,vd->btv', y_BTD, w_VD.astype(y_BTD.dtype),
-                      preferred_element_type=jnp.float32)
-
-
 class OutputProjection(nn.Module):
-    """The untied output projection: a [D, V] kernel, no bias."""
+    """The untied output projection: a [D, V] kernel, no bias (read as TokenTables.output)."""
 
     config: TransformerConfig
 
     def setup(self):
         self.kernel = self.param('kernel', _dense_init(('embed', 'vocab')),
                                  (self.config.d_model, self.config.vocab_size), jnp.float32)
-
-    def __call__(self, y_BTD):
-        return output_logits(y_BTD, self.kernel.T)
 
 
 class DecodePosition(nn.Module):
@@ -375,29 +367,45 @@ class Transformer(nn.Module):
         if not cfg.tie_output:
             self.output_projection = OutputProjection(cfg, name='output_projection')
 
+    def token_tables(self, rows: int) -> TokenTables:
+        """The token tables as a pass over `rows` batch rows reads them: in one copy per batch
+        shard when the batch is split over data-parallel devices (sharding.embedding_copies),
+        else the tables themselves. Made once per pass, at its top, and handed down."""
+        cfg, s = self.config, sharding.embedding_copies(rows)
+        target = TokenTable.copies(self.target_embedder.embedding, s)
+        source = target if cfg.share_embeddings else TokenTable.copies(
+            self.source_embedder.embedding, s)
+        output = target if cfg.tie_output else TokenTable(self.output_projection.kernel.T)
+        return TokenTables(source=source, target=target, output=output)
+
     def encode(self, inputs_BS, inputs_positions_BS=None, inputs_segment_ids_BS=None,
-               table_SVD=None):
-        """Encoder output [B, S, D]; table_SVD: see Embedder."""
+               tables: TokenTables | None = None):
+        """Encoder output [B, S, D]; tables: the pass's token_tables (default: made here)."""
+        if tables is None:
+            tables = self.token_tables(inputs_BS.shape[0])
         valid_BS = inputs_BS != PAD_ID
         mask_B1SS = make_attention_mask(self.config.attention_impl, valid_BS, valid_BS,
                                         inputs_segment_ids_BS, inputs_segment_ids_BS)
         if inputs_positions_BS is None:
             inputs_positions_BS = _arange_like(inputs_BS)
-        x_BSD = self.source_embedder(inputs_BS, inputs_positions_BS, table_SVD)
+        x_BSD = self.source_embedder(inputs_BS, inputs_positions_BS, tables.source)
         x_BSD = _run_stack(self.encoder_layers, x_BSD, mask_B1SS, inputs_positions_BS)
         if self.config.pre_ln:
             x_BSD = self.encoder_norm(x_BSD)
         return x_BSD
 
     def decoder_output(self, encoded_BSD, inputs_BS, targets_BT, targets_positions_BT=None,
-                       inputs_segment_ids_BS=None, targets_segment_ids_BT=None, table_SVD=None):
+                       inputs_segment_ids_BS=None, targets_segment_ids_BT=None,
+                       tables: TokenTables | None = None):
         """The teacher-forced decoder's last hidden states [B, T, D] (compute dtype).
 
-        `targets_BT` are the gold targets; they are shifted right here. table_SVD: see Embedder.
+        `targets_BT` are the gold targets; they are shifted right here. tables: see encode().
         """
         cfg = self.config
         if cfg.decode:
             raise ValueError('a decode-mode Transformer runs decode_step(), one token per call')
+        if tables is None:
+            tables = self.token_tables(targets_BT.shape[0])
         src_valid_BS = inputs_BS != PAD_ID
         y_in_BT = shift_right(targets_BT, targets_segment_ids_BT)
         if targets_positions_BT is None:
@@ -409,14 +417,17 @@ class Transformer(nn.Module):
         cross_mask_B1TS = make_attention_mask(cfg.attention_impl, tgt_valid_BT, src_valid_BS,
                                               targets_segment_ids_BT, inputs_segment_ids_BS)
         return self._decoder_stack(y_in_BT, encoded_BSD, self_mask_B1TT, cross_mask_B1TS,
-                                   targets_positions_BT, None, table_SVD)
+                                   targets_positions_BT, None, tables.target)
 
     def decode(self, encoded_BSD, inputs_BS, targets_BT, targets_positions_BT=None,
-               inputs_segment_ids_BS=None, targets_segment_ids_BT=None):
+               inputs_segment_ids_BS=None, targets_segment_ids_BT=None,
+               tables: TokenTables | None = None):
         """Teacher-forced logits [B, T, V] (float32) of the gold `targets_BT`."""
+        if tables is None:
+            tables = self.token_tables(targets_BT.shape[0])
         y_BTD = self.decoder_output(encoded_BSD, inputs_BS, targets_BT, targets_positions_BT,
-                                    inputs_segment_ids_BS, targets_segment_ids_BT)
-        return self.logits(y_BTD)
+                                    inputs_segment_ids_BS, targets_segment_ids_BT, tables)
+        return self.logits(y_BTD, tables)
 
     def decode_step(self, encoded_BSD, inputs_BS, prev_ids_B1):
         """Decode mode: logits [B, 1, V] (float32) of the token after `prev_ids_B1`.
@@ -433,58 +444,45 @@ class Transformer(nn.Module):
         # One query per step: plain masks (the self-attention cache builds its own).
         cross_mask_B11S = make_attention_mask('xla', jnp.ones(prev_ids_B1.shape, bool),
                                               inputs_BS != PAD_ID)
+        tables = self.token_tables(prev_ids_B1.shape[0])
         y_B1D = self._decoder_stack(prev_ids_B1, encoded_BSD, None, cross_mask_B11S,
-                                    positions_B1, cache_index)
-        return self.logits(y_B1D)
+                                    positions_B1, cache_index, tables.target)
+        return self.logits(y_B1D, tables)
 
     def _decoder_stack(self, y_in_BT, encoded_BSD, self_mask, cross_mask, positions_BT,
-                       cache_index, table_SVD=None):
-        y_BTD = self.target_embedder(y_in_BT, positions_BT, table_SVD)
+                       cache_index, table: TokenTable):
+        y_BTD = self.target_embedder(y_in_BT, positions_BT, table)
         y_BTD = _run_stack(self.decoder_layers, y_BTD, encoded_BSD, self_mask, cross_mask,
                            positions_BT, cache_index)
         if self.config.pre_ln:
             y_BTD = self.decoder_norm(y_BTD)
         return y_BTD
 
-    def output_weights(self) -> Array:
-        """The output projection as a float32 [V, D] matrix (the embedding when tied)."""
-        if self.config.tie_output:
-            return self.target_embedder.embedding
-        return self.output_projection.kernel.T
-
-    def logits(self, y_BTD):
+    def logits(self, y_BTD, tables: TokenTables | None = None):
         """Output logits [B, T, V] in float32 (compute-dtype matmul, float32 accumulation)."""
-        logits_BTV = output_logits(y_BTD, self.output_weights())
+        if tables is None:
+            tables = self.token_tables(y_BTD.shape[0])
+        logits_BTV = tables.output.logits(y_BTD)
         return nn.with_logical_constraint(logits_BTV, ('batch', 'length', 'vocab'))
 
     def features(self, inputs_BS, targets_BT, inputs_positions_BS=None,
                  targets_positions_BT=None, inputs_segment_ids_BS=None,
                  targets_segment_ids_BT=None):
-        """(decoder output [B, T, D], output projection [V, D] or [S, V, D]): the training pass
-        without the logits, which the loss computes chunk by chunk (t2t/loss.py).
-
-        When the batch is split over S > 1 data-parallel devices (sharding.embedding_copies), the
-        lookups read one copy of their table per batch shard (sharding.per_batch_shard), and so
-        does the loss when the output is tied: the shared embedding's gradient is then reduced
-        across devices once, not once per read."""
-        cfg, s = self.config, sharding.embedding_copies(inputs_BS.shape[0])
-        target_SVD = source_SVD = w = None
-        if s > 1:
-            target_SVD = sharding.per_batch_shard(self.target_embedder.embedding, s)
-            source_SVD = target_SVD if cfg.share_embeddings else sharding.per_batch_shard(
-                self.source_embedder.embedding, s)
-            w = target_SVD if cfg.tie_output else None
-        encoded_BSD = self.encode(inputs_BS, inputs_positions_BS, inputs_segment_ids_BS,
-                                  source_SVD)
+        """(decoder output [B, T, D], the output projection's TokenTable weights [V, D] or
+        [S, V, D]): the training pass without the logits, which loss_impl='fused' computes chunk
+        by chunk (t2t/loss.py) from the same table the lookups read."""
+        tables = self.token_tables(inputs_BS.shape[0])
+        encoded_BSD = self.encode(inputs_BS, inputs_positions_BS, inputs_segment_ids_BS, tables)
         y_BTD = self.decoder_output(encoded_BSD, inputs_BS, targets_BT, targets_positions_BT,
-                                    inputs_segment_ids_BS, targets_segment_ids_BT, target_SVD)
-        return y_BTD, self.output_weights() if w is None else w
+                                    inputs_segment_ids_BS, targets_segment_ids_BT, tables)
+        return y_BTD, tables.output.w
 
     def __call__(self, inputs_BS, targets_BT, inputs_positions_BS=None, targets_positions_BT=None,
                  inputs_segment_ids_BS=None, targets_segment_ids_BT=None):
-        encoded_BSD = self.encode(inputs_BS, inputs_positions_BS, inputs_segment_ids_BS)
+        tables = self.token_tables(inputs_BS.shape[0])
+        encoded_BSD = self.encode(inputs_BS, inputs_positions_BS, inputs_segment_ids_BS, tables)
         return self.decode(encoded_BSD, inputs_BS, targets_BT, targets_positions_BT,
-                           inputs_segment_ids_BS, targets_segment_ids_BT)
+                           inputs_segment_ids_BS, targets_segment_ids_BT, tables)
 
 
 def _arange_like(ids_BL: Array) -> Array:

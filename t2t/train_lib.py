@@ -3,9 +3,11 @@
 train_step(state, batch) -> (state, metrics) is jitted once (see `jit_train_step`) with the state's
 shardings and the state donated. The dropout rng of a step is folded from the state's rng and the
 step number, so a resumed run draws the same masks as an uninterrupted one; the state keeps the raw
-key data of the configured generator (rng_impl: threefry, rbg or unsafe_rbg). The loss never
-materializes the logits of the whole batch (t2t/loss.py). Metrics are token sums left on device
-(the loop adds them up over a log interval there); `summarize_metrics` makes means of them.
+key data of the configured generator (rng_impl: threefry, rbg or unsafe_rbg). The loss is the
+plain one on the model's logits, or (loss_impl='fused') computed chunk by chunk from the decoder
+output, never materializing the logits of the whole batch (t2t/loss.py). Metrics are token sums
+left on device (the loop adds them up over a log interval there); `summarize_metrics` makes means
+of them.
 
 Shape letters: B batch rows, T target length, V vocabulary, M micro-batches.
 """
@@ -56,6 +58,8 @@ class StepConfig:
     grad_accum_steps: int = 1
     skip_nonfinite: bool = False
     loss_chunk_len: int = 32  # target positions per chunk of the cross-entropy (0: one chunk)
+    loss_impl: str = 'plain'  # 'plain' (on the model's logits) or 'fused' (t2t/loss.py)
+    z_loss: float = 0.0  # weight of log(Z)^2 in the loss (0: off)
     rng_impl: str = 'threefry'  # dropout key generator: 'threefry', 'rbg' or 'unsafe_rbg'
     ema_decay: float = 0.0  # > 0: the state's EMA of the params (EmaTrainState) at this decay
     ema_warmup: bool = False  # the decay of update t is min(ema_decay, (1 + t) / (10 + t))
@@ -65,6 +69,9 @@ class StepConfig:
             raise ValueError(f'rng_impl={self.rng_impl!r}; one of {tuple(RNG_IMPLS)}')
         if not 0 <= self.ema_decay < 1:
             raise ValueError(f'ema_decay={self.ema_decay!r} must be in [0, 1)')
+        if self.loss_impl not in loss.IMPLS or self.z_loss < 0:
+            raise ValueError(f'loss_impl={self.loss_impl!r} (one of {loss.IMPLS}), '
+                             f'z_loss={self.z_loss!r} (>= 0)')
 
     @classmethod
     def from_config(cls, config) -> StepConfig:
@@ -73,6 +80,7 @@ class StepConfig:
                    grad_accum_steps=config.grad_accum_steps,
                    skip_nonfinite=config.skip_nonfinite,
                    loss_chunk_len=config.loss_chunk_len,
+                   loss_impl=config.loss_impl, z_loss=config.z_loss,
                    rng_impl=config.rng_impl,
                    ema_decay=config.ema_decay,
                    ema_warmup=config.ema_warmup)
@@ -94,17 +102,21 @@ def dropout_key(raw_key, rng_impl: str):
 def loss_sums(params, batch, rng, step_config: StepConfig, deterministic: bool):
     """Token sums over the batch's non-pad targets: (smoothed loss sum, metrics dict).
 
-    The logits are computed chunk by chunk inside the loss (t2t/loss.py), never all at once.
+    loss_impl 'plain': the model's logits (Transformer.__call__), then the loss; 'fused': the
+    decoder output, whose logits the loss computes chunk by chunk, never all at once.
     """
-    model_config = step_config.model.replace(deterministic=deterministic)
-    y_BTD, w_VD = Transformer(model_config).apply(
-        {'params': params}, **batch_forward_args(batch),
-        rngs=None if deterministic else {'dropout': rng}, method=Transformer.features)
+    model = Transformer(step_config.model.replace(deterministic=deterministic))
+    apply = functools.partial(model.apply, {'params': params}, **batch_forward_args(batch),
+                              rngs=None if deterministic else {'dropout': rng})
     targets_BT = batch['targets']
     weights_BT = (targets_BT != PAD_ID).astype(jnp.float32)
-    loss_sum, nll_sum, correct_sum = loss.cross_entropy_sums(
-        y_BTD, w_VD, targets_BT, weights_BT, smoothing=step_config.label_smoothing,
-        chunk_len=step_config.loss_chunk_len)
+    terms = dict(smoothing=step_config.label_smoothing, z_loss=step_config.z_loss)
+    if step_config.loss_impl == 'plain':
+        loss_sum, nll_sum, correct_sum = loss.plain_sums(apply(), targets_BT, weights_BT, **terms)
+    else:
+        y_BTD, w_VD = apply(method=Transformer.features)
+        loss_sum, nll_sum, correct_sum = loss.cross_entropy_sums(
+            y_BTD, w_VD, targets_BT, weights_BT, chunk_len=step_config.loss_chunk_len, **terms)
     sums = {'loss_sum': loss_sum, 'nll_sum': nll_sum, 'correct_sum': correct_sum,
             'tokens': weights_BT.sum()}
     return sums['loss_sum'], sums

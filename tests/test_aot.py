@@ -283,6 +283,7 @@ out = {}
 for scan in (False, True):
     config = tiny.get_config()
     config.scan_layers, config.loss_chunk_len = scan, 8  # 4 chunks of the 32 target positions
+    config.loss_impl = 'fused'
     plan = aot.plan(config, 'v5e:2x2')
     compiled = aot.compile_train_step(config, plan.mesh)
     out[scan] = dict(matmul=compiled.matmul_flops_per_device * plan.mesh.size,

@@ -76,6 +76,8 @@ BAD_VALUES = [
                                    "d_model=36 / num_heads=4", {'d_model': 36}),
     ('rng_impl', 'philox', "rng_impl='philox' must be one of ('threefry', 'rbg', 'unsafe_rbg')"),
     ('dtype', 'float16', "dtype='float16' must be one of ('float32', 'bfloat16')"),
+    ('loss_impl', 'chunked', "loss_impl='chunked' must be one of ('plain', 'fused')"),
+    ('z_loss', -1e-4, 'z_loss=-0.0001 must be >= 0 (0: off)'),
 ]
 
 

@@ -187,7 +187,7 @@ def _echo_predict(params, inputs_BS):
                                 capped_B=np.zeros(len(ids_BL), bool))
 
 
-def test_translate_batches_and_texts_keep_the_original_order():
+def test_translate_batches_keeps_the_original_order():
     rng = np.random.default_rng(2)
     texts = [' '.join(str(w) for w in rng.integers(8, 40, n)) for n in rng.integers(1, 30, 37)]
     texts[5] = '7 8 9'
@@ -206,9 +206,3 @@ def test_translate_batches_and_texts_keep_the_original_order():
     assert result.hypotheses == texts
     assert result.hit_limit == [5] and result.capped == []
 
-    with_blank = texts[:3] + ['  '] + texts[3:]
-    out = inference.translate_texts(_echo_predict, None, tok, with_blank, batch_size=4)
-    assert out.hypotheses == texts[:3] + [''] + texts[3:]
-    assert out.hit_limit == [6]
-    with pytest.raises(ValueError, match='line 1 has'):
-        inference.translate_texts(_echo_predict, None, tok, ['3 4 5'], batch_size=4, max_len=3)

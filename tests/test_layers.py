@@ -26,19 +26,14 @@ def _modules() -> dict[str, str]:
 
 
 def _imports(name: str, path: str, modules) -> set[str]:
-    """The t2t modules `name` imports, at module level or inside functions (lazy imports count:
-    they are edges of the design even where they break a cycle at import time). Imports under
-    `if TYPE_CHECKING:` are left out: they name a type for annotations and never run."""
+    """The t2t modules `name` imports, anywhere in it: at module level, inside functions (lazy
+    imports are edges of the design even where they break a cycle at import time) and under
+    `if TYPE_CHECKING:` (a type named for annotations is a dependency too)."""
     package = name if path.endswith('__init__.py') else name.rpartition('.')[0]
     found = set()
     with open(path) as f:
         tree = ast.parse(f.read())
-    type_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                 and isinstance(node.test, ast.Name) and node.test.id == 'TYPE_CHECKING'
-                 for body in node.body for n in ast.walk(body)}
     for node in ast.walk(tree):
-        if id(node) in type_only:
-            continue
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name in modules)
         elif isinstance(node, ast.ImportFrom):
@@ -86,6 +81,14 @@ def test_the_import_graph_has_no_cycle():
     graph = _graph()
     assert len(graph) > 40 and 't2t.loop' in graph['t2t.watch']  # the graph is really read
     assert _cycles(graph) == []
+
+
+def test_type_checking_imports_are_edges_too(tmp_path):
+    path = tmp_path / 'layer.py'
+    path.write_text('from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n'
+                    '    from t2t.model import TransformerConfig\n')
+    modules = {'t2t.model': '', 't2t.layer': str(path)}
+    assert _imports('t2t.layer', str(path), modules) == {'t2t.model'}
 
 
 def test_no_module_imports_upward():

@@ -244,3 +244,32 @@ def test_attention_parameters_keep_the_names_shapes_and_axes_of_earlier_checkpoi
                          for proj in ('query', 'key', 'value')})
             want['out/bias'] = ((32,), ('embed',))
         assert got == want, (layer, kind)
+
+
+def test_an_edit_to_the_written_out_attention_reaches_the_paper_configs_training(monkeypatch):
+    """Under the wmt14 configs' attention_impl (and loss_impl, dtype), changing
+    attention.attention_weights changes the train step's loss: the kernel that runs is the
+    formula on the page."""
+    from configs import wmt14_ende_base, wmt14_ende_big, wmt14_enfr_big
+    from t2t import attention, train_lib
+
+    configs = [m.get_config() for m in (wmt14_ende_base, wmt14_ende_big, wmt14_enfr_big)]
+    assert len({c.attention_impl for c in configs}) == 1
+    config = configs[0].unlock()
+    config.update(vocab_size=40, d_model=32, d_ff=64, num_heads=4, num_encoder_layers=1,
+                  num_decoder_layers=1)
+    step_config = train_lib.StepConfig.from_config(config)
+    rng = np.random.default_rng(0)
+    batch = {'inputs': _ids(rng, (2, 5)), 'targets': _ids(rng, (2, 4))}
+    params = _init(step_config.model.replace(deterministic=True), batch['inputs'],
+                   batch['targets'])
+
+    def loss():  # traced afresh each time: the edit below is seen
+        fn = jax.jit(lambda p, b: train_lib.loss_sums(p, b, None, step_config, True)[0])
+        return float(fn(params, batch))
+
+    before = loss()
+    written_out = attention.attention_weights
+    monkeypatch.setattr(attention, 'attention_weights',
+                        lambda q, k, mask, scale, **kw: written_out(q, k, mask, 3 * scale, **kw))
+    assert abs(loss() - before) > 1e-4 * abs(before)

@@ -29,6 +29,7 @@ def _config(mesh_shape):
 
     c = tiny.get_config()
     c.vocab_size, c.d_model, c.d_ff, c.loss_chunk_len = VOCAB, 64, 128, 8
+    c.loss_impl = 'fused'
     c.mesh_shape = mesh_shape
     return c
 
@@ -88,6 +89,7 @@ out = {{}}
 for mesh_shape in ((2, 2, 1), (4, 1, 1)):
     config = tiny.get_config()
     config.vocab_size, config.d_model, config.d_ff, config.loss_chunk_len = {VOCAB}, 64, 128, 8
+    config.loss_impl = 'fused'
     config.mesh_shape = mesh_shape
     plan = aot.plan(config, 'v5e:2x2')
     c = aot.compile_train_step(config, plan.mesh)

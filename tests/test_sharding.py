@@ -115,7 +115,8 @@ def test_train_step_temporaries_per_device_fall_as_fsdp_grows():
 
     # Parameters large next to the activations of one row per device, so that what FSDP shards
     # (gradients, Adam's update) dominates the step's temporaries.
-    config = _config(d_model=64, d_ff=512, num_encoder_layers=1, num_decoder_layers=1)
+    config = _config(d_model=64, d_ff=512, num_encoder_layers=1, num_decoder_layers=1,
+                     loss_impl='fused')
     tx = optim.make_optimizer(config)
     step_config = train_lib.StepConfig.from_config(config)
     temp = {}

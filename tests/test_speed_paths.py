@@ -23,7 +23,6 @@ from t2t.attention import (
 )
 from t2t.ids import PAD_ID
 from t2t.model import Transformer, TransformerConfig
-from tests import plain_loss
 
 SMALL = dict(vocab_size=40, d_model=32, d_ff=64, num_heads=4, num_encoder_layers=2,
              num_decoder_layers=3, deterministic=True)
@@ -55,7 +54,7 @@ def _plain_sums(params, batch, cfg, smoothing=0.1):
     """Today's loss: full float32 logits, log-softmax, gold gather, argmax."""
     logits = Transformer(cfg).apply({'params': params}, batch['inputs'], batch['targets'])
     weights = (batch['targets'] != PAD_ID).astype(jnp.float32)
-    smoothed, nll = plain_loss.label_smoothed_cross_entropy(logits, batch['targets'], smoothing)
+    smoothed, nll = loss.label_smoothed_cross_entropy(logits, batch['targets'], smoothing)
     correct = (jnp.argmax(logits, -1) == batch['targets']).astype(jnp.float32)
     return (smoothed * weights).sum(), {'nll_sum': (nll * weights).sum(),
                                         'correct_sum': (correct * weights).sum()}
@@ -80,7 +79,7 @@ def test_chunked_loss_equals_the_plain_loss_and_its_gradients():
     (want, want_aux), want_grads = _grads(_plain_sums, params, batch, cfg)
     fused = lambda p, b, sc: train_lib.loss_sums(p, b, None, sc, True)
     for chunk_len in (0, 4):  # one chunk; two chunks, the last padded
-        step_config = train_lib.StepConfig(model=cfg, loss_chunk_len=chunk_len)
+        step_config = train_lib.StepConfig(model=cfg, loss_impl='fused', loss_chunk_len=chunk_len)
         (got, got_aux), got_grads = _grads(fused, params, batch, step_config)
         np.testing.assert_allclose(got, want, rtol=2e-6)
         np.testing.assert_allclose(got_aux['nll_sum'], want_aux['nll_sum'], rtol=2e-6)
@@ -91,8 +90,8 @@ def test_chunked_loss_equals_the_plain_loss_and_its_gradients():
     (plain16, _), plain16_grads = _grads(_plain_sums, params, batch, bf16)
     plain_err = _rel_error(plain16_grads, want_grads)
     for chunk_len in (0, 4):  # one chunk compiles to other kernels than a loop of chunks
-        (got16, _), got16_grads = _grads(fused, params, batch,
-                                         train_lib.StepConfig(model=bf16, loss_chunk_len=chunk_len))
+        (got16, _), got16_grads = _grads(fused, params, batch, train_lib.StepConfig(
+            model=bf16, loss_impl='fused', loss_chunk_len=chunk_len))
         assert abs(float(got16) - float(want)) <= (2 * abs(float(plain16) - float(want))
                                                    + 1e-3 * want)
         fused_err = _rel_error(got16_grads, want_grads)

@@ -15,7 +15,6 @@ from t2t.data.pipeline import (
     eval_batches,
     eval_split,
     get_tokenizer,
-    split_names,
     split_texts,
     train_iterator,
     vocab_path,
@@ -25,5 +24,5 @@ from t2t.data.tokenizer import Tokenizer
 from t2t.ids import EOS_ID, PAD_ID, UNK_ID
 
 __all__ = ['EOS_ID', 'PAD_ID', 'UNK_ID', 'EvalSplit', 'Tokenizer', 'eval_batches', 'eval_split',
-           'get_tokenizer', 'open_split', 'packed_split', 'split_names', 'split_texts',
+           'get_tokenizer', 'open_split', 'packed_split', 'split_texts',
            'train_iterator', 'vocab_path']

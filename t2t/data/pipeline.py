@@ -43,10 +43,6 @@ TOKENIZER_VERSION = 3  # bump when train_tokenizer's fixed settings or the sampl
 EVAL_CACHE_VERSION = 1  # bump when reading or tokenizing an evaluation split changes
 
 
-def split_names(config) -> dict[str, str]:
-    return {'train': config.train_split, 'eval': config.eval_split, 'test': config.test_split}
-
-
 def vocab_path(config) -> str:
     if config.vocab_path:
         return config.vocab_path
