@@ -106,6 +106,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.keep_checkpoints = 20
     c.num_eval_batches = 20  # validation batches for eval loss (-1 = all)
     c.eval_bleu_sentences = 256  # validation sentences decoded for BLEU at each eval (0 = off)
+    # Best checkpoints and early stopping (t2t/best.py): evaluations ranked by best_metric, one of
+    # 'loss', 'bleu', 'chrf' (validation; 'bleu' and 'chrf' need eval_bleu_sentences > 0), or the
+    # same of the EMA weights: 'loss_ema', 'bleu_ema', 'chrf_ema' (ema_decay > 0).
+    c.keep_best = 0  # > 0: the checkpoints of the N best evaluations also stay (0 = off)
+    c.best_metric = 'loss'
+    c.early_stopping_patience = 0  # > 0: stop after N evaluations without improvement (0 = off)
     # Hangs and stragglers (t2t/watchdog.py): every thread's stack goes to stderr, training goes on.
     c.straggler_factor = 10.0  # a step running over this x the median recent step (0 = off) ...
     c.straggler_min_s = 10.0  # ... and over this many seconds (tiny steps jitter)

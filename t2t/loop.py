@@ -10,6 +10,11 @@ before the interruption, are removed from metrics.jsonl and the event files).
 A SIGTERM (preemption) is seen at the next step: the loop skips evaluation, saves and returns. The
 host runs at most one step ahead of the device, so that moment is near. A run that completed
 (num_train_steps or the time budget) leaves WORKDIR/TRAINING_FINISHED for evaluate.py --watch.
+
+keep_best / early_stopping_patience (t2t/best.py): each evaluation is ranked by best_metric; an
+evaluation among the keep_best best is saved at its step (a checkpoint that keep_checkpoints
+never deletes), and early_stopping_patience evaluations without improvement end the run
+(stopped_by 'early_stopping'). The ranking travels in the checkpoint like the data position.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from t2t import (
+    best,
     checkpoint,
     distributed,
     flops,
@@ -56,7 +62,7 @@ class NonFiniteLossError(FloatingPointError):
 @dataclasses.dataclass
 class TrainResult:
     step: int
-    stopped_by: str  # 'num_train_steps', 'time_budget' or 'preemption'
+    stopped_by: str  # 'num_train_steps', 'time_budget', 'early_stopping' or 'preemption'
     train_metrics: dict
     eval_metrics: dict
 
@@ -258,6 +264,8 @@ def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> Tra
         if mapped is not None:
             train_iter.set_state(mapped)
     _clear_finished(workdir)
+    tracker = best.Tracker.from_config(config, meta.get(best.META_KEY))
+    checkpoint.keep_best_steps(manager, tracker.kept_steps())
 
     step_config = train_lib.StepConfig.from_config(config)
     train_step = ledger.compiling(train_lib.jit_train_step(step_config, tx, state_shardings, mesh))
@@ -309,6 +317,9 @@ def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> Tra
             for suffix, params in weights.items():
                 summary.update({f'{k}{suffix}': v for k, v in bleu_eval(params).items()})
         writer.write_scalars(step, summary)
+        if best.enabled(config):
+            _say(tracker.update(summary, step))
+            checkpoint.keep_best_steps(manager, tracker.kept_steps())
         return summary
 
     interval = _Interval(meta.get('unlogged_metrics'))
@@ -323,6 +334,10 @@ def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> Tra
             eval_summary = evaluate()
             if eval_summary is None:  # preempted again: the checkpoint still says pending
                 stopped_by, eval_summary = 'preemption', {}
+        if stopped_by == 'num_train_steps' and tracker.exhausted() \
+                and step < config.num_train_steps:
+            stopped_by = 'early_stopping'
+            _say(tracker.stop_line(step) + ': nothing to train')
         if stopped_by == 'num_train_steps' and distributed.process_0_decides(over_budget()):
             stopped_by = 'time_budget'
             _say(f'the time budget of {config.train_time_budget_s:.0f} s is spent in {workdir}: '
@@ -362,7 +377,12 @@ def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> Tra
                     evaluation_pending = True
                 else:
                     eval_summary = summary
-            if step % config.checkpoint_every_steps == 0 or stopping:
+                    if tracker.exhausted() and not stopping:
+                        stopped_by, stopping = 'early_stopping', True
+                        _say(tracker.stop_line(step))
+            # A step among the best is saved whatever checkpoint_every_steps says.
+            if step % config.checkpoint_every_steps == 0 or stopping \
+                    or step in tracker.kept_steps():
                 interval.check_finite(config.skip_nonfinite)  # never save a non-finite state
                 ledger.mark('checkpoint')
                 dog.mark('save', step)
@@ -375,6 +395,7 @@ def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> Tra
                     'train_seconds': train_seconds(),
                     'unlogged_metrics': interval.unlogged(),
                     'evaluation_pending': evaluation_pending,
+                    best.META_KEY: tracker.record(),
                     identity.DATA_KEY: data_identity})
                 outage.save(manager, step, state, outage_limit_s, _say, **save_args)
                 ledger.mark('train', flush='checkpoint')
