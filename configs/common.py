@@ -97,6 +97,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.skip_nonfinite = False  # True: skip a step whose loss is NaN/inf instead of stopping
     c.ema_decay = 0.0  # > 0: keep ema = d*ema + (1-d)*params after each update (0 = off)
     c.ema_warmup = False  # True: update t uses min(ema_decay, (1+t)/(10+t)) (TF's num_updates)
+    # Divergence guards (t2t/guards.py; MaxText's skip_step_on_spikes, PaLM's rollbacks):
+    c.spike_skip = 0.0  # > 0: skip a step whose loss > recent mean + this x std (0 = off)
+    c.spike_window = 100  # the recent applied steps whose loss mean and std spike_skip uses
+    # > 0: after this many skipped (spike or non-finite) steps in a row, go back to the last
+    # checkpoint before them and skip the batches since it (0 = off)
+    c.rollback_after = 0
     c.seed = 0
 
     # --- loop, checkpoints, evaluation

@@ -134,6 +134,13 @@ def _rules() -> tuple[Rule, ...]:
         Rule('keep_checkpoints', _at_least(1), ge1),
         Rule('num_eval_batches', lambda v, c: v >= 1 or v == -1, 'must be >= 1, or -1 for all'),
         Rule('eval_bleu_sentences', _at_least(0), 'must be >= 0 (0: no BLEU during training)'),
+        # divergence guards
+        Rule('spike_skip', _at_least(0), 'must be >= 0 (standard deviations; 0: off)'),
+        Rule('spike_window', _at_least(2), 'must be >= 2 (steps whose loss spread spike_skip '
+             'measures)'),
+        Rule('rollback_after', _at_least(0), 'must be >= 0 (0: off)'),
+        Rule('rollback_after', lambda v, c: v == 0 or c.spike_skip > 0 or c.skip_nonfinite,
+             'needs spike_skip > 0 or skip_nonfinite=True (the steps it counts are skipped ones)'),
         # best checkpoints and early stopping
         Rule('keep_best', _at_least(0), 'must be >= 0 (0: off)'),
         Rule('early_stopping_patience', _at_least(0), 'must be >= 0 (0: off)'),

@@ -35,6 +35,7 @@ from t2t import (
     distributed,
     flops,
     goodput,
+    guards,
     metrics,
     optim,
     outage,
@@ -51,7 +52,10 @@ FINISHED_NAME = 'TRAINING_FINISHED'  # JSON {step, stopped_by}: the run has noth
 # Sums over the steps of a log interval (carried across a resume): float32 loss sums, exact counts.
 _FLOAT_SUMS = ('loss_sum', 'nll_sum', 'correct_sum')
 _COUNT_SUMS = ('tokens', 'nonfinite')
-_SUM_KEYS = _FLOAT_SUMS + _COUNT_SUMS
+# Guards' counts, summed only with their option on (clip_grad_norm: also the interval's steps,
+# the window of the fraction; spike_skip), so that without them the sums are as before.
+_GUARD_SUMS = ('clipped', 'window_steps', 'spikes')
+_SUM_KEYS = _FLOAT_SUMS + _COUNT_SUMS + _GUARD_SUMS
 _RAN_KEYS = ('tokens', 'source_tokens')  # this run's steps alone: throughput and MFU
 
 
@@ -101,8 +105,11 @@ def _accumulate(acc, step, m):
     def count(x):  # token counts as integers: a float32 sum is exact only up to 2**24
         return jnp.round(x).astype(jnp.int32)
 
+    if 'clipped' in m:
+        m = dict(m, window_steps=1.0)
     out = {k: acc[k] + m[k] for k in _FLOAT_SUMS}
     out.update({k: acc[k] + count(m[k]) for k in _COUNT_SUMS})
+    out.update({k: acc.get(k, 0) + count(m[k]) for k in _GUARD_SUMS if k in m})
     out.update({f'ran_{k}': acc[f'ran_{k}'] + count(m[k]) for k in _RAN_KEYS})
     first = (m['nonfinite'] > 0) & (acc['bad_step'] < 0)
     out['bad_step'] = jnp.where(first, step, acc['bad_step'])
@@ -120,6 +127,7 @@ def _start_sums(carried: dict | None) -> dict:
     carried = carried or {}
     acc = {k: np.float32(carried.get(k, 0.0)) for k in _FLOAT_SUMS}
     acc.update({k: np.int32(round(carried.get(k, 0))) for k in _COUNT_SUMS})
+    acc.update({k: np.int32(round(carried[k])) for k in _GUARD_SUMS if k in carried})
     acc.update({f'ran_{k}': np.int32(0) for k in _RAN_KEYS})
     acc.update(bad_step=np.int32(-1), bad_loss_sum=np.float32(0), bad_grad_norm=np.float32(0))
     return acc
@@ -210,14 +218,22 @@ def train_and_evaluate(config, workdir: str, devices=None) -> TrainResult:
     time went: WORKDIR/goodput/ (t2t/goodput/ledger.py), one ledger per call.
     """
     startup.check_writable(workdir)
-    ledger = goodput.Ledger.from_config(config, workdir)
-    try:
-        result = _train_and_evaluate(config, workdir, devices, ledger)
-    except BaseException as e:
-        ledger.end(e)
-        raise
-    ledger.end(result.stopped_by)
-    return result
+    while True:
+        ledger = goodput.Ledger.from_config(config, workdir)
+        try:
+            result = _train_and_evaluate(config, workdir, devices, ledger)
+        except guards.Rollback as rollback:  # rollback_after: resume from an older checkpoint
+            ledger.end('rollback')
+            try:
+                guards.roll_back(workdir, rollback, _say)
+            except guards.RollbackError as e:
+                raise NonFiniteLossError(str(e)) from None
+            continue
+        except BaseException as e:
+            ledger.end(e)
+            raise
+        ledger.end(result.stopped_by)
+        return result
 
 
 def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> TrainResult:
@@ -263,6 +279,7 @@ def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> Tra
             allow_change=config.allow_data_change, where=f'checkpoint {latest} of {workdir}')
         if mapped is not None:
             train_iter.set_state(mapped)
+        guards.skip_rolled_back_batches(workdir, latest, train_iter, _say)
     _clear_finished(workdir)
     tracker = best.Tracker.from_config(config, meta.get(best.META_KEY))
     checkpoint.keep_best_steps(manager, tracker.kept_steps())
@@ -351,6 +368,7 @@ def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> Tra
             state, step_metrics = train_step(state, batch)
             step += 1
             interval.add(step, step_metrics)
+            guards.check_run(config, step, step_metrics, train_iter)  # may raise Rollback
 
             is_last = step == config.num_train_steps
             logged = step % config.log_every_steps == 0 or is_last
@@ -484,8 +502,12 @@ def _log_train(writer, interval: _Interval, config, step, state, flops_per_step,
         grad_norm=fetched['grad_norm'],
         step_time_s=step_time,
         target_tokens_per_s=fetched['ran_tokens'] / max(elapsed, 1e-9),
-        skipped_steps=fetched['nonfinite'],
+        skipped_steps=fetched['nonfinite'] + fetched.get('spikes', 0),
     )
+    if config.clip_grad_norm > 0:  # the steps of the interval whose gradient optax scaled down
+        scalars['clipped_steps_fraction'] = fetched['clipped'] / fetched['window_steps']
+    if config.spike_skip > 0:
+        scalars['spike_skipped_steps'] = fetched['spikes']
     applied = optim.applied_updates(state.opt_state)
     if applied is not None:  # skipped steps advance the step but not the optimizer's count
         scalars['skipped_steps_total'] = step - int(jax.device_get(applied))
