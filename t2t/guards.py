@@ -97,6 +97,8 @@ def roll_back(workdir, rollback: Rollback, say) -> dict:
                      [checkpoint_read.ITERATOR_KEY]['next_index'])
     record = {'at_step': rollback.at_step, 'run': rollback.run, 'to_step': to_step,
               'from_batch': from_batch, 'next_batch': rollback.next_batch}
+    # Every process has read the listing and rollbacks.json before process 0 changes them.
+    distributed.sync_devices(f't2t_rollback_read_{rollback.at_step}')
     if jax.process_index() == 0:
         stamp = time.strftime('%Y%m%d-%H%M%S')
         aside = wd.path(workdir, ROLLED_BACK)
@@ -106,7 +108,7 @@ def roll_back(workdir, rollback: Rollback, say) -> dict:
                 (checkpoint_read.checkpoint_dir(workdir) / str(step)).rename(
                     aside / f'{step}-{stamp}')
         wd.write_atomic(wd.path(workdir, ROLLBACKS_NAME), json.dumps(done + [record], indent=1))
-    distributed.sync_devices(f't2t_rollback_{rollback.at_step}_{len(done)}')
+    distributed.sync_devices(f't2t_rollback_done_{rollback.at_step}')
     say(f'rollback at {where}: back to checkpoint {to_step}, skipping global batches '
         f'{from_batch}-{rollback.next_batch - 1} ({rollback.next_batch - from_batch} batches, '
         f'those since it); checkpoints after {to_step} moved to {wd.path(workdir, ROLLED_BACK)}')
