@@ -9,12 +9,8 @@ before the interruption, are removed from metrics.jsonl and the event files).
 
 A SIGTERM (preemption) is seen at the next step: the loop skips evaluation, saves and returns. The
 host runs at most one step ahead of the device, so that moment is near. A run that completed
-(num_train_steps or the time budget) leaves WORKDIR/TRAINING_FINISHED for evaluate.py --watch.
-
-keep_best / early_stopping_patience (t2t/best.py): each evaluation is ranked by best_metric; an
-evaluation among the keep_best best is saved at its step (a checkpoint that keep_checkpoints
-never deletes), and early_stopping_patience evaluations without improvement end the run
-(stopped_by 'early_stopping'). The ranking travels in the checkpoint like the data position.
+(num_train_steps, the time budget or early stopping: t2t/best.py) leaves
+WORKDIR/TRAINING_FINISHED for evaluate.py --watch. Rollbacks: t2t/guards.py.
 """
 
 from __future__ import annotations
@@ -398,6 +394,10 @@ def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> Tra
                     if tracker.exhausted() and not stopping:
                         stopped_by, stopping = 'early_stopping', True
                         _say(tracker.stop_line(step))
+                        if not logged:  # the last steps' train metrics, not left unwritten
+                            train_summary = _log_train(writer, interval, config, step, state,
+                                                       flops_per_step, flops_per_token, peak,
+                                                       mesh.size)
             # A step among the best is saved whatever checkpoint_every_steps says.
             if step % config.checkpoint_every_steps == 0 or stopping \
                     or step in tracker.kept_steps():
