@@ -11,6 +11,7 @@ from t2t import checkpoint_read, config_checks, data, guards, loop, metrics
 from tests import toy_corpus
 from tests.conftest import tiny_config
 from tests.test_numbers import _log, _step_metrics
+from tests.test_resume import _final_state
 
 pytestmark = pytest.mark.xdist_group(__name__)
 
@@ -99,7 +100,12 @@ def test_a_poisoned_batch_is_skipped_and_a_run_of_them_rolls_back(tmp_path, monk
 
     logged = [r for r in metrics.read_jsonl(workdir) if 'loss' in r]
     assert [r['step'] for r in logged] == list(range(1, 8))  # the rolled-back ones replaced
+    # The recent losses came through the checkpoint: 3 applied steps before it, 3 after.
+    guard = _final_state(config, workdir, 7).guard
+    assert (int(guard['count']), int(guard['skip_run'])) == (6, 0)
     records = {r['step']: r for r in logged}
+    np.testing.assert_array_equal(guard['losses'][[0, 1, 2]], np.float32(
+        [records[s]['loss'] for s in (5, 6, 7)]))  # the ring's slots 3 % 3, 4 % 3, 5 % 3
     # Step 4's poisoned batch was skipped, and counted; no other step of this lineage was.
     assert [records[s]['spike_skipped_steps'] for s in range(1, 8)] == [0, 0, 0, 1, 0, 0, 0]
     assert records[7]['skipped_steps_total'] == 1
