@@ -1,7 +1,7 @@
 """Evaluate or use trained checkpoints (the logic lives in t2t/evaluation.py).
 
   python evaluate.py --config=configs/default.py --workdir=DIR            # the latest checkpoint
-      [--step=N | --all | --average_last=N [--write_averaged=OUT_DIR]] [--split=test]
+      [--step=N | --best | --all | --average_last=N [--write_averaged=OUT_DIR]] [--split=test]
   python evaluate.py --config=... --workdir=DIR --translate [--input=FILE|-] [--output=FILE|-]
       [--truncate_long] [--nbest=N]
   python evaluate.py --config=... --workdir=DIR --score --input=SRC --references=TGT [--output=FILE]
@@ -22,6 +22,8 @@ from t2t import cli, compile_cache, distributed
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Experiment config.')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'The training workdir (holds checkpoints/).')
 _STEP = flags.DEFINE_integer('step', None, 'Evaluate this checkpoint step (default: the latest).')
+_BEST = flags.DEFINE_bool('best', False, 'Evaluate the best checkpoint of a run with keep_best > 0 '
+                          '(ranked by its best_metric during training).')
 _ALL = flags.DEFINE_bool('all', False, 'Evaluate every checkpoint: a table step -> scores.')
 _AVERAGE_LAST = flags.DEFINE_integer(
     'average_last', 0, 'Evaluate the mean of the last N checkpoints (paper: 5 base, 20 big).')
@@ -72,10 +74,13 @@ def main(argv):
     workdir.quiet_transient_failures()
 
     try:
+        step = _STEP.value
+        if _BEST.value:
+            step = _best_step(_WORKDIR.value, jax.process_index())
         if _SCORE.value:
             scoring.run(_CONFIG.value, _WORKDIR.value, input_path=_INPUT.value,
                         references_path=_REFERENCES.value, output_path=_OUTPUT.value,
-                        step=_STEP.value, average_last=_AVERAGE_LAST.value,
+                        step=step, average_last=_AVERAGE_LAST.value,
                         echo=lambda line: print(line, file=sys.stderr))
             return
         if _WATCH.value:
@@ -83,7 +88,7 @@ def main(argv):
                       poll_s=_POLL.value, weights=_WEIGHTS.value)
             return
         evaluation.run(
-            _CONFIG.value, _WORKDIR.value, step=_STEP.value, all_steps=_ALL.value,
+            _CONFIG.value, _WORKDIR.value, step=step, all_steps=_ALL.value,
             average_last=_AVERAGE_LAST.value, write_averaged=_WRITE_AVERAGED.value,
             split=_SPLIT.value, translate=_TRANSLATE.value, input_path=_INPUT.value,
             output_path=_OUTPUT.value, truncate_long=_TRUNCATE_LONG.value,
@@ -97,6 +102,21 @@ def main(argv):
         if not workdir.is_storage_error(e):
             raise
         cli.exit_storage_error('evaluate.py', e)
+
+
+def _best_step(workdir_path, process_index: int) -> int:
+    """--best: the step of the run's best checkpoint (t2t/best.py), said on stderr."""
+    from t2t import best, evaluation
+
+    if _STEP.present or _ALL.value or _AVERAGE_LAST.value or _WATCH.value:
+        raise evaluation.EvalError('--best takes the place of --step, --all, --average_last and '
+                                   '--watch: give one of them')
+    if not workdir_path:
+        raise evaluation.EvalError('--workdir is required')
+    step, what = best.best_step(workdir_path)
+    if process_index == 0:
+        print(f'the best checkpoint: step {step} ({what})', file=sys.stderr)
+    return step
 
 
 if __name__ == '__main__':

@@ -5,9 +5,10 @@ t2t/checkpoint_read.py's; this module writes.
 
 Atomicity: orbax writes a step into a temporary directory and renames it when every item is
 complete, so a crash mid-save leaves no half-written step (leftovers are removed at the next start).
-Old steps beyond keep_checkpoints are first renamed into checkpoints/.deleted (emptied after each
-save and at start), so a crash mid-deletion never leaves a half-deleted step that looks complete
-(`finished_steps` and orbax skip names that are not step numbers).
+Old steps beyond keep_checkpoints (and not among keep_best's best steps, t2t/best.py) are first
+renamed into checkpoints/.deleted (emptied after each save and at start), so a crash
+mid-deletion never leaves a half-deleted step that looks complete (`finished_steps` and orbax
+skip names that are not step numbers).
 A failed save (e.g. a full disk) raises CheckpointError naming the step at the next `save` or
 `wait`; the steps saved before stay intact. `save` refuses a state that holds NaN or inf, and
 records a fingerprint of every array that `restore` checks: a corrupt checkpoint raises
@@ -33,6 +34,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from t2t import distributed
+from t2t.best import KeepSteps
 from t2t.checkpoint_read import (  # the errors and the layout every caller of save/restore uses
     ITERATOR_KEY,
     META,
@@ -64,6 +66,7 @@ class Manager:
     config: dict | None  # the experiment config as JSON-compatible data, stored in each step
     pending: list = dataclasses.field(default_factory=list)  # the step being saved, if any
     cleaners: list = dataclasses.field(default_factory=list)  # threads emptying the trash
+    best: KeepSteps = dataclasses.field(default_factory=KeepSteps)  # steps kept beside the newest
 
 
 def _version() -> str:
@@ -82,14 +85,19 @@ def _config_data(config) -> dict | None:
 
 
 def make_manager(workdir, config, async_: bool = True) -> Manager:
-    """A manager writing to WORKDIR/checkpoints, keeping the newest config.keep_checkpoints steps.
+    """A manager writing to WORKDIR/checkpoints, keeping the newest config.keep_checkpoints steps
+    and, beside them, the steps of `keep_best_steps` (the best ones: t2t/best.py).
 
     With async_=True `save` returns once the arrays are copied to host memory (the caller may
     donate or overwrite the state right away) and the write continues in a background thread.
     """
     directory = checkpoint_dir(workdir)
+    best = KeepSteps()
+    newest = ocp.checkpoint_managers.LatestN(config.keep_checkpoints if config is not None
+                                             else None)
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=config.keep_checkpoints if config is not None else None,
+        # A step is deleted only when neither policy keeps it.
+        preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy([newest, best]),
         enable_async_checkpointing=async_,
         cleanup_tmp_directories=True,  # remove what a crash mid-save left behind
         todelete_subdir=TRASH,  # a step is renamed away in one step, then removed
@@ -97,9 +105,14 @@ def make_manager(workdir, config, async_: bool = True) -> Manager:
     )
     handlers = {STATE: ocp.StandardCheckpointHandler(), META: ocp.JsonCheckpointHandler()}
     manager = ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
-    result = Manager(manager=manager, directory=directory, config=_config_data(config))
+    result = Manager(manager=manager, directory=directory, config=_config_data(config), best=best)
     _empty_trash(result)
     return result
+
+
+def keep_best_steps(manager: Manager, steps) -> None:
+    """From the next save on, these steps are never deleted by keep_checkpoints."""
+    manager.best.steps = frozenset(steps)
 
 
 def latest_step(manager: Manager) -> int | None:

@@ -20,7 +20,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from t2t import decode, loss, model, sharding, train_lib
+from t2t import best, decode, loss, model, sharding, train_lib
 from t2t.data import sources
 from t2t.data.tokenizer import MIN_VOCAB_SIZE
 
@@ -136,6 +136,22 @@ def _rules() -> tuple[Rule, ...]:
         Rule('keep_checkpoints', _at_least(1), ge1),
         Rule('num_eval_batches', lambda v, c: v >= 1 or v == -1, 'must be >= 1, or -1 for all'),
         Rule('eval_bleu_sentences', _at_least(0), 'must be >= 0 (0: no BLEU during training)'),
+        # divergence guards
+        Rule('spike_skip', _at_least(0), 'must be >= 0 (standard deviations; 0: off)'),
+        Rule('spike_window', _at_least(2), 'must be >= 2 (steps whose loss spread spike_skip '
+             'measures)'),
+        Rule('rollback_after', _at_least(0), 'must be >= 0 (0: off)'),
+        Rule('rollback_after', lambda v, c: v == 0 or c.spike_skip > 0 or c.skip_nonfinite,
+             'needs spike_skip > 0 or skip_nonfinite=True (the steps it counts are skipped ones)'),
+        # best checkpoints and early stopping
+        Rule('keep_best', _at_least(0), 'must be >= 0 (0: off)'),
+        Rule('early_stopping_patience', _at_least(0), 'must be >= 0 (0: off)'),
+        Rule('best_metric', *_one_of(best.METRICS)),
+        Rule('best_metric', lambda v, c: not best.enabled(c) or v.startswith('loss')
+             or c.eval_bleu_sentences > 0,
+             'needs eval_bleu_sentences > 0 (BLEU and chrF are scored during training only then)'),
+        Rule('best_metric', lambda v, c: not best.enabled(c) or not v.endswith('_ema')
+             or c.ema_decay > 0, 'needs ema_decay > 0 (the EMA weights it ranks)'),
         Rule('straggler_factor', _at_least(0), 'must be >= 0 (0: off)'),
         Rule('straggler_min_s', _at_least(0), ge0),
         Rule('slow_save_s', _at_least(0), 'must be >= 0 (0: off)'),

@@ -9,7 +9,8 @@ before the interruption, are removed from metrics.jsonl and the event files).
 
 A SIGTERM (preemption) is seen at the next step: the loop skips evaluation, saves and returns. The
 host runs at most one step ahead of the device, so that moment is near. A run that completed
-(num_train_steps or the time budget) leaves WORKDIR/TRAINING_FINISHED for evaluate.py --watch.
+(num_train_steps, the time budget or early stopping: t2t/best.py) leaves
+WORKDIR/TRAINING_FINISHED for evaluate.py --watch. Rollbacks: t2t/guards.py.
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from t2t import (
+    best,
     checkpoint,
     distributed,
     flops,
     goodput,
+    guards,
     metrics,
     optim,
     outage,
@@ -45,7 +48,10 @@ FINISHED_NAME = 'TRAINING_FINISHED'  # JSON {step, stopped_by}: the run has noth
 # Sums over the steps of a log interval (carried across a resume): float32 loss sums, exact counts.
 _FLOAT_SUMS = ('loss_sum', 'nll_sum', 'correct_sum')
 _COUNT_SUMS = ('tokens', 'nonfinite')
-_SUM_KEYS = _FLOAT_SUMS + _COUNT_SUMS
+# Guards' counts, summed only with their option on (clip_grad_norm: also the interval's steps,
+# the window of the fraction; spike_skip), so that without them the sums are as before.
+_GUARD_SUMS = ('clipped', 'window_steps', 'spikes')
+_SUM_KEYS = _FLOAT_SUMS + _COUNT_SUMS + _GUARD_SUMS
 _RAN_KEYS = ('tokens', 'source_tokens')  # this run's steps alone: throughput and MFU
 
 
@@ -56,7 +62,7 @@ class NonFiniteLossError(FloatingPointError):
 @dataclasses.dataclass
 class TrainResult:
     step: int
-    stopped_by: str  # 'num_train_steps', 'time_budget' or 'preemption'
+    stopped_by: str  # 'num_train_steps', 'time_budget', 'early_stopping' or 'preemption'
     train_metrics: dict
     eval_metrics: dict
 
@@ -95,8 +101,11 @@ def _accumulate(acc, step, m):
     def count(x):  # token counts as integers: a float32 sum is exact only up to 2**24
         return jnp.round(x).astype(jnp.int32)
 
+    if 'clipped' in m:
+        m = dict(m, window_steps=1.0)
     out = {k: acc[k] + m[k] for k in _FLOAT_SUMS}
     out.update({k: acc[k] + count(m[k]) for k in _COUNT_SUMS})
+    out.update({k: acc.get(k, 0) + count(m[k]) for k in _GUARD_SUMS if k in m})
     out.update({f'ran_{k}': acc[f'ran_{k}'] + count(m[k]) for k in _RAN_KEYS})
     first = (m['nonfinite'] > 0) & (acc['bad_step'] < 0)
     out['bad_step'] = jnp.where(first, step, acc['bad_step'])
@@ -114,6 +123,7 @@ def _start_sums(carried: dict | None) -> dict:
     carried = carried or {}
     acc = {k: np.float32(carried.get(k, 0.0)) for k in _FLOAT_SUMS}
     acc.update({k: np.int32(round(carried.get(k, 0))) for k in _COUNT_SUMS})
+    acc.update({k: np.int32(round(carried[k])) for k in _GUARD_SUMS if k in carried})
     acc.update({f'ran_{k}': np.int32(0) for k in _RAN_KEYS})
     acc.update(bad_step=np.int32(-1), bad_loss_sum=np.float32(0), bad_grad_norm=np.float32(0))
     return acc
@@ -204,14 +214,22 @@ def train_and_evaluate(config, workdir: str, devices=None) -> TrainResult:
     time went: WORKDIR/goodput/ (t2t/goodput/ledger.py), one ledger per call.
     """
     startup.check_writable(workdir)
-    ledger = goodput.Ledger.from_config(config, workdir)
-    try:
-        result = _train_and_evaluate(config, workdir, devices, ledger)
-    except BaseException as e:
-        ledger.end(e)
-        raise
-    ledger.end(result.stopped_by)
-    return result
+    while True:
+        ledger = goodput.Ledger.from_config(config, workdir)
+        try:
+            result = _train_and_evaluate(config, workdir, devices, ledger)
+        except guards.Rollback as rollback:  # rollback_after: resume from an older checkpoint
+            ledger.end('rollback')
+            try:
+                guards.roll_back(workdir, rollback, _say)
+            except guards.RollbackError as e:
+                raise NonFiniteLossError(str(e)) from None
+            continue
+        except BaseException as e:
+            ledger.end(e)
+            raise
+        ledger.end(result.stopped_by)
+        return result
 
 
 def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> TrainResult:
@@ -257,7 +275,10 @@ def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> Tra
             allow_change=config.allow_data_change, where=f'checkpoint {latest} of {workdir}')
         if mapped is not None:
             train_iter.set_state(mapped)
+        guards.skip_rolled_back_batches(workdir, latest, train_iter, _say)
     _clear_finished(workdir)
+    tracker = best.Tracker.from_config(config, meta.get(best.META_KEY))
+    checkpoint.keep_best_steps(manager, tracker.kept_steps())
 
     step_config = train_lib.StepConfig.from_config(config)
     train_step = ledger.compiling(train_lib.jit_train_step(step_config, tx, state_shardings, mesh))
@@ -309,6 +330,9 @@ def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> Tra
             for suffix, params in weights.items():
                 summary.update({f'{k}{suffix}': v for k, v in bleu_eval(params).items()})
         writer.write_scalars(step, summary)
+        if best.enabled(config):
+            _say(tracker.update(summary, step))
+            checkpoint.keep_best_steps(manager, tracker.kept_steps())
         return summary
 
     interval = _Interval(meta.get('unlogged_metrics'))
@@ -323,6 +347,10 @@ def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> Tra
             eval_summary = evaluate()
             if eval_summary is None:  # preempted again: the checkpoint still says pending
                 stopped_by, eval_summary = 'preemption', {}
+        if stopped_by == 'num_train_steps' and tracker.exhausted() \
+                and step < config.num_train_steps:
+            stopped_by = 'early_stopping'
+            _say(tracker.stop_line(step) + ': nothing to train')
         if stopped_by == 'num_train_steps' and distributed.process_0_decides(over_budget()):
             stopped_by = 'time_budget'
             _say(f'the time budget of {config.train_time_budget_s:.0f} s is spent in {workdir}: '
@@ -336,6 +364,7 @@ def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> Tra
             state, step_metrics = train_step(state, batch)
             step += 1
             interval.add(step, step_metrics)
+            guards.check_run(config, step, step_metrics, train_iter)  # may raise Rollback
 
             is_last = step == config.num_train_steps
             logged = step % config.log_every_steps == 0 or is_last
@@ -362,7 +391,16 @@ def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> Tra
                     evaluation_pending = True
                 else:
                     eval_summary = summary
-            if step % config.checkpoint_every_steps == 0 or stopping:
+                    if tracker.exhausted() and not stopping:
+                        stopped_by, stopping = 'early_stopping', True
+                        _say(tracker.stop_line(step))
+                        if not logged:  # the last steps' train metrics, not left unwritten
+                            train_summary = _log_train(writer, interval, config, step, state,
+                                                       flops_per_step, flops_per_token, peak,
+                                                       mesh.size)
+            # A step among the best is saved whatever checkpoint_every_steps says.
+            if step % config.checkpoint_every_steps == 0 or stopping \
+                    or step in tracker.kept_steps():
                 interval.check_finite(config.skip_nonfinite)  # never save a non-finite state
                 ledger.mark('checkpoint')
                 dog.mark('save', step)
@@ -375,6 +413,7 @@ def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> Tra
                     'train_seconds': train_seconds(),
                     'unlogged_metrics': interval.unlogged(),
                     'evaluation_pending': evaluation_pending,
+                    best.META_KEY: tracker.record(),
                     identity.DATA_KEY: data_identity})
                 outage.save(manager, step, state, outage_limit_s, _say, **save_args)
                 ledger.mark('train', flush='checkpoint')
@@ -463,8 +502,12 @@ def _log_train(writer, interval: _Interval, config, step, state, flops_per_step,
         grad_norm=fetched['grad_norm'],
         step_time_s=step_time,
         target_tokens_per_s=fetched['ran_tokens'] / max(elapsed, 1e-9),
-        skipped_steps=fetched['nonfinite'],
+        skipped_steps=fetched['nonfinite'] + fetched.get('spikes', 0),
     )
+    if config.clip_grad_norm > 0:  # the steps of the interval whose gradient optax scaled down
+        scalars['clipped_steps_fraction'] = fetched['clipped'] / fetched['window_steps']
+    if config.spike_skip > 0:
+        scalars['spike_skipped_steps'] = fetched['spikes']
     applied = optim.applied_updates(state.opt_state)
     if applied is not None:  # skipped steps advance the step but not the optimizer's count
         scalars['skipped_steps_total'] = step - int(jax.device_get(applied))

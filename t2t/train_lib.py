@@ -49,6 +49,18 @@ class EmaTrainState(TrainState):
     ema: Any  # exponential moving average of params, same tree and shardings (optim.update_ema)
 
 
+@struct.dataclass
+class GuardTrainState(TrainState):
+    """The state of a run with divergence guards (spike_skip or rollback_after > 0)."""
+
+    guard: Any  # the recent losses and the skipped-step run (`init_guard`), replicated
+
+
+@struct.dataclass
+class EmaGuardTrainState(EmaTrainState):
+    guard: Any  # as GuardTrainState's
+
+
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
     """The static part of a training step (hashable: safe to close over in jitted code)."""
@@ -63,6 +75,9 @@ class StepConfig:
     rng_impl: str = 'threefry'  # dropout key generator: 'threefry', 'rbg' or 'unsafe_rbg'
     ema_decay: float = 0.0  # > 0: the state's EMA of the params (EmaTrainState) at this decay
     ema_warmup: bool = False  # the decay of update t is min(ema_decay, (1 + t) / (10 + t))
+    clip_grad_norm: float = 0.0  # > 0: the optimizer clips at it; metrics count clipped steps
+    spike_skip: float = 0.0  # > 0: skip a step whose loss is over the recent mean + this x std
+    guard_window: int = 0  # > 0: the state holds the last this many applied losses (a guard)
 
     def __post_init__(self):
         if self.rng_impl not in RNG_IMPLS:
@@ -83,7 +98,16 @@ class StepConfig:
                    loss_impl=config.loss_impl, z_loss=config.z_loss,
                    rng_impl=config.rng_impl,
                    ema_decay=config.ema_decay,
-                   ema_warmup=config.ema_warmup)
+                   ema_warmup=config.ema_warmup,
+                   clip_grad_norm=config.clip_grad_norm,
+                   spike_skip=config.spike_skip,
+                   guard_window=guard_window(config))
+
+
+def guard_window(config) -> int:
+    """The recent losses a state keeps: spike_window with a divergence guard on, else 0 (none)."""
+    on = config.spike_skip > 0 or config.rollback_after > 0
+    return config.spike_window if on else 0
 
 
 # config name -> jax PRNG implementation of the dropout keys
@@ -128,11 +152,11 @@ def loss_sums(params, batch, rng, step_config: StepConfig, deterministic: bool):
 
 def init_state(rng, model_config: TransformerConfig, tx: optax.GradientTransformation,
                batch_shape: tuple[int, int], rng_impl: str = 'threefry',
-               ema: bool = False) -> TrainState:
+               ema: bool = False, guard_window: int = 0) -> TrainState:
     """A fresh state; parameters are boxed with logical axis names (see sharding.init_sharded).
 
     ema: an EmaTrainState whose average starts at the initial parameters (boxed alike, so it is
-    sharded like them)."""
+    sharded like them). guard_window > 0: a Guard state (`init_guard`) beside them."""
     init_rng, dropout_rng = jax.random.split(rng)
     if rng_impl != 'threefry':  # the same draw seeds the other generator
         seed = jax.random.bits(dropout_rng, (), jnp.uint32)
@@ -143,8 +167,11 @@ def init_state(rng, model_config: TransformerConfig, tx: optax.GradientTransform
     fields = dict(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                   rng=dropout_rng)
     if ema:
-        return EmaTrainState(**fields, ema=params)
-    return TrainState(**fields)
+        fields['ema'] = params
+    if guard_window:
+        return (EmaGuardTrainState if ema else GuardTrainState)(
+            **fields, guard=init_guard(guard_window))
+    return EmaTrainState(**fields) if ema else TrainState(**fields)
 
 
 def ema_params(state):
@@ -156,7 +183,7 @@ def _config_init(config, tx):
     """(init function of the rng, the config's rng): what both state builders below start from."""
     init = functools.partial(init_state, model_config=TransformerConfig.from_config(config),
                              tx=tx, batch_shape=(1, config.max_len), rng_impl=config.rng_impl,
-                             ema=config.ema_decay > 0)
+                             ema=config.ema_decay > 0, guard_window=guard_window(config))
     return init, jax.random.PRNGKey(config.seed)
 
 
@@ -174,6 +201,34 @@ def abstract_state(config, mesh, tx):
     return jax.tree_util.tree_map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), nn.unbox(boxed),
         shardings)
+
+
+# ----------------------------------------------------------------------------------------------
+# Divergence guards (MaxText's skip_step_on_spikes): the losses of the last applied steps
+
+
+def init_guard(window: int) -> dict:
+    """losses: the last `window` applied steps' mean token losses (a ring, by count); count:
+    applied steps seen; skip_run: the steps in a row, up to now, that were not applied."""
+    return {'losses': jnp.zeros((window,), jnp.float32), 'count': jnp.zeros((), jnp.int32),
+            'skip_run': jnp.zeros((), jnp.int32)}
+
+
+def is_spike(guard: dict, loss, k: float):
+    """Whether `loss` exceeds the mean of the window by more than k standard deviations (only
+    once the window is full: too few losses give no standard deviation to trust)."""
+    losses = guard['losses']
+    full = guard['count'] >= losses.shape[0]
+    return full & (loss > losses.mean() + k * losses.std())
+
+
+def update_guard(guard: dict, loss, applied) -> dict:
+    """The guard after a step: an applied step's loss enters the window; a skipped one (spike
+    or not finite) lengthens the run of skips instead, so spikes never raise the mean."""
+    at = guard['count'] % guard['losses'].shape[0]
+    return {'losses': jnp.where(applied, guard['losses'].at[at].set(loss), guard['losses']),
+            'count': guard['count'] + applied.astype(jnp.int32),
+            'skip_run': jnp.where(applied, 0, guard['skip_run'] + 1)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -242,26 +297,41 @@ def train_step(state: TrainState, batch, *, step_config: StepConfig,
 
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(sums['loss_sum']) & jnp.isfinite(grad_norm)
-    if step_config.skip_nonfinite:
+    applied, extra, guard_metrics = finite, {}, {}
+    if step_config.guard_window:
+        loss_mean = sums['loss_sum'] / denom
+        spike = jnp.zeros((), bool)
+        if step_config.spike_skip > 0:
+            spike = finite & is_spike(state.guard, loss_mean, step_config.spike_skip)
+        applied = finite & ~spike
+        extra['guard'] = update_guard(state.guard, loss_mean, applied)
+        guard_metrics = dict(spikes=spike.astype(jnp.float32),
+                             skip_run=extra['guard']['skip_run'].astype(jnp.float32))
+    skipping = step_config.skip_nonfinite or step_config.spike_skip > 0
+    if skipping:
+        if not step_config.skip_nonfinite:  # a non-finite step is applied (and stops the run)
+            applied = applied | ~finite
         # Keep the old parameters and optimizer state; the step counter still advances.
         keep = lambda new, old: jax.tree_util.tree_map(
-            lambda n, o: jnp.where(finite, n, o), new, old)
+            lambda n, o: jnp.where(applied, n, o), new, old)
         new_params = keep(new_params, state.params)
         new_opt_state = keep(new_opt_state, state.opt_state)
-    ema = {}
     if step_config.ema_decay > 0:  # after the optimizer step; a skipped step leaves it too
         decay = optim.ema_decay_at(step_config.ema_decay, state.step + 1, step_config.ema_warmup)
-        ema['ema'] = optim.update_ema(state.ema, new_params, decay)
-        if step_config.skip_nonfinite:
-            ema['ema'] = keep(ema['ema'], state.ema)
+        extra['ema'] = optim.update_ema(state.ema, new_params, decay)
+        if skipping:
+            extra['ema'] = keep(extra['ema'], state.ema)
 
     metrics = dict(sums, grad_norm=grad_norm, nonfinite=1.0 - finite.astype(jnp.float32),
-                   source_tokens=(batch['inputs'] != PAD_ID).sum().astype(jnp.float32))
+                   source_tokens=(batch['inputs'] != PAD_ID).sum().astype(jnp.float32),
+                   **guard_metrics)
+    if step_config.clip_grad_norm > 0:  # optax's clip_by_global_norm scales such gradients
+        metrics['clipped'] = (grad_norm > step_config.clip_grad_norm).astype(jnp.float32)
     applied_lr = optim.applied_learning_rate(new_opt_state)
     if applied_lr is not None:  # what Adam used; after a skipped step, the last rate applied
         metrics['learning_rate'] = applied_lr
     new_state = state.replace(step=state.step + 1, params=new_params, opt_state=new_opt_state,
-                              **ema)
+                              **extra)
     return new_state, metrics
 
 
