@@ -7,6 +7,8 @@
   python evaluate.py --config=... --workdir=DIR --score --input=SRC --references=TGT [--output=FILE]
   python evaluate.py --config=... --workdir=DIR --watch [--split=...] [--timeout=3600] [--poll=5]
   any of them with --weights=ema|raw (default auto: the EMA of a run with ema_decay > 0, else raw)
+  python evaluate.py --config=... --workdir=DIR --ensemble=DIR_OR_STEP,DIR_OR_STEP[,...]
+      [--split=test | --translate ...]   # the members decode together (t2t/ensemble.py)
 
 Several processes: the same command on each, with --coordinator_address/--num_processes/
 --process_id or --distributed as for train.py; they split the sentences, process 0 writes.
@@ -49,6 +51,11 @@ _WEIGHTS = flags.DEFINE_enum(
     'weights', 'auto', ['auto', 'ema', 'raw'], 'ema: the moving average of the params that a run '
     'with ema_decay > 0 saved (labels end in -ema); raw: the params as trained; auto: ema when '
     'the checkpoint holds it, else raw.')
+_ENSEMBLE = flags.DEFINE_string(
+    'ensemble', '', 'Decode with several checkpoints at once: comma-separated members, each a '
+    'workdir (its latest checkpoint) or a step of --workdir; any sizes, one vocabulary. Each '
+    'step reads the arithmetic mean of the members\' log-probabilities (not of their '
+    'probabilities, as fairseq). Results go to --workdir.')
 _TIMEOUT = flags.DEFINE_float('timeout', 3600.0, 'With --watch: give up after this many seconds '
                               'without a new checkpoint.')
 _POLL = flags.DEFINE_float('poll', 5.0, 'With --watch: seconds between looks for a new checkpoint.')
@@ -73,6 +80,9 @@ def main(argv):
 
     workdir.quiet_transient_failures()
 
+    if _ENSEMBLE.value and (_SCORE.value or _WATCH.value):
+        sys.exit('evaluate.py: --ensemble decodes the test split or --translate; not with '
+                 '--score or --watch')
     try:
         step = _STEP.value
         if _BEST.value:
@@ -92,7 +102,7 @@ def main(argv):
             average_last=_AVERAGE_LAST.value, write_averaged=_WRITE_AVERAGED.value,
             split=_SPLIT.value, translate=_TRANSLATE.value, input_path=_INPUT.value,
             output_path=_OUTPUT.value, truncate_long=_TRUNCATE_LONG.value,
-            weights=_WEIGHTS.value, nbest=_NBEST.value)
+            weights=_WEIGHTS.value, nbest=_NBEST.value, ensemble=_ENSEMBLE.value)
     except distributed.PeerLost as e:  # exit 4: another process of the job is gone
         distributed.exit_peer_lost(f'evaluate.py: {e}')
     except (evaluation.EvalError, checkpoint.CheckpointError, startup.ConfigError,

@@ -169,6 +169,7 @@ def beam_search(
     shrink_to: tuple[int, ...] = (),
     cache_lengths: tuple[int, ...] = (),
     grow_cache: Callable[[Any, int], Any] | None = None,
+    log_probs: bool = False,
 ):
     """Beam search with the GNMT length penalty (alive / finished, 2K top-k per step).
 
@@ -200,6 +201,9 @@ def beam_search(
         whole batch runs at most that many steps with it, then grow_cache extends it to the
         next length, ..., and last to max_decode_len. Most sentences end early, and a short
         cache is cheaper to reorder and attend over at every step.
+      log_probs: static; tokens_to_logits returns log-probabilities already (an ensemble's mean
+        of its members', t2t/ensemble.py): summed as they are. A log_softmax would renormalize
+        that mean, so a hypothesis' score would no longer be its members' mean score.
 
     A hypothesis ends when it emits EOS or reaches its example's limit; one cut at the limit is
     scored like one that emitted EOS there (|Y| = limit), so if no beam emits EOS the best
@@ -270,7 +274,10 @@ def beam_search(
         ids_N1 = state.alive_seqs_BKT[:, :, i].reshape(B * K, 1)
         logits_NV, cache = tokens_to_logits(ids_N1, state.alive_cache, state.constants)
         V = logits_NV.shape[-1]
-        log_probs_BKV = jax.nn.log_softmax(logits_NV.astype(jnp.float32)).reshape(B, K, V)
+        log_probs_NV = logits_NV.astype(jnp.float32)
+        if not log_probs:
+            log_probs_NV = jax.nn.log_softmax(log_probs_NV)
+        log_probs_BKV = log_probs_NV.reshape(B, K, V)
         log_probs_BKV = log_probs_BKV.at[:, :, PAD_ID].set(NEG_INF)  # never generated
         cand_log_probs_BKV = state.alive_log_probs_BK[:, :, None] + log_probs_BKV
 

@@ -174,11 +174,17 @@ def weights_label(label: str, weights: str) -> str:
 def evaluate_params(config, params, tokenizer, eval_split, *, split: str, label: str,
                     steps: list[int], workdir, progress: bool = True,
                     echo: Callable[[str], None] = print, mesh=None,
-                    weights: str = 'raw') -> dict:
+                    weights: str = 'raw', members=None) -> dict:
     """Decodes `eval_split` (on the devices of `mesh`, default one device), writes hypotheses
-    (process 0) and scores, prints the report; returns the record."""
-    model_config = TransformerConfig.from_config(config)
-    check_params(params, model_config, tokenizer, label)
+    (process 0) and scores, prints the report; returns the record. members: an ensemble's
+    (t2t/ensemble.py, params the tuple of theirs, already checked) instead of --config's model."""
+    from t2t import ensemble
+
+    if members:
+        model_config = ensemble.model_configs(members)
+    else:
+        model_config = TransformerConfig.from_config(config)
+        check_params(params, model_config, tokenizer, label)
     n = len(eval_split.sources)
     predict = inference.config_predict_fn(config, model_config,
                                           num_valid_ids=tokenizer.vocab_size, mesh=mesh)
@@ -199,6 +205,8 @@ def evaluate_params(config, params, tokenizer, eval_split, *, split: str, label:
         **scores,
         'steps': steps,
         'weights': weights,
+        **({'ensemble': ensemble.describe(members), 'ensemble_mean': 'log_prob'}
+           if members else {}),
         'split': eval_split.name,
         'sentences': n,
         'skipped_too_long': len(eval_split.skipped),
@@ -300,10 +308,11 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
         translate: bool = False, input_path: str = '-', output_path: str = '-',
         truncate_long: bool = False, nbest: int = 1, progress: bool = True,
         echo: Callable[[str], None] = print, devices=None,
-        weights: str = 'auto') -> dict[str, dict]:
+        weights: str = 'auto', ensemble: str = '') -> dict[str, dict]:
     """Everything evaluate.py does; returns {label: record} (empty for --translate).
 
-    Decodes on `devices` (default: all devices of all processes).
+    Decodes on `devices` (default: all devices of all processes). ensemble: 'DIR_OR_STEP,...',
+    decode with those checkpoints together (t2t/ensemble.py) instead of one.
     """
     startup.check_lengths(config)
     if not workdir:
@@ -318,6 +327,14 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
                         f'1 <= nbest <= beam_size={config.beam_size}')
     if translate and input_path == '-' and jax.process_count() > 1:
         raise EvalError('with several processes --translate reads --input=FILE, not stdin')
+    if ensemble:
+        if step is not None or all_steps or average_last or write_averaged:
+            raise EvalError('--ensemble names its members: it takes no --step, --all, '
+                            '--average_last or --write_averaged')
+        return _run_ensemble(config, workdir, ensemble, split=split, translate=translate,
+                             input_path=input_path, output_path=output_path,
+                             truncate_long=truncate_long, nbest=nbest, progress=progress,
+                             echo=echo, devices=devices, weights=weights)
     selection = select(workdir, step=step, all_steps=all_steps, average_last=average_last)
     tokenizer = workdir_tokenizer(config, workdir)
     mesh = sharding.make_mesh((-1, 1, 1), devices)  # decoding: every device its own rows
@@ -361,6 +378,37 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
     return results
 
 
+def _run_ensemble(config, workdir, spec: str, *, split: str, translate: bool, input_path: str,
+                  output_path: str, truncate_long: bool, nbest: int, progress: bool, echo,
+                  devices, weights: str) -> dict[str, dict]:
+    """run() for --ensemble: its members decode together; results go to --workdir."""
+    from t2t import ensemble
+
+    tokenizer = workdir_tokenizer(config, workdir)
+    members = ensemble.resolve(config, workdir, spec, tokenizer, weights)  # before any restore
+    mesh = sharding.make_mesh((-1, 1, 1), devices)
+    if jax.process_index() != 0:
+        echo, progress = (lambda _: None), False
+    if not translate:
+        split = split or config.test_split
+        eval_split = _load_split(config, tokenizer, split)
+    params = ensemble.load_params(config, members, tokenizer, mesh)
+    if translate:
+        translate_file(config, params, tokenizer, input_path, output_path, mesh,
+                       truncate_long=truncate_long, nbest=nbest, members=members)
+        return {}
+    label = ensemble.label(members)
+    record = evaluate_params(config, params, tokenizer, eval_split, split=split, label=label,
+                             steps=[m.step for m in members], workdir=workdir,
+                             progress=progress, echo=echo, mesh=mesh,
+                             weights='+'.join(m.weights for m in members), members=members)
+    json_path = scores_path(workdir, split)
+    if jax.process_index() == 0:
+        merge_json(json_path, label, record)
+    echo(f'scores -> {json_path}')
+    return {label: record}
+
+
 def _params_for(config, workdir, label, steps, write_averaged, mesh, weights='auto'):
     """(the params of `steps` (averaged when several), replicated once on the mesh's devices,
     the weights they are: 'raw' or 'ema')."""
@@ -375,19 +423,26 @@ def _params_for(config, workdir, label, steps, write_averaged, mesh, weights='au
 
 
 def translate_file(config, params, tokenizer, input_path: str, output_path: str,
-                   mesh=None, truncate_long: bool = False, nbest: int = 1) -> None:
+                   mesh=None, truncate_long: bool = False, nbest: int = 1,
+                   members=None) -> None:
     """Translates the lines of a file (or stdin, '-') into a file (or stdout, '-'), in order,
     streamed and resumable (t2t/translate.py); nbest > 1: beam search's best nbest per line as
-    TSV. With several processes each reads the file and decodes its rows; process 0 writes."""
-    from t2t import translate
+    TSV. With several processes each reads the file and decodes its rows; process 0 writes.
+    members: an ensemble's (t2t/ensemble.py), params the tuple of theirs."""
+    from t2t import ensemble, translate
 
-    model_config = TransformerConfig.from_config(config)
+    if members:
+        model_config = ensemble.model_configs(members)
+        max_len = min(c.max_position for c in model_config)  # every member's table holds it
+    else:
+        model_config = TransformerConfig.from_config(config)
+        max_len = config.max_position
     predict = inference.config_predict_fn(config, model_config, nbest=nbest,
                                           num_valid_ids=tokenizer.vocab_size, mesh=mesh)
     try:
         stats = translate.translate_stream(
-            predict, params, tokenizer, input_path, output_path, max_len=config.max_position,
-            token_budget=max(translate.DEFAULT_TOKEN_BUDGET, config.max_position),
+            predict, params, tokenizer, input_path, output_path, max_len=max_len,
+            token_budget=max(translate.DEFAULT_TOKEN_BUDGET, max_len),
             truncate_long=truncate_long, mesh=mesh, write=jax.process_index() == 0,
             nbest_alpha=config.length_penalty_alpha if nbest > 1 else None,
             progress=output_path != '-' and jax.process_index() == 0)
@@ -395,7 +450,7 @@ def translate_file(config, params, tokenizer, input_path: str, output_path: str,
         raise EvalError(f'--translate {input_path} -> {output_path}: {e}') from e
     if stats.too_long:
         logging.warning('%d lines are longer than max_position=%d tokens: %s', stats.too_long,
-                        config.max_position, 'truncated' if truncate_long else 'left empty')
+                        max_len, 'truncated' if truncate_long else 'left empty')
     if stats.capped:
         logging.warning('%d translations were truncated by max_decode_len=%d', stats.capped,
                         config.max_decode_len)

@@ -22,6 +22,9 @@ at most max_decode_len (the paper: source length + 50).
 The decode buffers are min(max_decode_len, S + max_decode_extra) long, static per bucket length S,
 so there is one compile per (B, S) and short buckets do not pay for long buffers.
 
+An ensemble (make_predict_fn of a tuple of configs, t2t/ensemble.py) decodes in the same jitted
+search with the mean of its members' log-probabilities at every step.
+
 Greedy decoding and sampling (make_predict_fn's greedy, sampling: decode.greedy_search and
 decode.sample_search, one row per example, the whole buffer's cache from the start) replace the
 beam search; a sampled sentence's PRNG key comes from the seed and its own source tokens
@@ -130,9 +133,61 @@ def shrink_ladder(rows: int, floor: int) -> tuple[int, ...]:
     return tuple(ladder)
 
 
+class _Member:
+    """One model's side of decoding: the encoder once per batch, then one token per step."""
+
+    def __init__(self, model_config: TransformerConfig, num_valid_ids: int | None):
+        self.config = model_config.replace(deterministic=True, decode=False)
+        self.num_valid_ids = num_valid_ids
+
+    def _decoder(self, length: int) -> Transformer:
+        return Transformer(self.config.replace(decode=True, decode_len=length))
+
+    def start(self, params, inputs_BS, first: int):
+        """(the decode cache for B rows with `first` positions, the search's constants)."""
+        encoded_BSD = Transformer(self.config).apply({'params': params}, inputs_BS,
+                                                     method=Transformer.encode)
+        # The first call only builds the cache: self-attention buffers, cross keys/values.
+        _, variables = self._decoder(first).apply(
+            {'params': params}, encoded_BSD, inputs_BS,
+            jnp.full((inputs_BS.shape[0], 1), PAD_ID, jnp.int32),
+            method=Transformer.decode_step, mutable=['cache', 'cross_cache'])
+        # Once the caches exist the decoder reads only the source padding mask and the
+        # cross-attention keys/values: the same for every beam of an example, so the search
+        # never reorders them (decode.beam_search's constants).
+        return variables['cache'], {'inputs': inputs_BS, 'cross_cache': variables['cross_cache']}
+
+    def step(self, params, ids_N1, cache, constants):
+        """decode.TokensToLogits with the params bound: (logits_NV, the advanced cache)."""
+        unused_N1D = jnp.zeros((ids_N1.shape[0], 1, self.config.d_model), self.config.dtype)
+        logits_N1V, new_vars = self._decoder(_cache_length(cache)).apply(
+            {'params': params, 'cache': cache, 'cross_cache': constants['cross_cache']},
+            unused_N1D, constants['inputs'], ids_N1, method=Transformer.decode_step,
+            mutable=['cache'])
+        logits_NV = logits_N1V[:, 0]
+        if self.num_valid_ids is not None and self.num_valid_ids < logits_NV.shape[-1]:
+            # Rows the tokenizer cannot detokenize; finite, so log_softmax stays finite.
+            valid_V = jnp.arange(logits_NV.shape[-1]) < self.num_valid_ids
+            logits_NV = jnp.where(valid_V, logits_NV, -1e9)
+        return logits_NV, new_vars['cache']
+
+
+def _ensemble_step(members: Sequence[_Member], params, ids_N1, caches, constants):
+    """An ensemble's decode.TokensToLogits: the mean over members of their log-probabilities
+    (log_softmax of each one's logits; not renormalized: a hypothesis' sum is its members' mean
+    sum), over the vocabulary rows all members have. Each member advances its own cache."""
+    stepped = [m.step(p, ids_N1, c, k)
+               for m, p, c, k in zip(members, params, caches, constants, strict=True)]
+    V = min(logits_NV.shape[-1] for logits_NV, _ in stepped)
+    log_probs_MNV = jnp.stack([jax.nn.log_softmax(logits_NV.astype(jnp.float32))[:, :V]
+                               for logits_NV, _ in stepped])
+    return jnp.mean(log_probs_MNV, axis=0), tuple(cache for _, cache in stepped)
+
+
 @functools.lru_cache(maxsize=32)
-def make_predict_fn(model_config: TransformerConfig, *, beam_size: int, alpha: float,
-                    max_decode_len: int, max_decode_extra: int, greedy: bool = False,
+def make_predict_fn(model_config: TransformerConfig | tuple[TransformerConfig, ...], *,
+                    beam_size: int, alpha: float, max_decode_len: int,
+                    max_decode_extra: int, greedy: bool = False,
                     num_valid_ids: int | None = None, eos_id: int = EOS_ID,
                     beam_unfinished: str = 'fallback', beam_stop: str = 'bound',
                     shrink_floor: int = 0, sampling: decode.Sampling | None = None,
@@ -158,6 +213,12 @@ def make_predict_fn(model_config: TransformerConfig, *, beam_size: int, alpha: f
     (`decode.sample_search`, keys from `sample_keys` with `seed`) instead of searching.
     nbest: beam search also returns its best nbest hypotheses (<= beam_size). Cached, so every
     caller with the same settings shares one function and its compiled buckets.
+
+    An ensemble: model_config a tuple of its members' configs (any sizes and architectures, one
+    vocabulary), params the tuple of their params. Every member encodes the batch and keeps its
+    own cache; each step the search reads the mean of their log-probabilities (`_ensemble_step`),
+    beam search's scores are sums of it, greedy takes its argmax and sampling draws from its
+    softmax (renormalized there).
     """
     if beam_size < 1 or max_decode_len < 1 or max_decode_extra < 0 or shrink_floor < 0:
         raise ValueError(f'beam_size={beam_size}, max_decode_len={max_decode_len} must be >= 1 '
@@ -165,11 +226,13 @@ def make_predict_fn(model_config: TransformerConfig, *, beam_size: int, alpha: f
                          '>= 0')
     if not 1 <= nbest <= beam_size or (nbest > 1 and (greedy or sampling is not None)):
         raise ValueError(f'nbest={nbest} needs beam search with beam_size={beam_size} >= it')
-    if max_decode_len > model_config.max_position:  # positions beyond the table would clamp
-        raise ValueError(f'max_decode_len={max_decode_len} exceeds the model\'s max_position='
-                         f'{model_config.max_position}')
-    config = model_config.replace(deterministic=True, decode=False)
-    encoder = Transformer(config)
+    configs = model_config if isinstance(model_config, tuple) else (model_config,)
+    for member in configs:  # positions beyond a table would clamp
+        if max_decode_len > member.max_position:
+            raise ValueError(f'max_decode_len={max_decode_len} exceeds the model\'s max_position='
+                             f'{member.max_position}')
+    members = [_Member(member, num_valid_ids) for member in configs]
+    ensemble = isinstance(model_config, tuple)
 
     def predict(params, inputs_BS) -> Prediction:
         B, S = inputs_BS.shape
@@ -180,7 +243,6 @@ def make_predict_fn(model_config: TransformerConfig, *, beam_size: int, alpha: f
         # decodes nothing for it.
         limit_B = jnp.where(src_len_B > 0, jnp.minimum(wanted_B, max_decode_len), 0)
 
-        encoded_BSD = encoder.apply({'params': params}, inputs_BS, method=Transformer.encode)
         # Beam search starts with a cache of `first` positions and grows it to L once (decode.py's
         # cache_lengths): most sentences end before, and every step's reorder and attention
         # cost follows the cache's length.
@@ -188,50 +250,32 @@ def make_predict_fn(model_config: TransformerConfig, *, beam_size: int, alpha: f
         # Greedy and sampling never grow the cache; a short saving is not worth its compile.
         if greedy or sampling is not None or L - first < SHORT_CACHE_MIN_SAVING:
             first = L
-
-        def decoder_for(length):
-            return Transformer(config.replace(decode=True, decode_len=length))
-
-        # The first call only builds the cache: self-attention buffers, cross keys/values.
-        _, variables = decoder_for(first).apply(
-            {'params': params}, encoded_BSD, inputs_BS, jnp.full((B, 1), PAD_ID, jnp.int32),
-            method=Transformer.decode_step, mutable=['cache', 'cross_cache'])
-
-        # Once the caches exist the decoder reads only the source padding mask and the
-        # cross-attention keys/values: the same for every beam of an example, so the search
-        # never reorders them (decode.beam_search's constants).
-        constants = {'inputs': inputs_BS, 'cross_cache': variables['cross_cache']}
-
-        def tokens_to_logits(ids_N1, cache, constants):
-            unused_N1D = jnp.zeros((ids_N1.shape[0], 1, config.d_model), config.dtype)
-            logits_N1V, new_vars = decoder_for(_cache_length(cache)).apply(
-                {'params': params, 'cache': cache, 'cross_cache': constants['cross_cache']},
-                unused_N1D, constants['inputs'], ids_N1, method=Transformer.decode_step,
-                mutable=['cache'])
-            logits_NV = logits_N1V[:, 0]
-            if num_valid_ids is not None and num_valid_ids < logits_NV.shape[-1]:
-                # Rows the tokenizer cannot detokenize; finite, so log_softmax stays finite.
-                valid_V = jnp.arange(logits_NV.shape[-1]) < num_valid_ids
-                logits_NV = jnp.where(valid_V, logits_NV, -1e9)
-            return logits_NV, new_vars['cache']
+        if ensemble:
+            started = [m.start(p, inputs_BS, first) for m, p in zip(members, params, strict=True)]
+            cache = tuple(c for c, _ in started)
+            constants = tuple(k for _, k in started)
+            tokens_to_logits = functools.partial(_ensemble_step, members, params)
+        else:
+            cache, constants = members[0].start(params, inputs_BS, first)
+            tokens_to_logits = functools.partial(members[0].step, params)
 
         score_B = nbest_ids_BNL = nbest_scores_BN = None
         if sampling is not None:
             ids_BL = decode.sample_search(
-                tokens_to_logits, variables['cache'], keys_B=sample_keys(inputs_BS, seed),
+                tokens_to_logits, cache, keys_B=sample_keys(inputs_BS, seed),
                 sampling=sampling, batch_size=B, eos_id=eos_id, max_decode_len=L,
                 max_lengths=limit_B, constants=constants)
         elif greedy:
             ids_BL = decode.greedy_search(
-                tokens_to_logits, variables['cache'], batch_size=B, eos_id=eos_id,
+                tokens_to_logits, cache, batch_size=B, eos_id=eos_id,
                 max_decode_len=L, max_lengths=limit_B, constants=constants)
         else:
             seqs_BKL, scores_BK = decode.beam_search(
-                tokens_to_logits, variables['cache'], batch_size=B, beam_size=beam_size,
+                tokens_to_logits, cache, batch_size=B, beam_size=beam_size,
                 alpha=alpha, eos_id=eos_id, max_decode_len=L, max_lengths=limit_B,
                 unfinished=beam_unfinished, stop=beam_stop, constants=constants,
                 shrink_to=shrink_ladder(B, shrink_floor), cache_lengths=(first,),
-                grow_cache=_grow_cache)
+                grow_cache=_grow_cache, log_probs=ensemble)
             ids_BL, score_B = seqs_BKL[:, 0], scores_BK[:, 0]
             if nbest > 1:
                 nbest_ids_BNL, nbest_scores_BN = seqs_BKL[:, :nbest], scores_BK[:, :nbest]
@@ -271,10 +315,11 @@ def describe_decoding(config) -> str:
     return f'beam {config.beam_size}, alpha {config.length_penalty_alpha}{stop}'
 
 
-def config_predict_fn(config, model_config: TransformerConfig, *, num_valid_ids: int,
-                      nbest: int = 1, mesh=None) -> Predict:
+def config_predict_fn(config, model_config: TransformerConfig | tuple[TransformerConfig, ...],
+                      *, num_valid_ids: int, nbest: int = 1, mesh=None) -> Predict:
     """The predict function of an experiment config's decoding settings (decode_strategy: beam
-    search, greedy or sampling), with beam search's best `nbest` hypotheses too."""
+    search, greedy or sampling), with beam search's best `nbest` hypotheses too; an ensemble's
+    for a tuple of member configs (`make_predict_fn`)."""
     return make_predict_fn(
         model_config, beam_size=config.beam_size, alpha=config.length_penalty_alpha,
         max_decode_len=config.max_decode_len, max_decode_extra=config.max_decode_extra,
