@@ -6,11 +6,16 @@ pipelines append it, so the tokenizer stays a plain text <-> pieces map.
 
 import os
 import tempfile
+import threading
 from collections.abc import Iterable, Sequence
 
 from t2t import ids as ids_lib
 from t2t.data import durable
 from t2t.ids import EOS_ID, PAD_ID, UNK_ID
+
+# sentencepiece's sampling draws from one process-wide generator: a seed and the encodes it
+# drives are one critical section, so that a seed gives the same draws in any thread.
+_SAMPLING = threading.Lock()
 
 
 class Tokenizer:
@@ -35,6 +40,32 @@ class Tokenizer:
     def encode_batch(self, texts: Sequence[str], num_threads: int = 0) -> list[list[int]]:
         """Many texts at once in C++ threads (0 = all cores): the fast path for whole splits."""
         return self._sp.encode(list(texts), num_threads=num_threads or os.cpu_count() or 1)
+
+    def sample_batch(self, texts: Sequence[str], alpha: float, nbest_size: int,
+                     seed: int) -> list[list[int]]:
+        """Sampled segmentations of `texts` (subword regularization: sentencepiece's
+        `enable_sampling` with `alpha`, `nbest_size`), the same for the same seed (< 2**32)."""
+        import sentencepiece as spm
+
+        with _SAMPLING:
+            spm.set_random_generator_seed(seed)
+            # one thread: the texts are drawn in their order from the seeded generator
+            return self._sp.encode(list(texts), enable_sampling=True, alpha=alpha,
+                                   nbest_size=nbest_size, num_threads=1)
+
+    def decode_batch(self, ids: Sequence[Sequence[int]]) -> list[str]:
+        """Texts of many id lists (no EOS or PAD in them)."""
+        return self._sp.decode([list(map(int, x)) for x in ids])
+
+    def tag_id(self, tag: str) -> int:
+        """The id of a user-defined piece (a mixture's tag, e.g. '<BT>'); ValueError if the
+        vocabulary does not hold it as one (a plain piece would also be made of text)."""
+        i = self._sp.piece_to_id(tag)
+        if i == UNK_ID or self._sp.id_to_piece(i) != tag or self._sp.encode(tag)[-1:] != [i]:
+            raise ValueError(f'{self.path} has no piece {tag!r} of its own: a tag must be a '
+                             'user-defined symbol of the vocabulary (leave vocab_path empty to '
+                             'train one with the mixture\'s tags)')
+        return i
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids` up to the first EOS; PAD is ignored."""
@@ -75,7 +106,8 @@ def _drop_prefix(model_path: str) -> None:
 
 def train_tokenizer(sentences: Iterable[str], path: str, vocab_size: int,
                     max_sentences: int, character_coverage: float = 0.9999,
-                    num_threads: int = TRAIN_THREADS) -> Tokenizer:
+                    num_threads: int = TRAIN_THREADS,
+                    user_defined_symbols: Sequence[str] = ()) -> Tokenizer:
     """Trains a unigram model on `sentences` and writes it to `path` atomically (.model + .vocab).
 
     `hard_vocab_limit=False` lets a small corpus give a smaller vocabulary instead of failing;
@@ -83,6 +115,7 @@ def train_tokenizer(sentences: Iterable[str], path: str, vocab_size: int,
     Characters outside `character_coverage` and unseen ones fall back to UTF-8 byte pieces, so no
     input becomes UNK (sentencepiece's default coverage drops rare letters such as a capital Ü).
     The same sentences and settings (`num_threads` included) give the same bytes.
+    `user_defined_symbols` (e.g. a mixture's tags) become pieces of their own, never split.
     """
     if vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(f'vocab_size={vocab_size} is too small: at least {MIN_VOCAB_SIZE} (256 '
@@ -106,6 +139,8 @@ def train_tokenizer(sentences: Iterable[str], path: str, vocab_size: int,
             shuffle_input_sentence=True,
             num_threads=num_threads,
             minloglevel=2,
+            **({'user_defined_symbols': list(user_defined_symbols)}
+               if user_defined_symbols else {}),
         )
         base = path[:-len('.model')] if path.endswith('.model') else path
         os.replace(prefix + '.vocab', base + '.vocab')

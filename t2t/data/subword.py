@@ -1,0 +1,101 @@
+"""Subword regularization (Kudo 2018): training pairs segmented again by sampling, on the fly.
+
+`config.spm_alpha` > 0 (with `spm_nbest_size`: -1 samples from every segmentation, n >= 2 from
+the n best) re-segments the pairs of every training row as the batch is built: each pair's
+1-best pieces, as prepared in the packed cache, are decoded to text and encoded again with
+sentencepiece's sampling. The draws of a row are seeded by (shuffle_seed, the row's position in
+the training stream): the position counts epochs too, so the same row gets new segmentations
+each epoch, the same ones in a resumed run and whatever the number of processes. Evaluation and
+decoding never sample (they read the 1-best ids of t2t/data/pipeline.py's eval splits).
+
+The packed row's room is fixed (max_len a side): a pair keeps its sampled segmentation where it
+fits beside the 1-best lengths of the pairs after it in the row, else its 1-best one, so every
+row stays valid. Tags (a mixture member's first source token) are kept as they are.
+spm_alpha 0 leaves the rows exactly as prepared (this module is not used).
+"""
+
+import dataclasses
+import hashlib
+
+import numpy as np
+
+from t2t.data import mixture, packing
+from t2t.data.tokenizer import Tokenizer
+from t2t.ids import EOS_ID, PAD_ID
+
+_SIDES = ('inputs', 'targets')
+
+
+def digest(rows_digest: str, config) -> str:
+    """The training data's digest with the sampling settings folded in (the data identity)."""
+    parts = [rows_digest, 'spm-sampling', float(config.spm_alpha), int(config.spm_nbest_size)]
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def row_seed(seed: int, position: int) -> int:
+    """sentencepiece's generator seed (32 bits) for the row at stream `position`."""
+    return int(np.random.SeedSequence([seed, position]).generate_state(1)[0])
+
+
+def _segments(tokens: np.ndarray, segment_ids: np.ndarray) -> list[np.ndarray]:
+    """The token runs of segments 1..k of one row side (each ends with EOS)."""
+    count = int(segment_ids.max()) if len(segment_ids) else 0
+    return [tokens[segment_ids == s] for s in range(1, count + 1)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampler:
+    """Re-segments the pairs of training batches: `sampler(batch, positions)`."""
+
+    tokenizer: Tokenizer
+    alpha: float
+    nbest_size: int
+    seed: int
+    keep: frozenset  # ids left in place at the start of a source: the mixture's tags
+
+    @classmethod
+    def from_config(cls, config, tokenizer: Tokenizer) -> 'Sampler':
+        keep = frozenset(tokenizer.tag_id(t) for t in mixture.tags(config))
+        return cls(tokenizer, float(config.spm_alpha), int(config.spm_nbest_size),
+                   int(config.shuffle_seed), keep)
+
+    def _row(self, row: dict[str, np.ndarray], position: int) -> dict[str, np.ndarray]:
+        segs = {side: _segments(row[side], row[f'{side}_segment_ids']) for side in _SIDES}
+        heads, bodies = {}, []
+        for side in _SIDES:
+            heads[side] = []
+            for seg in segs[side]:
+                lead = 0
+                while side == 'inputs' and lead < len(seg) - 1 and int(seg[lead]) in self.keep:
+                    lead += 1
+                heads[side].append(seg[:lead])
+                bodies.append(seg[lead:-1])
+        texts = self.tokenizer.decode_batch(bodies)
+        drawn = iter(self.tokenizer.sample_batch(texts, self.alpha, self.nbest_size,
+                                                 row_seed(self.seed, position)))
+        out = {}
+        length = row['inputs'].shape[-1]
+        for side in _SIDES:
+            best = [len(s) for s in segs[side]]
+            tokens = np.full(length, PAD_ID, row[side].dtype)
+            seg_ids = np.zeros(length, row[f'{side}_segment_ids'].dtype)
+            used = 0
+            for j, (seg, head) in enumerate(zip(segs[side], heads[side], strict=True)):
+                sampled = np.concatenate([head, np.asarray(next(drawn), seg.dtype),
+                                          np.array([EOS_ID], seg.dtype)])
+                # sampled if it leaves the room the later pairs' 1-best pieces need
+                piece = sampled if used + len(sampled) + sum(best[j + 1:]) <= length else seg
+                tokens[used:used + len(piece)] = piece
+                seg_ids[used:used + len(piece)] = j + 1
+                used += len(piece)
+            out[side], out[f'{side}_segment_ids'] = tokens, seg_ids
+        return out
+
+    def __call__(self, batch: dict[str, np.ndarray], positions: np.ndarray
+                 ) -> dict[str, np.ndarray]:
+        rows = [self._row({k: v[r] for k, v in batch.items()}, int(p))
+                for r, p in enumerate(np.asarray(positions).tolist())]
+        out = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+        out['inputs_positions'] = packing.positions(out['inputs_segment_ids'])
+        out['targets_positions'] = packing.positions(out['targets_segment_ids'])
+        return out
