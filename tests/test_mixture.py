@@ -70,6 +70,16 @@ def test_weights_tags_resume_and_identity(corpora):
     for a, b in zip(expected, _take(again, 6), strict=True):
         assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
+    # subword sampling re-segments the pairs but keeps each tag whole, first in its source
+    sampled = next(pipeline.train_iterator(_config(corpora, _spec(corpora), spm_alpha=0.1),
+                                           tokenizer))
+    first = sampled['inputs_positions'] == 0
+    first &= sampled['inputs_segment_ids'] > 0
+    rows_tagged = sampled['inputs'][:, 0] == tag
+    np.testing.assert_array_equal(rows_tagged, batches[0]['inputs'][:, 0] == tag)
+    assert (sampled['inputs'][rows_tagged][first[rows_tagged]] == tag).all()
+    assert (sampled['inputs'] == tag).sum() == (batches[0]['inputs'] == tag).sum()
+
     # the identity covers weights, members and tags; members' caches are reused as they are
     run = identity.run_identity(tokenizer, rows, config.batch_size)
     for other in (_spec(corpora, base=2), _spec(corpora, tag=''), _spec(corpora, tag='<XX>')):
