@@ -59,7 +59,8 @@ class Sampler:
         return cls(tokenizer, float(config.spm_alpha), int(config.spm_nbest_size),
                    int(config.shuffle_seed), keep)
 
-    def _row(self, row: dict[str, np.ndarray], position: int) -> dict[str, np.ndarray]:
+    def _split(self, row: dict[str, np.ndarray]):
+        """(segments, kept heads, bodies to re-segment) of one row's two sides."""
         segs = {side: _segments(row[side], row[f'{side}_segment_ids']) for side in _SIDES}
         heads, bodies = {}, []
         for side in _SIDES:
@@ -70,9 +71,12 @@ class Sampler:
                     lead += 1
                 heads[side].append(seg[:lead])
                 bodies.append(seg[lead:-1])
-        texts = self.tokenizer.decode_batch(bodies)
-        drawn = iter(self.tokenizer.sample_batch(texts, self.alpha, self.nbest_size,
-                                                 row_seed(self.seed, position)))
+        return segs, heads, bodies
+
+    def _rebuild(self, row: dict[str, np.ndarray], segs: dict, heads: dict,
+                 drawn: list[list[int]]) -> dict[str, np.ndarray]:
+        """The row with each pair's sampled pieces where they fit (see the module docstring)."""
+        drawn = iter(drawn)
         out = {}
         length = row['inputs'].shape[-1]
         for side in _SIDES:
@@ -93,9 +97,17 @@ class Sampler:
 
     def __call__(self, batch: dict[str, np.ndarray], positions: np.ndarray
                  ) -> dict[str, np.ndarray]:
-        rows = [self._row({k: v[r] for k, v in batch.items()}, int(p))
-                for r, p in enumerate(np.asarray(positions).tolist())]
-        out = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
-        out['inputs_positions'] = packing.positions(out['inputs_segment_ids'])
-        out['targets_positions'] = packing.positions(out['targets_segment_ids'])
-        return out
+        rows = [{k: v[r] for k, v in batch.items()} for r in range(len(batch['inputs']))]
+        parts = [self._split(row) for row in rows]
+        texts = iter(self.tokenizer.decode_batch([b for _, _, bodies in parts for b in bodies]))
+        out = []
+        for row, (segs, heads, bodies), p in zip(rows, parts, np.asarray(positions).tolist(),
+                                                 strict=True):
+            mine = [next(texts) for _ in bodies]
+            drawn = self.tokenizer.sample_batch(mine, self.alpha, self.nbest_size,
+                                                row_seed(self.seed, int(p)))
+            out.append(self._rebuild(row, segs, heads, drawn))
+        stacked = {k: np.stack([r[k] for r in out]) for k in out[0]}
+        stacked['inputs_positions'] = packing.positions(stacked['inputs_segment_ids'])
+        stacked['targets_positions'] = packing.positions(stacked['targets_segment_ids'])
+        return stacked

@@ -49,13 +49,14 @@ class Tokenizer:
 
         with _SAMPLING:
             spm.set_random_generator_seed(seed)
-            # one thread: the texts are drawn in their order from the seeded generator
-            return self._sp.encode(list(texts), enable_sampling=True, alpha=alpha,
-                                   nbest_size=nbest_size, num_threads=1)
+            # in this thread, one at a time: drawn in their order from the seeded generator
+            return [self._sp.encode(t, enable_sampling=True, alpha=alpha, nbest_size=nbest_size)
+                    for t in texts]
 
     def decode_batch(self, ids: Sequence[Sequence[int]]) -> list[str]:
-        """Texts of many id lists (no EOS or PAD in them)."""
-        return self._sp.decode([list(map(int, x)) for x in ids])
+        """Texts of many id lists (no EOS or PAD in them), in sentencepiece's threads."""
+        return self._sp.decode([x.tolist() if hasattr(x, 'tolist') else list(x) for x in ids],
+                               num_threads=os.cpu_count() or 1)
 
     def tag_id(self, tag: str) -> int:
         """The id of a user-defined piece (a mixture's tag, e.g. '<BT>'); ValueError if the
