@@ -1,6 +1,11 @@
 """Subword regularization (t2t/data/subword.py): spm_alpha 0 keeps the prepared rows exactly;
 alpha > 0 samples valid segmentations, reproducible per seed, resumed bit for bit, training only."""
 
+import hashlib
+import os
+import subprocess
+import sys
+
 import grain
 import numpy as np
 import pytest
@@ -11,6 +16,7 @@ from t2t.ids import EOS_ID
 from tests import toy_corpus
 
 _config = toy_corpus.tiny_config
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope='module')
@@ -88,6 +94,41 @@ def test_sampled_segmentations_are_valid_reproducible_and_resume(corpus, tokeniz
     assert _equal(sampler(batch, positions), sampler(batch, positions))
     assert not _equal(sampler(batch, positions), other(batch, positions))
     assert not _equal(sampler(batch, positions), sampler(batch, positions + 1000))
+    # among the n best: valid, and not always the best
+    nbest = subword.Sampler.from_config(_config(corpus, spm_alpha=0.1, spm_nbest_size=4),
+                                        tokenizer)(batch, positions)
+    for r in range(len(batch['inputs'])):
+        one = _segments(batch['inputs'][r], batch['inputs_segment_ids'][r])
+        two = _segments(nbest['inputs'][r], nbest['inputs_segment_ids'][r])
+        assert [tokenizer.decode(x) for x in one] == [tokenizer.decode(y) for y in two]
+    assert not (nbest['inputs'] == batch['inputs']).all()
+
+
+_OTHER_PROCESS = """
+import hashlib, sys
+import numpy as np
+from t2t.data import subword
+from t2t.data.tokenizer import Tokenizer
+batch = dict(np.load(sys.argv[2]))
+tokenizer = Tokenizer(sys.argv[1])
+sampler = subword.Sampler(tokenizer, -1, 0, frozenset(), subword.Lattice(tokenizer.path, 0.1))
+out = sampler(batch, np.arange(8) + 100)
+print(hashlib.sha256(b''.join(out[k].tobytes() for k in sorted(out))).hexdigest())
+"""
+
+
+def test_the_draws_are_the_same_in_another_process(corpus, tokenizer, tmp_path):
+    # (sentencepiece's own sampler is not: its generator differs per process whatever the seed)
+    batch = next(pipeline.train_iterator(_config(corpus), tokenizer))
+    np.savez(tmp_path / 'batch.npz', **batch)
+    out = subword.Sampler.from_config(_config(corpus, spm_alpha=0.1), tokenizer)(
+        batch, np.arange(8) + 100)
+    here = hashlib.sha256(b''.join(out[k].tobytes() for k in sorted(out))).hexdigest()
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu')
+    there = subprocess.run([sys.executable, '-c', _OTHER_PROCESS, tokenizer.path,
+                            str(tmp_path / 'batch.npz')], env=env, capture_output=True,
+                           text=True, check=True).stdout.strip()
+    assert there == here
 
 
 def test_identity_covers_the_sampling_and_evaluation_stays_one_best(corpus, tokenizer):

@@ -6,16 +6,11 @@ pipelines append it, so the tokenizer stays a plain text <-> pieces map.
 
 import os
 import tempfile
-import threading
 from collections.abc import Iterable, Sequence
 
 from t2t import ids as ids_lib
 from t2t.data import durable
 from t2t.ids import EOS_ID, PAD_ID, UNK_ID
-
-# sentencepiece's sampling draws from one process-wide generator: a seed and the encodes it
-# drives are one critical section, so that a seed gives the same draws in any thread.
-_SAMPLING = threading.Lock()
 
 
 class Tokenizer:
@@ -41,17 +36,10 @@ class Tokenizer:
         """Many texts at once in C++ threads (0 = all cores): the fast path for whole splits."""
         return self._sp.encode(list(texts), num_threads=num_threads or os.cpu_count() or 1)
 
-    def sample_batch(self, texts: Sequence[str], alpha: float, nbest_size: int,
-                     seed: int) -> list[list[int]]:
-        """Sampled segmentations of `texts` (subword regularization: sentencepiece's
-        `enable_sampling` with `alpha`, `nbest_size`), the same for the same seed (< 2**32)."""
-        import sentencepiece as spm
-
-        with _SAMPLING:
-            spm.set_random_generator_seed(seed)
-            # in this thread, one at a time: drawn in their order from the seeded generator
-            return [self._sp.encode(t, enable_sampling=True, alpha=alpha, nbest_size=nbest_size)
-                    for t in texts]
+    def nbest(self, text: str, n: int) -> tuple[list[list[int]], list[float]]:
+        """The n best segmentations of `text` (ids) and their scores (sum of log-probs)."""
+        nbests = self._sp.nbest_encode_as_proto(text, n).nbests
+        return [[p.id for p in x.pieces] for x in nbests], [x.score for x in nbests]
 
     def decode_batch(self, ids: Sequence[Sequence[int]]) -> list[str]:
         """Texts of many id lists (no EOS or PAD in them), in sentencepiece's threads."""
