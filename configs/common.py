@@ -44,6 +44,12 @@ def base_config() -> ml_collections.ConfigDict:
     # A resumed run whose batch size or packed training cache differs from its checkpoint's is an
     # error unless this is True (then the data position is mapped by rows consumed, and logged).
     c.allow_data_change = False
+    # Several training corpora mixed by weight, each with an optional tag put first in its
+    # sources (tagged back-translation), e.g. 'embedded=3; tsv:bt.tsv=1:<BT>'; '' trains on
+    # `dataset`'s training split alone (docs/data.md, t2t/data/mixture.py)
+    c.train_mixture = ''
+    c.spm_alpha = 0.0  # > 0: subword regularization, training pairs re-segmented by sampling
+    c.spm_nbest_size = -1  # spm_alpha > 0: sample among every segmentation (-1) or the n best
     # dataset='recall' (t2t/data/recall.py): source length, training draws, held-out sequences
     c.recall_length = 8
     c.recall_train_examples = 20_000

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from t2t import best, decode, loss, model, sharding, train_lib
-from t2t.data import sources
+from t2t.data import mixture, sources
 from t2t.data.tokenizer import MIN_VOCAB_SIZE
 
 # Every length a config asks the model to handle; positions 0 .. length - 1 index the table.
@@ -63,6 +63,19 @@ def _mesh(v, c, allow_rest: bool) -> bool:
     return rest <= 1 and all(n >= 1 for n in v if n != -1 or not allow_rest)
 
 
+class _Why(str):
+    """A rule's `needs` computed from the config: what exactly is wrong with a value whose
+    problems are many (a mixture spec). Rule.problem formats it like any other."""
+
+    def __new__(cls, why: Callable):
+        self = super().__new__(cls, '')
+        self.why = why
+        return self
+
+    def format(self, *args, **kwargs) -> str:
+        return self.why(kwargs['c'])
+
+
 def _rules() -> tuple[Rule, ...]:
     ge1, ge0 = 'must be >= 1', 'must be >= 0'
     unit = 'must be in [0, 1)'
@@ -81,6 +94,20 @@ def _rules() -> tuple[Rule, ...]:
         Rule('recall_length', _at_least(2), 'must be >= 2 (the first symbol and one other)'),
         Rule('recall_train_examples', _at_least(1), ge1),
         Rule('recall_eval_examples', _at_least(1), ge1),
+        # mixtures and subword regularization (t2t/data/mixture.py, t2t/data/subword.py)
+        Rule('train_mixture', lambda v, c: mixture.problem(v) is None,
+             _Why(lambda c: f'is unusable: {mixture.problem(c.train_mixture)} (expected '
+                            f'{mixture.FORMAT})')),
+        Rule('train_mixture', lambda v, c: not v.strip() or c.dataset != 'recall',
+             'needs dataset embedded, tfds or tsv (its training split trains the vocabulary)'),
+        Rule('train_mixture', lambda v, c: not mixture.missing_files(v),
+             _Why(lambda c: 'names TSV files that do not exist (or are not FILE.tsv / SRC,TGT): '
+                            + ', '.join(mixture.missing_files(c.train_mixture)))),
+        Rule('spm_alpha', lambda v, c: v >= 0, 'must be >= 0 (0: the 1-best segmentation)'),
+        Rule('spm_alpha', lambda v, c: v == 0 or c.dataset != 'recall',
+             'needs a sentencepiece vocabulary (dataset=recall has fixed symbols)'),
+        Rule('spm_nbest_size', lambda v, c: v == -1 or v >= 2,
+             'must be -1 (sample among every segmentation) or >= 2 (among the n best)'),
         # model
         Rule('max_position', _at_least(1), ge1),
         *(Rule(key, _at_least(1), ge1) for key in LENGTH_KEYS),

@@ -456,7 +456,7 @@ def _training_data(config, workdir, rows):
                         tokenizer.path, tokenizer.vocab_size, config.vocab_size)
     if config.dataset != 'recall':  # the recall toy's symbols are fixed, not trained
         identity.pin_vocabulary(workdir, tokenizer, write=jax.process_index() == 0)
-    packed = data.packed_split(config, tokenizer, config.train_split)
+    packed = data.train_rows(config, tokenizer)  # one corpus's or a mixture's
     meta = packed.meta
     _say(f'training data {meta["source"]}: {meta["examples"]} pairs in {packed.num_rows} packed '
          f'rows of {meta["max_len"]} tokens (fill {meta["fill"]:.3f}); skipped '

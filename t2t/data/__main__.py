@@ -42,14 +42,21 @@ def _stats(stats: dict) -> str:
 def report(config) -> list[str]:
     tokenizer = pipeline.get_tokenizer(config)
     lines = []
-    packed = cache.packed_split(config, tokenizer, config.train_split)
+    packed = pipeline.train_rows(config, tokenizer)
     train = packed.meta
     lines.append(f'vocabulary: {tokenizer.path} ({tokenizer.vocab_size} pieces, sha256 '
                  f'{identity.vocab_digest(tokenizer)[:12]})')
-    lines.append(f'packed training rows: {packed.directory} (digest {train["digest"][:12]})')
+    for member in train.get('members', ()):  # a mixture: where each member's rows come from
+        tag = f' tag={member["tag"]}' if member['tag'] else ''
+        lines.append(f'mixture member {member["member"]}: weight={member["weight"]:g}{tag} '
+                     f'share={member["share"]:.1%} of rows, packed_rows={member["rows"]} '
+                     f'examples={member["examples"]} in {member["directory"]}')
+    where = getattr(packed, 'directory', 'the members above')
+    lines.append(f'packed training rows: {where} (digest {train["digest"][:12]})')
     lines.append(f'train: split={config.train_split} pairs_read={train["pairs_read"]} '
                  f'examples={train["examples"]} '
-                 f'{_skips(train["skipped"])} {_stats(train["stats"])} packed_rows={train["rows"]} '
+                 f'{_skips(train["skipped"])} {_stats(train["stats"]) if "stats" in train else ""}'
+                 f' packed_rows={train["rows"]} '
                  f'fill={train["fill"]:.3f} vocab={tokenizer.vocab_size}')
     for label, split in (('validation', config.eval_split), ('test', config.test_split)):
         ev = pipeline.eval_split(config, tokenizer, split)

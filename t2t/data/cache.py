@@ -75,13 +75,13 @@ class PackedSplit:
         return batch
 
 
-def cache_key(config, tokenizer: Tokenizer, split: str) -> str:
+def cache_key(config, tokenizer: Tokenizer, split: str, tag: str = '') -> str:
     with open(tokenizer.path, 'rb') as f:
         vocab_hash = hashlib.sha256(f.read()).hexdigest()
     # Not shuffle_seed: the rows are mixed by a fixed seed; the pipeline shuffles them per epoch.
     parts = [CACHE_VERSION, sources.split_fingerprint(config, split), config.source_lang,
              config.target_lang, config.max_len, bool(config.pack), vocab_hash,
-             prepare.CHUNK_PAIRS]
+             prepare.CHUNK_PAIRS] + ([tag] if tag else [])
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
 
 
@@ -111,11 +111,13 @@ def _load(directory: str) -> PackedSplit:
     return PackedSplit(directory, arrays, meta)
 
 
-def packed_dir(config, tokenizer: Tokenizer, split: str) -> str:
-    return os.path.join(config.data_dir, 'packed', f'{split}-{cache_key(config, tokenizer, split)}')
+def packed_dir(config, tokenizer: Tokenizer, split: str, tag: str = '') -> str:
+    return os.path.join(config.data_dir, 'packed',
+                        f'{split}-{cache_key(config, tokenizer, split, tag)}')
 
 
-def packed_split(config, tokenizer: Tokenizer, split: str) -> PackedSplit:
+def packed_split(config, tokenizer: Tokenizer, split: str, *, tag: str = '',
+                 label: str = '') -> PackedSplit:
     """The packed rows of `split`, built on first use.
 
     With several processes every process must call it: process 0 builds first (or, with
@@ -123,45 +125,50 @@ def packed_split(config, tokenizer: Tokenizer, split: str) -> PackedSplit:
     wait; then a process whose data_dir does not hold process 0's cache copies it from the share,
     or without one builds the same rows itself (they depend only on the data, the vocabulary and
     the settings).
+
+    `tag`: a piece put first in every source (a mixture member's); `label`: the name of these
+    rows among several of one split (a mixture member's) in the processes' barriers.
     """
     wait = config.data_wait_timeout_s
     first = distributed.process_index() == 0
+    label = label or split
     directory = multihost.process_0_path(
-        config, packed_dir(config, tokenizer, split) if first else None, f'packed-{split}', wait)
+        config, packed_dir(config, tokenizer, split, tag) if first else None, f'packed-{label}',
+        wait)
     if first:
-        _obtain(config, tokenizer, split, directory)
-    distributed.wait_for(f'packed-{split}', f'process 0 builds the packed rows of {split} in '
+        _obtain(config, tokenizer, split, directory, tag)
+    distributed.wait_for(f'packed-{label}', f'process 0 builds the packed rows of {label} in '
                          f'{directory}', wait, processes=[0])
     if not first:
         if shared.enabled(config):
-            shared.require(config, directory, f'the packed rows of {split}')
+            shared.require(config, directory, f'the packed rows of {label}')
         else:
-            _build_once(config, tokenizer, split, directory)
+            _build_once(config, tokenizer, split, directory, tag)
     packed = _load(directory)
     # Hosts that hold other rows (another library version, a stale or foreign cache) would mix
     # different data into one global batch: stop before the first step instead.
-    distributed.agree(f'the packed rows of {split} (rows:digest)',
+    distributed.agree(f'the packed rows of {label} (rows:digest)',
                       f'{packed.num_rows}:{packed.meta["digest"]}', wait)
     return packed
 
 
-def _obtain(config, tokenizer: Tokenizer, split: str, directory: str) -> None:
+def _obtain(config, tokenizer: Tokenizer, split: str, directory: str, tag: str) -> None:
     """The packed rows in `directory`: the share's copy where it has one, else built here (from
     the share's token shards where it has those) and uploaded with the token shards."""
     if not shared.enabled(config):
-        _build_once(config, tokenizer, split, directory)
+        _build_once(config, tokenizer, split, directory, tag)
         return
     if shared.fetch(config, directory) != shared.ABSENT:
         return
-    tokens = prepare.token_dir(config, tokenizer, split)
+    tokens = prepare.token_dir(config, tokenizer, split, tag)
     if read_meta(directory) is None:
         shared.fetch(config, tokens)  # another max_len or packing: re-packed, not re-tokenized
-        _build_once(config, tokenizer, split, directory)
+        _build_once(config, tokenizer, split, directory, tag)
     shared.publish(config, tokens)
     shared.publish(config, directory)
 
 
-def _build_once(config, tokenizer: Tokenizer, split: str, directory: str) -> None:
+def _build_once(config, tokenizer: Tokenizer, split: str, directory: str, tag: str = '') -> None:
     """Builds into a unique temporary directory renamed into place: concurrent builders (or a
     crash) never leave a half-written cache. The shards stay until the rename, so a killed build
     resumes from them. A directory left torn by a host crash is built again."""
@@ -176,7 +183,7 @@ def _build_once(config, tokenizer: Tokenizer, split: str, directory: str) -> Non
     shard_dir = os.path.join(root, '.shards-' + os.path.basename(directory))
     tmp = tempfile.mkdtemp(dir=root, prefix='.building-')
     try:
-        prepare.build_packed(config, tokenizer, split, tmp, shard_dir)
+        prepare.build_packed(config, tokenizer, split, tmp, shard_dir, tag=tag)
         durable.fsync_dir(tmp)
         durable.replace(tmp, directory)
         shutil.rmtree(shard_dir, ignore_errors=True)

@@ -34,7 +34,18 @@ import numpy as np
 from absl import logging
 
 from t2t import distributed
-from t2t.data import cache, durable, identity, multihost, prepare, progress, shared, sources
+from t2t.data import (
+    cache,
+    durable,
+    identity,
+    mixture,
+    multihost,
+    prepare,
+    progress,
+    shared,
+    sources,
+    subword,
+)
 from t2t.data.tokenizer import Tokenizer, train_tokenizer
 from t2t.ids import PAD_ID
 
@@ -50,6 +61,8 @@ def vocab_path(config) -> str:
     # Not shuffle_seed: a seed sweep trains on one vocabulary.
     settings = (TOKENIZER_VERSION, config.tokenizer_character_coverage, config.tokenizer_sentences,
                 config.vocab_seed)
+    if tags := mixture.tags(config):  # a mixture's tags are pieces of the vocabulary
+        settings += (tags,)
     tag = hashlib.sha256(repr(settings).encode()).hexdigest()[:8]
     name = f'{sources.dataset_id(config)}-{config.vocab_size}-{tag}.model'
     return os.path.join(config.data_dir, 'vocab', name)
@@ -105,20 +118,38 @@ def _train(config, path: str) -> Tokenizer:
     with progress.Stage(f'{config.train_split}: vocabulary training ({len(texts):,} sentences, '
                         f'{prepare.cores()} cores)') as stage:
         tokenizer = train_tokenizer(texts, path, config.vocab_size, config.tokenizer_sentences,
-                                    config.tokenizer_character_coverage)
+                                    config.tokenizer_character_coverage,
+                                    user_defined_symbols=mixture.tags(config))
     progress.echo(stage.summary())
     return tokenizer
 
 
+def train_rows(config, tokenizer: Tokenizer) -> cache.PackedSplit | mixture.MixedRows:
+    """The training rows: the training split's packed rows, or config.train_mixture's members'.
+    With spm_alpha > 0 their meta's `digest` (the run's data identity) also covers the subword
+    sampling settings: a run resumed with others would not continue its data."""
+    if config.train_mixture.strip():
+        packed = mixture.mixed_rows(config, tokenizer)
+    else:
+        packed = cache.packed_split(config, tokenizer, config.train_split)
+    if config.spm_alpha > 0:
+        meta = dict(packed.meta, rows_digest=packed.meta['digest'],
+                    digest=subword.digest(packed.meta['digest'], config))
+        packed = dataclasses.replace(packed, meta=meta)
+    return packed
+
+
 def train_iterator(config, tokenizer: Tokenizer, *, rows=None, num_threads: int = 2,
-                   packed: cache.PackedSplit | None = None):
+                   packed: cache.PackedSplit | mixture.MixedRows | None = None):
     """An endless grain DatasetIterator of packed training batches.
 
     Global batch k holds the packed rows at stream positions [k*B, (k+1)*B) of the shuffled,
-    repeated row stream (B = config.batch_size). `rows`: the sorted row positions within a global
-    batch that this process feeds (t2t.sharding.process_rows); None: all of them. Every process
-    must call it (the packed cache is built by process 0 first). `packed`: the training split's
-    packed rows when the caller has them already.
+    repeated row stream (B = config.batch_size), or of the mixed stream of config.train_mixture
+    (t2t/data/mixture.py). `rows`: the sorted row positions within a global batch that this
+    process feeds (t2t.sharding.process_rows); None: all of them. Every process must call it (the
+    packed cache is built by process 0 first). `packed`: `train_rows(config, tokenizer)` when the
+    caller has them already. With spm_alpha > 0 every row's pairs are segmented again by
+    sampling, seeded by shuffle_seed and the row's stream position (t2t/data/subword.py).
     """
     import grain
 
@@ -128,9 +159,18 @@ def train_iterator(config, tokenizer: Tokenizer, *, rows=None, num_threads: int 
         raise ValueError(f'rows must be positions in a batch of batch_size={batch_size}, got '
                          f'{take.tolist()[:8]}')
     if packed is None:
-        packed = cache.packed_split(config, tokenizer, config.train_split)
-    ds = grain.MapDataset.range(packed.num_rows).shuffle(seed=config.shuffle_seed).repeat()
-    ds = ds.batch(batch_size, drop_remainder=True).map(lambda ids: packed.gather(ids[take]))
+        packed = train_rows(config, tokenizer)
+    if isinstance(packed, mixture.MixedRows):
+        ds = packed.stream(config.shuffle_seed)
+    else:
+        ds = grain.MapDataset.range(packed.num_rows).shuffle(seed=config.shuffle_seed).repeat()
+    ds = ds.batch(batch_size, drop_remainder=True)
+    if config.spm_alpha > 0:
+        sampler = subword.Sampler.from_config(config, tokenizer)
+        ds = ds.map_with_index(lambda k, ids: sampler(packed.gather(ids[take]),
+                                                      k * batch_size + take))
+    else:
+        ds = ds.map(lambda ids: packed.gather(ids[take]))
     options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=4 * num_threads)
     return iter(ds.to_iter_dataset(options))
 

@@ -68,12 +68,13 @@ def sample_sentences(config, split: str, sentences: int, seed: int,
     return texts
 
 
-def token_dir(config, tokenizer: Tokenizer, split: str) -> str:
-    """Where the split's token shards live: keyed by its content and the vocabulary only."""
+def token_dir(config, tokenizer: Tokenizer, split: str, tag: str = '') -> str:
+    """Where the split's token shards live: keyed by its content, the vocabulary and the tag
+    prepended to its sources (a mixture member's) only."""
     with open(tokenizer.path, 'rb') as f:
         vocab = hashlib.sha256(f.read()).hexdigest()
     parts = [TOKENS_VERSION, sources.split_fingerprint(config, split), config.source_lang,
-             config.target_lang, vocab, CHUNK_PAIRS]
+             config.target_lang, vocab, CHUNK_PAIRS] + ([tag] if tag else [])
     key = hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
     return os.path.join(config.data_dir, 'tokens', f'{split}-{key}')
 
@@ -172,15 +173,17 @@ def assemble(tasks: list[shards.Task], out_dir: str, *, split: str, name: str, m
 
 
 def build_packed(config, tokenizer: Tokenizer, split: str, out_dir: str, shard_dir: str, *,
-                 workers: int | None = None, echo=progress.echo) -> dict:
+                 workers: int | None = None, echo=progress.echo, tag: str = '') -> dict:
     """Tokenizes (where not cached) and packs the split's chunks into `shard_dir`, resuming from
-    the shards there, then assembles them into `out_dir`. Returns the meta."""
+    the shards there, then assembles them into `out_dir`. Returns the meta. `tag`: a piece of
+    the vocabulary put first in every source (a mixture member's, t2t/data/mixture.py)."""
     workers = default_workers() if workers is None else workers
     chunks, total = sources.chunks(config, split, CHUNK_PAIRS)
     name = sources.split_name(config, split)
     if not total:
         raise ValueError(f'{name}: no usable sentence pairs (no lines)')
-    tokens = token_dir(config, tokenizer, split)
+    tokens = token_dir(config, tokenizer, split, tag)
+    tag_id = tokenizer.tag_id(tag) if tag else -1
     os.makedirs(tokens, exist_ok=True)
     os.makedirs(shard_dir, exist_ok=True)
     for directory in (tokens, shard_dir):
@@ -192,7 +195,7 @@ def build_packed(config, tokenizer: Tokenizer, split: str, out_dir: str, shard_d
     tasks = [shards.Task(config, split, c, tokenizer,
                          os.path.join(tokens, f'chunk-{c.number:05d}.npz'),
                          os.path.join(shard_dir, f'chunk-{c.number:05d}.npz'),
-                         config.max_len, bool(config.pack), threads) for c in chunks]
+                         config.max_len, bool(config.pack), threads, tag_id) for c in chunks]
     todo_set = {c.number for c in todo}
     done = sum(c.lines for c in chunks if c.number not in todo_set)
     work = collections.Counter()

@@ -50,6 +50,7 @@ class Task:
     max_len: int
     pack: bool
     threads: int  # sentencepiece threads for this chunk
+    tag_id: int = -1  # >= 0: this id (a mixture member's tag) starts every source
 
 
 _TMP = f'.tmp-{socket.gethostname()}-'  # + pid: a partial shard, renamed when whole
@@ -140,6 +141,9 @@ def tokenize(task: Task) -> tuple[dict[str, np.ndarray], dict]:
     pairs, skipped, examples = sources.read_chunk(task.config, task.split, task.chunk)
     tokenizer = _WORKER_TOKENIZER if task.tokenizer is None else task.tokenizer
     src, src_lens = encode(tokenizer, [s for s, _ in pairs], task.threads)
+    if task.tag_id >= 0:  # an id, not text: the tag is one token whatever the segmentation
+        src = np.insert(src, np.cumsum(src_lens) - src_lens, task.tag_id).astype(src.dtype)
+        src_lens = src_lens + 1
     tgt, tgt_lens = encode(tokenizer, [t for _, t in pairs], task.threads)
     del pairs
     arrays = {'src': src, 'src_lens': src_lens, 'tgt': tgt, 'tgt_lens': tgt_lens}

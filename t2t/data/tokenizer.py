@@ -36,6 +36,26 @@ class Tokenizer:
         """Many texts at once in C++ threads (0 = all cores): the fast path for whole splits."""
         return self._sp.encode(list(texts), num_threads=num_threads or os.cpu_count() or 1)
 
+    def nbest(self, text: str, n: int) -> tuple[list[list[int]], list[float]]:
+        """The n best segmentations of `text` (ids) and their scores (sum of log-probs)."""
+        nbests = self._sp.nbest_encode_as_proto(text, n).nbests
+        return [[p.id for p in x.pieces] for x in nbests], [x.score for x in nbests]
+
+    def decode_batch(self, ids: Sequence[Sequence[int]]) -> list[str]:
+        """Texts of many id lists (no EOS or PAD in them), in sentencepiece's threads."""
+        return self._sp.decode([x.tolist() if hasattr(x, 'tolist') else list(x) for x in ids],
+                               num_threads=os.cpu_count() or 1)
+
+    def tag_id(self, tag: str) -> int:
+        """The id of a user-defined piece (a mixture's tag, e.g. '<BT>'); ValueError if the
+        vocabulary does not hold it as one (a plain piece would also be made of text)."""
+        i = self._sp.piece_to_id(tag)
+        if i == UNK_ID or self._sp.id_to_piece(i) != tag or self._sp.encode(tag)[-1:] != [i]:
+            raise ValueError(f'{self.path} has no piece {tag!r} of its own: a tag must be a '
+                             'user-defined symbol of the vocabulary (leave vocab_path empty to '
+                             'train one with the mixture\'s tags)')
+        return i
+
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids` up to the first EOS; PAD is ignored."""
         return self._sp.decode(ids_lib.content(ids))
@@ -75,7 +95,8 @@ def _drop_prefix(model_path: str) -> None:
 
 def train_tokenizer(sentences: Iterable[str], path: str, vocab_size: int,
                     max_sentences: int, character_coverage: float = 0.9999,
-                    num_threads: int = TRAIN_THREADS) -> Tokenizer:
+                    num_threads: int = TRAIN_THREADS,
+                    user_defined_symbols: Sequence[str] = ()) -> Tokenizer:
     """Trains a unigram model on `sentences` and writes it to `path` atomically (.model + .vocab).
 
     `hard_vocab_limit=False` lets a small corpus give a smaller vocabulary instead of failing;
@@ -83,6 +104,7 @@ def train_tokenizer(sentences: Iterable[str], path: str, vocab_size: int,
     Characters outside `character_coverage` and unseen ones fall back to UTF-8 byte pieces, so no
     input becomes UNK (sentencepiece's default coverage drops rare letters such as a capital Ü).
     The same sentences and settings (`num_threads` included) give the same bytes.
+    `user_defined_symbols` (e.g. a mixture's tags) become pieces of their own, never split.
     """
     if vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(f'vocab_size={vocab_size} is too small: at least {MIN_VOCAB_SIZE} (256 '
@@ -106,6 +128,8 @@ def train_tokenizer(sentences: Iterable[str], path: str, vocab_size: int,
             shuffle_input_sentence=True,
             num_threads=num_threads,
             minloglevel=2,
+            **({'user_defined_symbols': list(user_defined_symbols)}
+               if user_defined_symbols else {}),
         )
         base = path[:-len('.model')] if path.endswith('.model') else path
         os.replace(prefix + '.vocab', base + '.vocab')
