@@ -23,9 +23,10 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from t2t import checkpoint_read, evaluation, sharding
+from t2t import checkpoint_read, eval_checkpoints, sharding
 from t2t import workdir as wd
 from t2t.data import identity
+from t2t.eval_checkpoints import EvalError
 from t2t.model import TransformerConfig
 
 # How a model is run rather than what was trained: taken from --config for every member.
@@ -72,44 +73,44 @@ def resolve(config, workdir, spec: str, tokenizer, weights: str = 'auto') -> lis
     checkpoint metadata; every problem is an EvalError of one line."""
     items = [item.strip() for item in spec.split(',')]
     if len(items) < 2 or not all(items):
-        raise evaluation.EvalError(f'--ensemble={spec!r}: give two or more members, '
+        raise EvalError(f'--ensemble={spec!r}: give two or more members, '
                                    'comma-separated, each a workdir or a step of --workdir')
     want = identity.vocab_digest(tokenizer)
     members = []
     for item in items:
         own = item.isdigit()
         where = workdir if own else item
-        steps = evaluation.list_steps(where)
+        steps = eval_checkpoints.list_steps(where)
         step = int(item) if own else steps[-1]
         if step not in steps:
-            raise evaluation.EvalError(f'--ensemble member {item}: no checkpoint for step {step} '
+            raise EvalError(f'--ensemble member {item}: no checkpoint for step {step} '
                                        f'in {workdir}; have {steps}')
         label = f'step-{step}' if own else f'{_name(where)}-step-{step}'
         meta = checkpoint_read.read_metadata(where, step)
         digest = _digest(meta, where, config)
         if digest is None and not own:
-            raise evaluation.EvalError(
+            raise EvalError(
                 f'--ensemble member {item}: {wd.path(where, identity.VOCAB_NAME)} is missing and '
                 'its checkpoint records no vocabulary: cannot check it shares --workdir\'s')
         if digest is not None and digest != want:
-            raise evaluation.EvalError(
+            raise EvalError(
                 f'--ensemble member {item} was trained with vocabulary {digest[:12]} but '
                 f'--workdir {workdir} decodes with {want[:12]} ({tokenizer.path}): members '
                 'must share one vocabulary')
         try:
             model_config = member_model_config(config, meta.get('config'))
         except (ValueError, TypeError) as e:
-            raise evaluation.EvalError(f'--ensemble member {item}: its recorded config does not '
+            raise EvalError(f'--ensemble member {item}: its recorded config does not '
                                        f'make a model: {e}') from e
         for key in DECODE_LENGTHS:
             if config[key] > model_config.max_position:
-                raise evaluation.EvalError(
+                raise EvalError(
                     f'--ensemble member {item}: --config.{key}={config[key]} exceeds its '
                     f'max_position={model_config.max_position}')
         used = checkpoint_read.choose_weights(where, step, weights)
         members.append(Member(workdir=os.fspath(where), step=step, weights=used,
                               model_config=model_config,
-                              label=evaluation.weights_label(label, used)))
+                              label=eval_checkpoints.weights_label(label, used)))
     return members
 
 
@@ -135,8 +136,8 @@ def load_params(config, members: list[Member], tokenizer, mesh) -> tuple:
     the mesh's devices."""
     params = []
     for m in members:
-        p = evaluation.load_params(m.workdir, [m.step], scan_layers=config.scan_layers,
+        p = eval_checkpoints.load_params(m.workdir, [m.step], scan_layers=config.scan_layers,
                                    weights=m.weights)
-        evaluation.check_params(p, m.model_config, tokenizer, m.label)
+        eval_checkpoints.check_params(p, m.model_config, tokenizer, m.label)
         params.append(sharding.put_global(p, sharding.replicated(mesh)))
     return tuple(params)

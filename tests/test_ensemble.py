@@ -15,6 +15,7 @@ from t2t import (
     checkpoint_read,
     data,
     ensemble,
+    eval_checkpoints,
     evaluation,
     inference,
     optim,
@@ -177,7 +178,7 @@ def test_member_errors_are_one_line_before_anything_is_restored(runs, monkeypatc
     def refuse(*args, **kwargs):
         raise AssertionError('restored or compiled before the members were checked')
 
-    monkeypatch.setattr(evaluation, 'load_params', refuse)
+    monkeypatch.setattr(eval_checkpoints, 'load_params', refuse)
     monkeypatch.setattr(inference, 'make_predict_fn', refuse)
     problems = {f'1,{runs["c"]}': 'trained with vocabulary ffffffffffff but --workdir',
                 '1': 'give two or more members', '1,7': 'no checkpoint for step 7',
