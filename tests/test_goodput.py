@@ -125,6 +125,38 @@ def test_the_recorder_partitions_time_and_keeps_the_watchdogs_findings(tmp_path,
     assert a['step_times']['median_s'] == pytest.approx(0.01, abs=0.01)
 
 
+def test_the_start_record_before_jax_counts_every_attempt_the_launcher_started(tmp_path,
+                                                                              monkeypatch):
+    # train.py writes the start record first (launch attempt 2 of launch L); the process's
+    # Ledger continues that file. Attempt 1 of L was killed before it could write anything.
+    monkeypatch.setattr(goodput.ledger, '_first_attempt_of_process', True)
+    monkeypatch.setenv(goodput.ledger.LAUNCH_ENV, 'L:2')
+    goodput.open_attempt(tmp_path, 0, 2)
+    (early,) = glob.glob(str(tmp_path / goodput.DIRNAME / '*-p0.jsonl'))
+    start = json.loads(open(early).read())
+    assert start['at'] == 'start' and start['attempt'] == {'launch': 'L', 'number': 2}
+    goodput.note_startup('distributed_init', time.perf_counter() - 0.25)
+    ledger = goodput.Ledger(tmp_path, 0, 2)
+    ledger.begin(0)
+    ledger.end('num_train_steps')
+    assert glob.glob(str(tmp_path / goodput.DIRNAME / '*.jsonl')) == [early]
+    records = [json.loads(x) for x in open(early).read().splitlines()]
+    assert [x['at'] for x in records] == ['start', 'ledger', 'ready', 'end']
+    assert ledger.start == pytest.approx(start['t'], abs=1e-3)
+    assert records[1]['seconds']['startup'] > 0
+    _write_attempt(tmp_path / goodput.DIRNAME, 'attempt-0-p0.jsonl', [  # launch attempt 0
+        {'at': 'start', 't': start['t'] - 60, 'attempt': {'launch': 'L', 'number': 0}},
+        {'at': 'ledger', 't': start['t'] - 50, 'seconds': {'startup': 10}}])
+    r = goodput_report.report(tmp_path)
+    assert (r['attempts'], r['restarts'], r['unrecorded_attempts']) == (3, 2, ['L:1'])
+    assert r['per_attempt'][1]['startup']['distributed_init'] == pytest.approx(0.25, abs=0.05)
+    assert abs(sum(r['seconds'].values()) - r['wall_s']) <= 1e-3
+    assert '(1 attempt ended before writing a record' in goodput_report.format_report(r)
+    monkeypatch.setattr(goodput.ledger, '_first_attempt_of_process', True)
+    goodput.open_attempt(tmp_path / 'other', 1, 2)  # another process writes only when asked
+    assert not (tmp_path / 'other').exists()
+
+
 def test_profile_windows():
     assert profiling.next_window(0, 3, 0, 1) is None
     assert profiling.next_window(5, 3, 0, 1) == (5, 8)
