@@ -14,6 +14,7 @@ import threading
 import time
 import typing
 
+from t2t import compile_cache
 from t2t import workdir as wd
 
 DIRNAME = 'goodput'
@@ -26,11 +27,12 @@ _IMPORTED = time.time()
 _startup: dict[str, float] = {}  # seconds of named start-up stages before the first ledger
 _first_attempt_of_process = True
 # jax's compile stages (jax._src.dispatch's monitoring events) -> the ledger's names. The
-# persistent compilation cache serves 'xla' (compile, or load from the cache); tracing and
-# lowering to StableHLO are paid by every process.
+# persistent compilation cache serves 'xla' (compile, or load from the cache); a stored
+# executable (t2t/compile_cache.py) is 'load' and skips the others, its writing is 'store'.
 _JAX_STAGES = {'/jax/core/compile/jaxpr_trace_duration': 'trace',
                '/jax/core/compile/jaxpr_to_mlir_module_duration': 'lower',
-               '/jax/core/compile/backend_compile_duration': 'xla'}
+               '/jax/core/compile/backend_compile_duration': 'xla',
+               compile_cache.LOAD_EVENT: 'load', compile_cache.STORE_EVENT: 'store'}
 _active = None  # the ledger of the attempt running in this process
 _opened = None  # the _Opened start record that train.py wrote before the process's Ledger
 LAUNCH_ENV = 'T2T_ATTEMPT'  # '<launch id>:<n>', set by a launcher that restarts (n from 0)

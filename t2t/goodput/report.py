@@ -33,6 +33,7 @@ CATEGORIES = {
     'lost_progress': (),
     'idle': (),
 }
+STAGES = ('trace', 'lower', 'xla', 'load', 'store')  # of compile (t2t/goodput/ledger.py)
 LABELS = {'productive': 'productive training', 'data_wait': 'data wait',
           'lost_progress': 'lost progress', 'idle': 'idle between attempts'}
 
@@ -101,7 +102,7 @@ def _attempt(name: str, records: list[dict]) -> dict:
                            'p90_s': _quantile(hist, 0.9), 'max_s': max_step or None},
             'findings': findings, 'attempt': records[0].get('attempt'),
             'startup': next((r['startup'] for r in records if 'startup' in r), {}),
-            'compile_stages': {k: stages.get(k, 0.0) for k in ('trace', 'lower', 'xla')}}
+            'compile_stages': {k: stages.get(k, 0.0) for k in STAGES}}
 
 
 def _categories(phases: dict, lost: float) -> dict:
@@ -202,11 +203,11 @@ def format_report(r: dict) -> str:
         lines.append(f'  {"unaccounted":24}{_s(r["unaccounted_s"]):>10}'
                      f'{_pct(r["unaccounted_s"] / r["wall_s"]):>8}')
     columns = [('train', 'productive'), ('init', 'initialization'), ('compile', 'compile'),
-               ('xla', None), ('restore', 'restore'), ('ckpt', 'checkpoint'),
+               ('xla', 'xla'), ('load', 'load'), ('restore', 'restore'), ('ckpt', 'checkpoint'),
                ('eval', 'evaluation'), ('data', 'data_wait'), ('prof', 'profiling'),
                ('lost', 'lost_progress'), ('idle', 'idle')]
     lines.append('per attempt (seconds; xla: the part of compile that XLA compiled or loaded from '
-                 'the cache; step times from 2% buckets):')
+                 "jax's cache; load: a stored executable's load; step times from 2% buckets):")
     lines.append('  #  start                 steps      ' + ''.join(f'{h:>8}' for h, _ in columns)
                  + '  goodput  step median/p90/max    end')
     for a in r['per_attempt']:
@@ -218,7 +219,8 @@ def format_report(r: dict) -> str:
                     f'{"s" if len(a["findings"]) != 1 else ""} (steps '
                     + ', '.join(str(f['step']) for f in a['findings'][:5]) + ')'
                     if a['findings'] else '')
-        values = [a['seconds'][c] if c else a['compile_stages']['xla'] for _, c in columns]
+        values = [a['compile_stages'][c] if c in STAGES else a['seconds'][c]
+                  for _, c in columns]
         lines.append(f'  {a["attempt"]:<2} {a["start"]:21} {steps:10} '
                      + ''.join(f'{_s(v):>8}' for v in values)
                      + f'{_pct(a["goodput"]):>9}  {times:21}  {a["cause"]}'
