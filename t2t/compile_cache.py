@@ -169,6 +169,20 @@ def stored(fn, config, name: str):
     return call
 
 
+_cache_hits = []  # one entry per hit of jax's persistent cache in this process
+
+
+def _count_cache_hits() -> int:
+    import jax
+
+    if not hasattr(_count_cache_hits, 'listening'):
+        jax.monitoring.register_event_listener(
+            lambda event, **_: _cache_hits.append(1)
+            if event == '/jax/compilation_cache/cache_hits' else None)
+        _count_cache_hits.listening = True
+    return len(_cache_hits)
+
+
 def _load_or_compile(fn, args, directory: str, key: str):
     import pickle
     import time
@@ -192,9 +206,12 @@ def _load_or_compile(fn, args, directory: str, key: str):
     except Exception as e:  # noqa: BLE001 - a torn or foreign file: compile instead
         logging.warning('stored executable %s unusable (%s: %s): compiling', path,
                         type(e).__name__, str(e)[:200])
-    began = time.perf_counter()
+    began, hits = time.perf_counter(), _count_cache_hits()
     compiled = fn.lower(*args).compile()
-    if time.perf_counter() - began >= jax.config.jax_persistent_cache_min_compile_time_secs:
+    # An executable that jax's cache loaded serializes incompletely (XLA:CPU: its run fails with
+    # "Function ... not found"): only one that XLA compiled here is stored.
+    if _count_cache_hits() == hits and \
+            time.perf_counter() - began >= jax.config.jax_persistent_cache_min_compile_time_secs:
         began = time.perf_counter()
         try:
             # The program's devices in its own order (what jax's serialize itself reads).

@@ -225,6 +225,11 @@ def test_a_stored_executable_serves_the_same_program_only(tmp_path, monkeypatch,
         path.write_bytes(path.read_bytes()[:100])
         assert compile_cache.stored(fn, config, 'f')(x).tolist() == [1, 3, 5, 7, 9, 11]
         assert 'unusable' in caplog.text and path.stat().st_size > 100
+        # An executable that jax's own cache served is not stored (it would not run).
+        path.unlink()
+        jax.clear_caches()
+        assert compile_cache.stored(jax.jit(lambda v: v * 2 + 1), config, 'f')(x)[1] == 3
+        assert not path.exists()
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
         jax.config.update('jax_compilation_cache_dir', os.environ['JAX_COMPILATION_CACHE_DIR'])
