@@ -16,7 +16,9 @@ executable (jax.experimental.serialize_executable) in DIR/t2t-executables/, unde
 everything that makes the program without tracing it (`program_key`: the whole config, t2t's
 source, the library versions, jax's settings, XLA's flags, the devices, the arguments' types and
 shardings). A restart of the same run loads it and traces nothing; any change makes a new key.
-Single-process runs only (a multi-process program is stored by no process).
+Single-process runs only (a multi-process program is stored by no process); only an executable
+that XLA compiled in this process is stored (one that jax's cache loaded does not re-serialize
+whole).
 
 Whoever can write the directory can run code in the processes that read it: never share it with
 users you do not trust.
