@@ -56,6 +56,11 @@ def main(argv):
         return
     if not _WORKDIR.value:
         raise app.UsageError('--workdir is required (checkpoints, metrics and logs go there)')
+    # The attempt's start record first (t2t/goodput/ledger.py): a kill during start-up counts.
+    index = (distributed.PROCESS_ID.value if distributed.COORDINATOR.value else
+             None if distributed.DISTRIBUTED.value else 0)  # --distributed: known after init
+    goodput.open_attempt(_WORKDIR.value, index, distributed.NUM_PROCESSES.value or 1,
+                         config.goodput_all_processes)
     started = time.perf_counter()
     try:
         distributed.initialize()

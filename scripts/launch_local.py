@@ -7,7 +7,8 @@ Each process gets --devices_per_process host CPU devices (XLA_FLAGS
 --xla_force_host_platform_device_count, JAX_PLATFORMS=cpu) and `--coordinator_address=
 127.0.0.1:<port> --num_processes=N --process_id=i`: a pod slice on one machine. Every attempt has
 a fresh free coordinator port and a fresh job identity (the environment variable T2T_JOB_ID, which
-the start-up handshake compares, so a straggler of an earlier attempt cannot join a later one).
+the start-up handshake compares, so a straggler of an earlier attempt cannot join a later one),
+and T2T_ATTEMPT=<launch>:<k> (the goodput ledger's count of attempts, t2t/goodput/ledger.py).
 
 When a process exits abnormally (a non-zero status, or a signal), the others of its attempt are
 SIGKILLed (which ends a SIGSTOPped one too) and all start again: train.py resumes from the last
@@ -45,6 +46,7 @@ from t2t import exits  # noqa: E402
 
 DEVICE_FLAG = '--xla_force_host_platform_device_count'
 POLL_S = 0.05
+LAUNCH_ID = f'launch-{uuid.uuid4().hex[:12]}'  # this launcher's, in T2T_ATTEMPT
 TERM_WAIT_S = 120.0  # after a forwarded SIGTERM: processes that have not saved by then are killed
 
 
@@ -122,6 +124,7 @@ class Attempt:
 
         self.port, self.job_id = free_port(), f'local-{uuid.uuid4().hex[:12]}'
         env = process_env(dict(os.environ), args.devices_per_process, self.job_id)
+        env['T2T_ATTEMPT'] = f'{LAUNCH_ID}:{number}'  # the goodput ledger counts attempts by it
         self.procs, self.files = [], []
         for i in range(args.processes):
             base = os.path.join(args.logs, f'attempt-{number}-process-{i}')

@@ -28,6 +28,7 @@ import numpy as np
 from t2t import (
     best,
     checkpoint,
+    compile_cache,
     distributed,
     flops,
     goodput,
@@ -281,8 +282,11 @@ def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> Tra
     checkpoint.keep_best_steps(manager, tracker.kept_steps())
 
     step_config = train_lib.StepConfig.from_config(config)
-    train_step = ledger.compiling(train_lib.jit_train_step(step_config, tx, state_shardings, mesh))
-    eval_step = ledger.compiling(train_lib.jit_eval_step(step_config, state_shardings.params, mesh))
+    # A restart loads the programs a run of the same config and code stored (compile_cache.py).
+    train_step = ledger.compiling(compile_cache.stored(
+        train_lib.jit_train_step(step_config, tx, state_shardings, mesh), config, 'train_step'))
+    eval_step = ledger.compiling(compile_cache.stored(
+        train_lib.jit_eval_step(step_config, state_shardings.params, mesh), config, 'eval_step'))
     eval_data = data.eval_split(config, tokenizer, config.eval_split)
     num_eval = len(eval_data.plan(config.eval_batch_size))
     _say(f'eval loss on {eval_data.name}: ' + (

@@ -135,18 +135,37 @@ def run(workdir: str, logs: str, steps: int, data_dir: str, faults: list[dict], 
             'launcher_out': _read(os.path.join(logs, 'launcher.out')).decode(errors='replace')}
 
 
+def attempt_steps(logs: str, attempts: int) -> list[tuple[int | None, int | None]]:
+    """(the checkpoint attempt k resumed from (0: none), its last step line) for each attempt,
+    from process 0's stdout; None where the attempt printed neither."""
+    out = []
+    for k in range(attempts):
+        text = _read(os.path.join(logs, f'attempt-{k}-process-0.out'))
+        resumed, logged = RESUME_LINE.findall(text), STEP_LINE.findall(text)
+        began = int(resumed[0]) if resumed else (0 if logged else None)
+        out.append((began, int(logged[-1]) if logged else None))
+    return out
+
+
 def steps_redone(logs: str, attempts: int) -> int:
     """Steps trained again after a restart: an attempt's last logged step minus the checkpoint the
     next one resumed from."""
     redone, last = 0, 0
-    for k in range(attempts):
-        text = _read(os.path.join(logs, f'attempt-{k}-process-0.out'))
-        resumed = RESUME_LINE.findall(text)
+    for k, (resumed, logged) in enumerate(attempt_steps(logs, attempts)):
         if k:
-            redone += max(0, last - (int(resumed[0]) if resumed else 0))
-        logged = STEP_LINE.findall(text)
-        last = int(logged[-1]) if logged else (int(resumed[0]) if resumed else last)
+            redone += max(0, last - (resumed or 0))
+        last = logged if logged is not None else (resumed if resumed is not None else last)
     return redone
+
+
+def trained_twice(ranges: list[tuple[int, int]]) -> int:
+    """Steps trained by an attempt and again by a later one; ranges: each attempt's (resumed
+    from, last step trained], in order."""
+    twice = 0
+    for k, (lo, hi) in enumerate(ranges):
+        later = set().union(*(range(a + 1, b + 1) for a, b in ranges[k + 1:]))
+        twice += len(set(range(lo + 1, hi + 1)) & later)
+    return twice
 
 
 def step_counts(workdir: str) -> dict[int, int]:

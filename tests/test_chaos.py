@@ -2,13 +2,17 @@
 its workdir in a bucket on the local Cloud Storage server behind a fault-injecting front
 (tests/fault_front.py), while 5 SIGKILLs and one SIGSTOP (a hang) hit random processes at random
 moments (seeded, tests/chaos_run.py). The launcher restarts every time, training finishes, the
-final parameters equal an uninterrupted run's bit for bit and metrics.jsonl holds each step once.
+final parameters equal an uninterrupted run's bit for bit and metrics.jsonl holds each step once;
+the goodput report counts every attempt, adds up to the wall time and finds the steps trained twice.
 bench/chaos.py is the long form (20 faults).
 """
 
 import contextlib
+import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -62,6 +66,9 @@ def test_chaos_run_restarts_and_ends_exact(reference, tmp_path, storage, capsys)
         counts = chaos_run.step_counts(workdir)
         differ = chaos_run.params_differ(workdir, reference['workdir'], STEPS)
         faults_injected = dict(front.counts) if front else {}
+        ledger = subprocess.run([sys.executable, '-m', 't2t.goodput', workdir, '--json',
+                                 '--no_tensorboard'], cwd=chaos_run.ROOT, capture_output=True,
+                                text=True, timeout=300)
     err = result['launcher_err']
     with capsys.disabled():
         print(f"\nchaos ({storage}): {len(result['applied'])} faults, {result['attempts']} "
@@ -83,3 +90,29 @@ def test_chaos_run_restarts_and_ends_exact(reference, tmp_path, storage, capsys)
     assert differ == []
     if front:  # the front did inject faults
         assert faults_injected['503'] > 0 and faults_injected['dropped'] > 0, faults_injected
+    _check_goodput(ledger, result, tmp_path / 'logs')
+
+
+def _check_goodput(proc, result, logs):
+    """`python -m t2t.goodput` on the chaos run: every attempt the launcher started, the wall time
+    split without remainder, and lost progress = the steps trained twice by the step lines."""
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(proc.stdout)
+    assert (r['attempts'], r['restarts']) == (result['attempts'], result['attempts'] - 1)
+    total = sum(r['seconds'].values())
+    assert abs(total - r['wall_s']) <= 0.01 * r['wall_s'], (total, r['wall_s'])
+    # Each recorded attempt's steps against process 0's stdout: it began at the checkpoint it
+    # resumed from; its last slice is its last step line, or the one before when the kill landed
+    # between that line and the slice written after it (the step then counts as not recorded).
+    printed = chaos_run.attempt_steps(str(logs), result['attempts'])
+    ranges = {}
+    for a in r['per_attempt']:
+        k = a['launch_attempt']['number']
+        (first, last), (resumed, logged) = a['steps'], printed[k]
+        if first is None:  # killed before training began
+            continue
+        assert first == (resumed or 0), (k, a['steps'], printed[k])
+        assert last in ({logged, logged - 1} if logged is not None else {first}), (k, a, printed)
+        ranges[k] = (first, last)
+    assert r['lost_steps'] == chaos_run.trained_twice([ranges[k] for k in sorted(ranges)]), r
+    assert r['lost_steps'] > 0 and r['seconds']['lost_progress'] > 0

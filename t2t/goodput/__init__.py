@@ -18,7 +18,9 @@ clock read at each switch, from the start of the process to the attempt's end:
   profile    starting and writing a profile (t2t/profiling.py; the traced steps are 'train')
 
 Records are JSON lines in WORKDIR/goodput/attempt-<UTC start>-p<process>.jsonl, appended through
-the workdir layer: a start record, then a slice at each log step, checkpoint save and evaluation
+the workdir layer: a start record (train.py writes it before jax starts; with the launcher's count
+of the attempt from $T2T_ATTEMPT, so that the report counts an attempt killed even before that),
+a slice when the ledger begins, then a slice at each log step, checkpoint save and evaluation
 (the seconds of each phase since the previous slice and the step reached), findings of the
 watchdog as they come, and an end record with the exit cause. A killed attempt has no end record:
 its last slice is where its account stops. Per step nothing but a clock read and a histogram
@@ -35,8 +37,9 @@ from t2t.goodput.ledger import (
                                 bucket,
                                 bucket_value,
                                 note_startup,
+                                open_attempt,
                                 read_attempts,
 )
 
 __all__ = ['DIRNAME', 'PHASES', 'Ledger', 'bucket', 'bucket_value', 'note_startup',
-           'read_attempts']
+           'open_attempt', 'read_attempts']

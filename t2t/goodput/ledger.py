@@ -12,7 +12,9 @@ import os
 import socket
 import threading
 import time
+import typing
 
+from t2t import compile_cache
 from t2t import workdir as wd
 
 DIRNAME = 'goodput'
@@ -25,12 +27,15 @@ _IMPORTED = time.time()
 _startup: dict[str, float] = {}  # seconds of named start-up stages before the first ledger
 _first_attempt_of_process = True
 # jax's compile stages (jax._src.dispatch's monitoring events) -> the ledger's names. The
-# persistent compilation cache serves 'xla' (compile, or load from the cache); tracing and
-# lowering to StableHLO are paid by every process.
+# persistent compilation cache serves 'xla' (compile, or load from the cache); a stored
+# executable (t2t/compile_cache.py) is 'load' and skips the others, its writing is 'store'.
 _JAX_STAGES = {'/jax/core/compile/jaxpr_trace_duration': 'trace',
                '/jax/core/compile/jaxpr_to_mlir_module_duration': 'lower',
-               '/jax/core/compile/backend_compile_duration': 'xla'}
+               '/jax/core/compile/backend_compile_duration': 'xla',
+               compile_cache.LOAD_EVENT: 'load', compile_cache.STORE_EVENT: 'store'}
 _active = None  # the ledger of the attempt running in this process
+_opened = None  # the _Opened start record that train.py wrote before the process's Ledger
+LAUNCH_ENV = 'T2T_ATTEMPT'  # '<launch id>:<n>', set by a launcher that restarts (n from 0)
 
 
 def _on_jax_duration(event: str, duration: float, **_) -> None:
@@ -65,6 +70,53 @@ def note_startup(name: str, since: float) -> None:
     _startup[name] = time.perf_counter() - since
 
 
+class _Opened(typing.NamedTuple):
+    workdir: str
+    process: int
+    appender: wd.Appender
+    path: object
+    start: float
+
+
+def launch_attempt() -> dict | None:
+    """{'launch': id, 'number': n} from $T2T_ATTEMPT: the launcher's count of this attempt, by
+    which the report counts the attempts that ended before their first record."""
+    launch, _, number = os.environ.get(LAUNCH_ENV, '').rpartition(':')
+    return {'launch': launch, 'number': int(number)} if launch and number.isdigit() else None
+
+
+def _start_record(start: float, process_index: int, process_count: int) -> dict:
+    return {'at': 'start', 't': round(start, 3), 'host': socket.gethostname(), 'pid': os.getpid(),
+            'process': process_index, 'processes': process_count,
+            **({'attempt': launch_attempt()} if launch_attempt() else {})}
+
+
+def open_attempt(workdir, process_index: int | None, process_count: int = 1,
+                 all_processes: bool = False) -> None:
+    """Writes this process's attempt-start record now: train.py's first act on a workdir, before
+    jax and jax.distributed start, so that an attempt killed during start-up is in the ledger.
+    The process's first Ledger continues the file. process_index None (not known before
+    jax.distributed's detection): nothing now, the Ledger writes the record. Never raises."""
+    global _opened
+    if process_index is None or (process_index != 0 and not all_processes) or \
+            not _first_attempt_of_process:
+        return
+    start = _process_start()
+    try:
+        path = attempt_path(workdir, start, process_index)
+        appender = wd.Appender(path)
+        appender.append(json.dumps(_start_record(start, process_index, process_count)) + '\n')
+    except Exception as e:  # noqa: BLE001 - the Ledger tries again; the run's own checks speak
+        logging.warning('goodput: writing the start record failed (%s: %s)', type(e).__name__,
+                        str(e)[:200])
+        return
+    _opened = _Opened(str(wd.path(workdir)), process_index, appender, path, start)
+
+
+def _process_start() -> float:
+    return min(process_start_time(), time.time())
+
+
 def attempt_path(workdir, start: float, process_index: int):
     stamp = datetime.datetime.fromtimestamp(start, datetime.UTC).strftime('%Y%m%dT%H%M%S.%fZ')
     return wd.path(workdir, DIRNAME, f'attempt-{stamp}-p{process_index}.jsonl')
@@ -90,13 +142,14 @@ class Ledger:
 
     def __init__(self, workdir, process_index: int = 0, process_count: int = 1,
                  enabled: bool = True):
-        global _first_attempt_of_process
+        global _first_attempt_of_process, _opened
         now, clock = time.time(), time.perf_counter()
         # A process's first attempt began when the process did; a later one (tests, notebooks)
         # when train_and_evaluate was called.
-        self.start = process_start_time() if _first_attempt_of_process else now
-        self.start = min(self.start, now)
-        _first_attempt_of_process = False
+        opened = _opened if _first_attempt_of_process else None
+        self.start = opened.start if opened else (
+            _process_start() if _first_attempt_of_process else now)
+        _first_attempt_of_process, _opened = False, None
         self.step = None  # the step reached (set by `begin`, counted by `next_step`)
         self._phase, self._since = 'startup', clock
         self._seconds = collections.defaultdict(float)
@@ -108,15 +161,18 @@ class Ledger:
         self._lock = threading.Lock()  # the watchdog's thread writes findings
         self._warned = False
         self._appender = self.path = None
-        if enabled:
+        if opened is not None and opened[:2] != (str(wd.path(workdir)), process_index):
+            opened.appender.close()  # another workdir's or process's: that attempt has no ledger
+            opened = None
+        if opened is not None:  # train.py wrote the start record before jax started
+            self._appender, self.path = opened.appender, opened.path
+        elif enabled:
             self.path = attempt_path(workdir, self.start, process_index)
             self._appender = wd.Appender(self.path)
-        self._write({'at': 'start', 't': round(self.start, 3), 'host': socket.gethostname(),
-                     'pid': os.getpid(), 'process': process_index, 'processes': process_count,
-                     'startup': {k: round(v, 6) for k, v in _startup.items()}})
+            self._write(_start_record(self.start, process_index, process_count))
+        # The start-up so far as a slice: a kill from here on still leaves its time accounted.
+        self.flush('ledger', startup={k: round(v, 6) for k, v in _startup.items()})
         self._phase = 'setup'
-        self._seconds['startup'] += time.perf_counter() - clock
-        self._since = time.perf_counter()
 
     @classmethod
     def from_config(cls, config, workdir) -> Ledger:

@@ -33,6 +33,7 @@ CATEGORIES = {
     'lost_progress': (),
     'idle': (),
 }
+STAGES = ('trace', 'lower', 'xla', 'load', 'store')  # of compile (t2t/goodput/ledger.py)
 LABELS = {'productive': 'productive training', 'data_wait': 'data wait',
           'lost_progress': 'lost progress', 'idle': 'idle between attempts'}
 
@@ -99,8 +100,9 @@ def _attempt(name: str, records: list[dict]) -> dict:
             'slices': slices, 'first_step': first_step, 'last_step': last_step,
             'step_times': {'steps': sum(hist.values()), 'median_s': _quantile(hist, 0.5),
                            'p90_s': _quantile(hist, 0.9), 'max_s': max_step or None},
-            'findings': findings, 'startup': records[0].get('startup', {}),
-            'compile_stages': {k: stages.get(k, 0.0) for k in ('trace', 'lower', 'xla')}}
+            'findings': findings, 'attempt': records[0].get('attempt'),
+            'startup': next((r['startup'] for r in records if 'startup' in r), {}),
+            'compile_stages': {k: stages.get(k, 0.0) for k in STAGES}}
 
 
 def _categories(phases: dict, lost: float) -> dict:
@@ -135,6 +137,7 @@ def report(workdir, process_index: int = 0) -> dict | None:
         wall = a['end'] - a['start']
         per_attempt.append({
             'attempt': k + 1, 'file': a['file'], 'start': _utc(a['start']), 'cause': a['cause'],
+            'launch_attempt': a['attempt'],
             'steps': [a['first_step'], a['last_step']], 'lost_steps': lost_steps,
             'wall_s': wall, 'seconds': seconds,
             'goodput': seconds['productive'] / wall if wall > 0 else None,
@@ -142,9 +145,12 @@ def report(workdir, process_index: int = 0) -> dict | None:
             'step_times': a['step_times'], 'findings': a['findings']})
     wall = max(a['end'] for a in attempts) - attempts[0]['start']
     accounted = sum(totals.values())
+    unrecorded = _unrecorded(attempts)
+    count = len(attempts) + len(unrecorded)
     return {
-        'workdir': str(workdir), 'process': process_index, 'attempts': len(attempts),
-        'restarts': len(attempts) - 1, 'first_start': _utc(attempts[0]['start']),
+        'workdir': str(workdir), 'process': process_index, 'attempts': count,
+        'restarts': count - 1, 'unrecorded_attempts': unrecorded,
+        'first_start': _utc(attempts[0]['start']),
         'wall_s': wall, 'seconds': totals,
         'shares': {c: s / wall if wall > 0 else None for c, s in totals.items()},
         'unaccounted_s': wall - accounted,  # clock drift; negative if attempts overlapped
@@ -153,6 +159,18 @@ def report(workdir, process_index: int = 0) -> dict | None:
         'steps': [ranges[0][0], max(hi for _, hi in ranges)] if ranges else [None, None],
         'per_attempt': per_attempt,
     }
+
+
+def _unrecorded(attempts) -> list[str]:
+    """'<launch>:<n>' of the attempts a launcher counted ($T2T_ATTEMPT) that left no record (killed
+    before their first write): the numbers missing below a launch's highest recorded one. Their
+    time is in the idle time before the next recorded attempt."""
+    seen = {}
+    for a in attempts:
+        if a['attempt']:
+            seen.setdefault(a['attempt']['launch'], set()).add(a['attempt']['number'])
+    return [f'{launch}:{n}' for launch, numbers in seen.items()
+            for n in range(max(numbers)) if n not in numbers]
 
 
 def _utc(t: float) -> str:
@@ -177,15 +195,19 @@ def format_report(r: dict) -> str:
     for c, s in r['seconds'].items():
         note = f'   ({r["lost_steps"]} steps trained again)' if c == 'lost_progress' else ''
         lines.append(f'  {LABELS.get(c, c):24}{_s(s):>10}{_pct(r["shares"][c]):>8}{note}')
+    if r['unrecorded_attempts']:
+        n = len(r['unrecorded_attempts'])
+        lines.append(f'  ({n} attempt{"s" if n != 1 else ""} ended before writing a record: '
+                     'in idle between attempts)')
     if abs(r['unaccounted_s']) > 1e-3 * max(r['wall_s'], 1e-9):
         lines.append(f'  {"unaccounted":24}{_s(r["unaccounted_s"]):>10}'
                      f'{_pct(r["unaccounted_s"] / r["wall_s"]):>8}')
     columns = [('train', 'productive'), ('init', 'initialization'), ('compile', 'compile'),
-               ('xla', None), ('restore', 'restore'), ('ckpt', 'checkpoint'),
+               ('xla', 'xla'), ('load', 'load'), ('restore', 'restore'), ('ckpt', 'checkpoint'),
                ('eval', 'evaluation'), ('data', 'data_wait'), ('prof', 'profiling'),
                ('lost', 'lost_progress'), ('idle', 'idle')]
     lines.append('per attempt (seconds; xla: the part of compile that XLA compiled or loaded from '
-                 'the cache; step times from 2% buckets):')
+                 "jax's cache; load: a stored executable's load; step times from 2% buckets):")
     lines.append('  #  start                 steps      ' + ''.join(f'{h:>8}' for h, _ in columns)
                  + '  goodput  step median/p90/max    end')
     for a in r['per_attempt']:
@@ -197,7 +219,8 @@ def format_report(r: dict) -> str:
                     f'{"s" if len(a["findings"]) != 1 else ""} (steps '
                     + ', '.join(str(f['step']) for f in a['findings'][:5]) + ')'
                     if a['findings'] else '')
-        values = [a['seconds'][c] if c else a['compile_stages']['xla'] for _, c in columns]
+        values = [a['compile_stages'][c] if c in STAGES else a['seconds'][c]
+                  for _, c in columns]
         lines.append(f'  {a["attempt"]:<2} {a["start"]:21} {steps:10} '
                      + ''.join(f'{_s(v):>8}' for v in values)
                      + f'{_pct(a["goodput"]):>9}  {times:21}  {a["cause"]}'
