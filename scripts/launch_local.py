@@ -200,9 +200,9 @@ def run_attempt(attempt: Attempt, hang_timeout_s: float, stop: list) -> Outcome:
 
 
 def read_finished(workdir: str) -> dict | None:
-    from t2t import loop  # imports jax: only once an attempt has ended
+    from t2t import run_record  # imports jax: only once an attempt has ended
 
-    return loop.read_finished(workdir)
+    return run_record.read_finished(workdir)
 
 
 def supervise(args, passthrough, stream=None, say=None) -> int:

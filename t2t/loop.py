@@ -16,7 +16,6 @@ WORKDIR/TRAINING_FINISHED for evaluate.py --watch. Rollbacks: t2t/guards.py.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import time
@@ -37,15 +36,14 @@ from t2t import (
     optim,
     outage,
     profiling,
+    run_record,
     sharding,
     startup,
     train_lib,
 )
-from t2t import workdir as wd
 from t2t.data import identity
 from t2t.preemption import Interrupted, PreemptionFlag
 
-FINISHED_NAME = 'TRAINING_FINISHED'  # JSON {step, stopped_by}: the run has nothing left to do
 # Sums over the steps of a log interval (carried across a resume): float32 loss sums, exact counts.
 _FLOAT_SUMS = ('loss_sum', 'nll_sum', 'correct_sum')
 _COUNT_SUMS = ('tokens', 'nonfinite')
@@ -241,7 +239,7 @@ def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> Tra
     _say(f'mesh {dict(mesh.shape)} over {mesh.size} {mesh.devices.flat[0].platform} devices '
          f'({jax.process_count()} processes)')
     startup.check_training_config(config, mesh)
-    from t2t import run_record, watchdog  # what ran; stacks of slow steps and saves
+    from t2t import watchdog  # stacks of slow steps and saves
 
     run_record.write(workdir, run_record.record(config, mesh))  # what ran: WORKDIR/run-*.json
     batch_sharding = sharding.batch_sharding(mesh)
@@ -277,7 +275,7 @@ def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> Tra
         if mapped is not None:
             train_iter.set_state(mapped)
         guards.skip_rolled_back_batches(workdir, latest, train_iter, _say)
-    _clear_finished(workdir)
+    run_record.clear_finished(workdir)
     tracker = best.Tracker.from_config(config, meta.get(best.META_KEY))
     checkpoint.keep_best_steps(manager, tracker.kept_steps())
 
@@ -441,7 +439,7 @@ def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> Tra
             dog.close()
             writer.close(outage_limit_s, quiet=not ended)
     if stopped_by != 'preemption':
-        _mark_finished(workdir, step, stopped_by)
+        run_record.mark_finished(workdir, step, stopped_by)
     return TrainResult(step=step, stopped_by=stopped_by, train_metrics=train_summary,
                        eval_metrics=eval_summary)
 
@@ -468,28 +466,6 @@ def _training_data(config, workdir, rows):
          + f'; vocabulary {tokenizer.path} ({tokenizer.vocab_size} pieces)')
     train_iter = data.train_iterator(config, tokenizer, rows=rows, packed=packed)
     return tokenizer, train_iter, identity.run_identity(tokenizer, packed, config.batch_size)
-
-
-def _clear_finished(workdir) -> None:
-    """A run that starts (or resumes) is not finished until it says so again."""
-    if jax.process_index() == 0:
-        wd.remove(wd.path(workdir, FINISHED_NAME))
-
-
-def _mark_finished(workdir, step: int, stopped_by: str) -> None:
-    """WORKDIR/TRAINING_FINISHED: every checkpoint of this run is on disk (for --watch)."""
-    if jax.process_index() == 0:
-        wd.write_atomic(wd.path(workdir, FINISHED_NAME),
-                        json.dumps({'step': step, 'stopped_by': stopped_by}))
-
-
-def read_finished(workdir) -> dict | None:
-    """The TRAINING_FINISHED record of WORKDIR, or None while training may still save steps."""
-    text = wd.read_text(wd.path(workdir, FINISHED_NAME))
-    try:
-        return None if text is None else json.loads(text)
-    except json.JSONDecodeError:
-        return None
 
 
 def _log_train(writer, interval: _Interval, config, step, state, flops_per_step,

@@ -90,3 +90,30 @@ def write(workdir: str, rec: dict) -> str | None:
     path = str(path)
     print(summary(rec, path), flush=True)
     return path
+
+
+# The finished marker: written after the last save, read by evaluate.py --watch, sweeps and the
+# launchers to tell a run with nothing left to do from one that may still save steps.
+FINISHED_NAME = 'TRAINING_FINISHED'  # JSON {step, stopped_by}
+
+
+def clear_finished(workdir) -> None:
+    """A run that starts (or resumes) is not finished until it says so again."""
+    if jax.process_index() == 0:
+        wd.remove(wd.path(workdir, FINISHED_NAME))
+
+
+def mark_finished(workdir, step: int, stopped_by: str) -> None:
+    """WORKDIR/TRAINING_FINISHED: every checkpoint of this run is on disk (for --watch)."""
+    if jax.process_index() == 0:
+        wd.write_atomic(wd.path(workdir, FINISHED_NAME),
+                        json.dumps({'step': step, 'stopped_by': stopped_by}))
+
+
+def read_finished(workdir) -> dict | None:
+    """The TRAINING_FINISHED record of WORKDIR, or None while training may still save steps."""
+    text = wd.read_text(wd.path(workdir, FINISHED_NAME))
+    try:
+        return None if text is None else json.loads(text)
+    except json.JSONDecodeError:
+        return None

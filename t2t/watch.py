@@ -44,7 +44,7 @@ def run(config, workdir, *, split: str = '', timeout_s: float = 3600.0, poll_s: 
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep, weights: str = 'auto') -> dict[int, dict]:
     """Evaluates each new checkpoint of WORKDIR once; returns {step: record} of this call."""
-    from t2t import loop
+    from t2t import run_record
 
     startup.check_lengths(config)
     if not workdir:
@@ -66,7 +66,7 @@ def run(config, workdir, *, split: str = '', timeout_s: float = 3600.0, poll_s: 
     last_news = clock()
     try:
         while True:
-            finished = loop.read_finished(workdir)  # read before listing: see the last step
+            finished = run_record.read_finished(workdir)  # read before listing: see the last step
             steps = checkpoint_read.finished_steps(workdir) if wd.is_dir(wd.path(workdir)) else []
             # Process 0's view (a listing may differ for a moment between hosts): every process
             # decodes the same steps and stops at the same time.

@@ -8,7 +8,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from t2t import best, checkpoint, checkpoint_read, config_checks, loop, metrics
+from t2t import best, checkpoint, checkpoint_read, config_checks, loop, metrics, run_record
 from t2t.checkpoint_read import CheckpointError
 from tests import toy_corpus
 from tests.test_resume import _drive
@@ -90,7 +90,7 @@ def reference(corpus, tmp_path_factory):
 def test_the_best_stay_beside_the_newest_and_patience_stops_the_run(reference):
     workdir, record = reference['workdir'], reference['record']
     assert (reference['result'].step, reference['result'].stopped_by) == (4, 'early_stopping')
-    assert loop.read_finished(workdir) == {'step': 4, 'stopped_by': 'early_stopping'}
+    assert run_record.read_finished(workdir) == {'step': 4, 'stopped_by': 'early_stopping'}
     # The train metrics of the steps since the last log (none: log_every_steps=5) are written.
     assert [r['step'] for r in metrics.read_jsonl(workdir) if 'loss' in r] == [4]
     assert record['since_best'] == 3 and record['best_step'] == 1

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from t2t import loop
+from t2t import run_record
 from tests import chaos_run, fault_front, gcs_server
 
 pytestmark = pytest.mark.xdist_group(__name__)
@@ -62,7 +62,7 @@ def test_chaos_run_restarts_and_ends_exact(reference, tmp_path, storage, capsys)
     with _storage(storage, tmp_path) as (workdir, front):
         result = chaos_run.run(workdir, str(tmp_path / 'logs'), STEPS, reference['data_dir'],
                                faults, hang_timeout_s=HANG_TIMEOUT_S)
-        finished = loop.read_finished(workdir)
+        finished = run_record.read_finished(workdir)
         counts = chaos_run.step_counts(workdir)
         differ = chaos_run.params_differ(workdir, reference['workdir'], STEPS)
         faults_injected = dict(front.counts) if front else {}

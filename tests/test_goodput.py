@@ -19,7 +19,7 @@ import time
 import jax
 import pytest
 
-from t2t import compile_cache, goodput, loop, metrics, profiling, watchdog
+from t2t import compile_cache, goodput, loop, metrics, profiling, run_record, watchdog
 from t2t.goodput import report as goodput_report
 from tests import toy_corpus
 
@@ -287,7 +287,7 @@ def test_kills_and_resumes_report_lost_steps_restarts_and_cached_compiles(corpus
         proc = _drive(corpus, workdir, action, at, overrides)
         assert proc.returncode == status, proc.stderr[-2000:]
     ended = time.time()
-    assert loop.read_finished(workdir)['step'] == 12
+    assert run_record.read_finished(workdir)['step'] == 12
 
     proc = subprocess.run([sys.executable, '-m', 't2t.goodput', str(workdir), '--json'],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)

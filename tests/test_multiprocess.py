@@ -43,7 +43,7 @@ import jax
 import numpy as np
 import pytest
 
-from t2t import checkpoint, checkpoint_read, evaluation, loop, metrics, sharding
+from t2t import checkpoint, checkpoint_read, evaluation, loop, metrics, run_record, sharding
 from t2t import workdir as wd
 from t2t.data import identity, pipeline
 from tests import gcs_server, toy_corpus
@@ -194,7 +194,7 @@ def _bucket_facts(a: str) -> dict:
         'scores': json.loads(text(wd.path(a, 'eval-test.json'))),
         'hypotheses': {p.name: text(p) for p in wd.glob(wd.path(a), 'hypotheses-*.txt')},
         'events': metrics.read_events(a),
-        'finished': loop.read_finished(a),
+        'finished': run_record.read_finished(a),
         'vocab': wd.exists(wd.path(a, identity.VOCAB_NAME)),
         'run_records': [p.name for p in wd.glob(wd.path(a), 'run-*.json')],
     }

@@ -28,6 +28,7 @@ from t2t import (
     loop,
     metrics,
     optim,
+    run_record,
     sharding,
     startup,
     train_lib,
@@ -147,13 +148,13 @@ def test_killed_mid_save_then_preempted_mid_eval_the_run_ends_exact(corpus, refe
     assert json.loads(preempted.stdout.splitlines()[-1]) == {'step': 4, 'stopped_by': 'preemption'}
     assert checkpoint_read.read_metadata(workdir, 4)['evaluation_pending'] is True
     assert 'eval_loss' not in metrics.read_jsonl(workdir)[-1]
-    assert loop.read_finished(workdir) is None
+    assert run_record.read_finished(workdir) is None
 
     # The last run evaluates step 4 first, then trains to the end. (A SIGKILL mid-evaluation:
     # scripts/torture.py, which kills at random moments.)
     finished = _drive(corpus, workdir, 'none')
     assert finished.returncode == 0, finished.stderr[-2000:]
-    assert loop.read_finished(workdir) == {'step': 8, 'stopped_by': 'num_train_steps'}
+    assert run_record.read_finished(workdir) == {'step': 8, 'stopped_by': 'num_train_steps'}
     assert _leftovers(workdir) == []  # temporary and deleted steps are gone
     _assert_same_run(workdir, reference)
 
@@ -168,12 +169,12 @@ def test_sigterm_in_the_final_evaluation_of_a_time_budget_stop_leaves_it_pending
     assert preempted.returncode == 0, preempted.stderr[-2000:]
     assert json.loads(preempted.stdout.splitlines()[-1]) == {'step': 2, 'stopped_by': 'preemption'}
     assert checkpoint_read.read_metadata(workdir, 2)['evaluation_pending'] is True
-    assert loop.read_finished(workdir) is None
+    assert run_record.read_finished(workdir) is None
     # The resumed run evaluates step 2 first, then finds the budget spent.
     result = loop.train_and_evaluate(toy_corpus.tiny_config(corpus, **budget), str(workdir))
     assert (result.step, result.stopped_by) == (2, 'time_budget')
     assert result.eval_metrics['eval_loss'] == metrics.read_jsonl(workdir)[-1]['eval_loss']
-    assert loop.read_finished(workdir) == {'step': 2, 'stopped_by': 'time_budget'}
+    assert run_record.read_finished(workdir) == {'step': 2, 'stopped_by': 'time_budget'}
 
 
 def test_writer_drops_records_after_the_resumed_step_in_jsonl_and_events(tmp_path):

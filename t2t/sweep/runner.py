@@ -201,7 +201,7 @@ def run(config_path: str, config, workdir: str, *, base_overrides: dict | None =
 
 def _run_point(p: Point, tag: str, command, eval_cmd, workdir, split, average_last,
                retry_failed, stop, echo) -> None:
-    from t2t import loop
+    from t2t import run_record
 
     point_dir = os.path.join(workdir, p.name)
     os.makedirs(point_dir, exist_ok=True)
@@ -221,7 +221,7 @@ def _run_point(p: Point, tag: str, command, eval_cmd, workdir, split, average_la
         _wait_for_old_child(point_dir, state, echo)
     # Trained to its end with this config (also when an earlier sweep died before it could
     # record that): only the evaluation may be left to do.
-    finished = loop.read_finished(point_dir) if same_config and status != 'failed' else None
+    finished = run_record.read_finished(point_dir) if same_config and status != 'failed' else None
     if finished is not None:
         if status == 'done':
             echo(f'{tag}: done (step {state.get("step")}), skipped')
@@ -285,11 +285,11 @@ def outcome(returncode: int, finished: dict | None, interrupted: bool, stderr: s
 
 def train_point(command: list[str], point_dir: str, state: dict, stop: _Stop) -> dict:
     """Runs train.py for one point; returns its new state (already written)."""
-    from t2t import loop
+    from t2t import run_record
 
     # A marker of an earlier attempt says nothing about this one (train.py clears it too, but
     # only once it has started).
-    wd.remove(os.path.join(point_dir, loop.FINISHED_NAME))
+    wd.remove(os.path.join(point_dir, run_record.FINISHED_NAME))
     out_path, err_path = (os.path.join(point_dir, n) for n in ('stdout.log', 'stderr.log'))
     err_offset = os.path.getsize(err_path) if os.path.exists(err_path) else 0
     state = {**state, 'status': 'running', 'command': command, 'error': '', 'returncode': None,
@@ -309,7 +309,7 @@ def train_point(command: list[str], point_dir: str, state: dict, stop: _Stop) ->
         returncode = _run_child(command, out, err, stop, started)
     state.update(returncode=returncode, pid=None, seconds=round(time.perf_counter() - start, 1),
                  finished_at=time.time())
-    state.update(outcome(returncode, loop.read_finished(point_dir), stop.signum is not None,
+    state.update(outcome(returncode, run_record.read_finished(point_dir), stop.signum is not None,
                          _tail(err_path, err_offset)))
     write_state(point_dir, state)
     return state
