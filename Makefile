@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml
 
 # XLA's TPU compiler (libtpu) for the ahead-of-time compile tests: jax[tpu] pinned to the jax in
 # the venv (jax's own extra pins the libtpu of that release). Without TPU chips t2t never starts
-# the TPU backend, so nothing else changes (t2t/platforms.py).
+# the TPU backend, so nothing else changes (t2t/infra/platforms.py).
 $(TPU_STAMP): $(STAMP)
 	$(BIN)/pip install --quiet --disable-pip-version-check \
 		"jax[tpu]==$$($(BIN)/python -c 'import jax; print(jax.__version__)')"

@@ -1,4 +1,4 @@
-"""Evaluate or use trained checkpoints (the logic lives in t2t/evaluation.py).
+"""Evaluate or use trained checkpoints (the logic lives in t2t/eval/evaluation.py).
 
   python evaluate.py --config=configs/default.py --workdir=DIR            # the latest checkpoint
       [--step=N | --best | --all | --average_last=N [--write_averaged=OUT_DIR]] [--split=test]
@@ -8,7 +8,7 @@
   python evaluate.py --config=... --workdir=DIR --watch [--split=...] [--timeout=3600] [--poll=5]
   any of them with --weights=ema|raw (default auto: the EMA of a run with ema_decay > 0, else raw)
   python evaluate.py --config=... --workdir=DIR --ensemble=DIR_OR_STEP,DIR_OR_STEP[,...]
-      [--split=test | --translate ...]   # the members decode together (t2t/ensemble.py)
+      [--split=test | --translate ...]   # the members decode together (t2t/eval/ensemble.py)
 
 Several processes: the same command on each, with --coordinator_address/--num_processes/
 --process_id or --distributed as for train.py; they split the sentences, process 0 writes.
@@ -19,7 +19,8 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from t2t import cli, compile_cache, distributed
+from t2t.infra import distributed
+from t2t.run import cli, compile_cache
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Experiment config.')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'The training workdir (holds checkpoints/).')
@@ -42,11 +43,12 @@ _NBEST = flags.DEFINE_integer(
     'nbest', 1, 'With --translate: beam search\'s best N per line (N <= beam_size), as TSV: '
     'index, rank, score (sum log-prob / length penalty), text.')
 _SCORE = flags.DEFINE_bool('score', False, 'Forced decoding: the log-probability of each '
-                           '--references line given its --input line, as TSV (t2t/scoring.py).')
+                           '--references line given its --input line, as TSV '
+                           '(t2t/eval/scoring.py).')
 _REFERENCES = flags.DEFINE_string('references', '', 'With --score: the translations, one per '
                                   '--input line.')
 _WATCH = flags.DEFINE_bool('watch', False, 'Evaluate each new checkpoint while training runs, '
-                           'until training finishes (see t2t/watch.py).')
+                           'until training finishes (see t2t/eval/watch.py).')
 _WEIGHTS = flags.DEFINE_enum(
     'weights', 'auto', ['auto', 'ema', 'raw'], 'ema: the moving average of the params that a run '
     'with ema_decay > 0 saved (labels end in -ema); raw: the params as trained; auto: ema when '
@@ -76,7 +78,9 @@ def main(argv):
     if not flags.FLAGS['verbosity'].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
     # after flag parsing: fast --help
-    from t2t import checkpoint, evaluation, scoring, startup, watch, workdir
+    from t2t.eval import evaluation, scoring, watch
+    from t2t.infra import workdir
+    from t2t.run import checkpoint, startup
 
     workdir.quiet_transient_failures()
 
@@ -115,8 +119,9 @@ def main(argv):
 
 
 def _best_step(workdir_path, process_index: int) -> int:
-    """--best: the step of the run's best checkpoint (t2t/best.py), said on stderr."""
-    from t2t import best, evaluation
+    """--best: the step of the run's best checkpoint (t2t/run/best.py), said on stderr."""
+    from t2t.eval import evaluation
+    from t2t.run import best
 
     if _STEP.present or _ALL.value or _AVERAGE_LAST.value or _WATCH.value:
         raise evaluation.EvalError('--best takes the place of --step, --all, --average_last and '

@@ -56,7 +56,7 @@ def main(argv):
             return 0
         if _CONFIG.value is None or not _WORKDIR.value and not _DRY_RUN.value:
             raise app.UsageError('--config and --workdir are required (or --summarize=DIR)')
-        from t2t import cli
+        from t2t.run import cli
 
         cli.check_values(_CONFIG.value, 'sweep.py')  # a point's own values: its train.py
         config_path = config_flags.get_config_filename(flags.FLAGS['config'])
@@ -71,7 +71,7 @@ def main(argv):
 
 
 if __name__ == '__main__':
-    from t2t import platforms
+    from t2t.infra import platforms
 
     platforms.skip_absent_tpu()  # the sweep's own process (dry runs, summaries) as cli.run does
     app.run(main)

@@ -20,8 +20,8 @@ WORKDIR/goodput/ records where the time went (`python -m t2t.goodput WORKDIR`); 
 cached across restarts (config compilation_cache_dir); config profile_start_step takes a profile.
 Processes that do not all start within --startup_timeout_s are named in one line, exit 1; a
 process lost later (--heartbeat_timeout_s, a barrier) is named in one line, exit 4; a step or save
-stuck for hang_timeout_s exits 3 (t2t/exits.py). A config, workdir or checkpoint problem is one
-line on stderr, exit 1.
+stuck for hang_timeout_s exits 3 (t2t/infra/exits.py). A config, workdir or checkpoint problem is
+one line on stderr, exit 1.
 """
 
 import faulthandler
@@ -33,7 +33,9 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from t2t import cli, compile_cache, distributed, goodput
+from t2t import goodput
+from t2t.infra import distributed
+from t2t.run import cli, compile_cache
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Experiment config.')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Checkpoints, metrics and logs go here.')
@@ -48,7 +50,7 @@ def main(argv):
     if (_TOPOLOGY.value and not _DRY_RUN.value) or (_FIND_MAX_BATCH.value and not _TOPOLOGY.value):
         raise app.UsageError('--topology needs --dry_run, --find_max_batch needs --topology')
     if _DRY_RUN.value:
-        from t2t import summary
+        from t2t.run import summary
 
         if _TOPOLOGY.value:
             sys.exit(_tpu_dry_run(config, summary))
@@ -74,7 +76,9 @@ def main(argv):
     if not flags.FLAGS['verbosity'].present:
         absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save at INFO
 
-    from t2t import checkpoint, loop, startup, workdir
+    from t2t.infra import workdir
+    from t2t.run import checkpoint, startup
+    from t2t.train import loop
 
     workdir.quiet_transient_failures()
 
@@ -98,7 +102,7 @@ def main(argv):
         goodput_report.print_summary(_WORKDIR.value)  # where the time went
 
 
-# --dry_run --topology: TPU ahead-of-time compile (t2t/aot.py, report in t2t/aot_report.py)
+# --dry_run --topology: TPU ahead-of-time compile (t2t/aot/tpu.py, report in t2t/aot/report.py)
 _TOPOLOGY = flags.DEFINE_string(
     'topology', None, 'With --dry_run: compile for this TPU slice on the CPU and report memory '
     'and FLOPs (v4-8, v5e-16, v5p-8, v6e-256, or a topology such as v5e:4x4).')
@@ -113,7 +117,8 @@ _BATCH_STEP = flags.DEFINE_integer(
 
 def _tpu_dry_run(config, summary) -> int:
     """The exit status: 0 fits, 1 does not, 2 bad input (reported before anything compiles)."""
-    from t2t import aot, aot_report
+    from t2t.aot import report as aot_report
+    from t2t.aot import tpu as aot
 
     try:
         plan = aot.plan(config, _TOPOLOGY.value, _BATCH_STEP.value)

@@ -12,7 +12,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from t2t import metrics  # noqa: E402
+from t2t.infra import metrics  # noqa: E402
 
 
 def table(records: list[dict]) -> str:

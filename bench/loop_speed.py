@@ -1,4 +1,4 @@
-"""Step time of the whole training loop (t2t/loop.py) at a config, as its own log reports it.
+"""Step time of the whole training loop (t2t/train/loop.py) at a config, as its own log reports it.
 
     PYTHONPATH=$PWD JAX_PLATFORMS=cpu python bench/loop_speed.py --config=configs/default.py
 
@@ -51,7 +51,9 @@ def _bookkeeping(config, steps: int, log_every: int) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from t2t import loop, metrics, optim
+    from t2t import optim
+    from t2t.infra import metrics
+    from t2t.train import loop
 
     @jax.jit
     def step_fn(counter):
@@ -98,7 +100,8 @@ def main() -> None:
         sys.exit('loop_speed.py: --steps must cover at least two --log_every intervals')
 
     import t2t
-    from t2t import loop, metrics, platforms
+    from t2t.infra import metrics, platforms
+    from t2t.train import loop
 
     platforms.skip_absent_tpu()
     config = _load_config(args.config)

@@ -3,7 +3,7 @@
     nice -n 19 .venv/bin/python bench/mesh_table.py --out bench/mesh_table   # hours on 2 cores
     .venv/bin/python bench/mesh_table.py --tiny --out /tmp/tiny_mesh          # seconds
 
-For each row (config, slice, mesh, batch) the dry run's train step (t2t/aot.py: the config's
+For each row (config, slice, mesh, batch) the dry run's train step (t2t/aot/tpu.py: the config's
 step, state sharded and donated as in training) is compiled for the slice with libtpu's TPU
 compiler on this CPU, in a child process under the libtpu file lock (/tmp/t2t-libtpu.lock, the
 test suite's) and `nice -n 19`. Each row is appended to OUT.csv and OUT.md as soon as its
@@ -23,9 +23,9 @@ row is max_len target positions (the token count assumes full rows, as packed ba
 are).
 
 Columns, per chip (one jax device) and per step: memory_analysis arguments / temporaries /
-total (t2t.aot.Memory.total) in GiB and whether the total fits the chip's HBM less
-t2t.aot.HBM_MARGIN; the collectives' operand bytes (t2t/hlo.py, loops by trip count; of them
-in loops); the roofline LOWER BOUND's terms (t2t.aot.Roofline: matmul FLOPs / bf16 peak, HBM
+total (t2t.aot.tpu.Memory.total) in GiB and whether the total fits the chip's HBM less
+t2t.aot.tpu.HBM_MARGIN; the collectives' operand bytes (t2t/aot/hlo.py, loops by trip count; of them
+in loops); the roofline LOWER BOUND's terms (t2t.aot.tpu.Roofline: matmul FLOPs / bf16 peak, HBM
 bytes / HBM bandwidth, collective bytes / ICI bandwidth) and the bound; and the resulting
 upper bound of throughput, target tokens per step / bound / chips. Bounds, not measurements.
 
@@ -117,7 +117,10 @@ def measure(row: Row, hlo_dir: str = '') -> dict:
     import importlib
 
     sys.path.insert(0, ROOT)
-    from t2t import aot, platforms, sharding, startup
+    from t2t import sharding
+    from t2t.aot import tpu as aot
+    from t2t.infra import platforms
+    from t2t.run import startup
 
     config = importlib.import_module(f'configs.{row.config}').get_config()
     slices = math.prod(row.dcn)
@@ -181,8 +184,8 @@ def measure(row: Row, hlo_dir: str = '') -> dict:
 def dcn_send_bytes(text: str) -> float:
     """Bytes a device sends over DCN per run: the multi-slice runtime's host-transfer sends
     (each a (data, u32[] context, token[]) tuple; the data counted), loops by trip count. The
-    collectives inside a slice stay all-reduces etc.; t2t/hlo.py counts only those."""
-    from t2t import hlo
+    collectives inside a slice stay all-reduces etc.; t2t/aot/hlo.py counts only those."""
+    from t2t.aot import hlo
 
     module = hlo.parse(text)
     total = 0.0

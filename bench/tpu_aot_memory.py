@@ -8,23 +8,23 @@ lowered and compiled for the topology with XLA's TPU compiler from libtpu (no TP
 docs/aot.md) on a (data=1, fsdp=chips, tensor=1) mesh, the state sharded as t2t derives
 it and donated. Prints one `RESULT {json}` line with the compiled memory analysis (per device:
 arguments, outputs, aliased, temporaries), XLA's cost_analysis FLOPs per device (each loop body
-once), the HLO's matmul FLOPs per device with loops counted (t2t/hlo.py) and the compile time.
+once), the HLO's matmul FLOPs per device with loops counted (t2t/aot/hlo.py) and the compile time.
 
 --code DIR imports t2t from another checkout (e.g. an older commit unpacked with `git archive`),
 so that the same script measures before and after a change. --model_kw / --step_kw pass extra
 TransformerConfig / StepConfig fields (key=value, Python literals) where the checkout has them.
 Compiling big takes minutes on 2 cores; run one at a time: libtpu allows one process.
 
---config FILE --slice NAME measures instead the dry run's own train step (t2t/aot.py, as
+--config FILE --slice NAME measures instead the dry run's own train step (t2t/aot/tpu.py, as
 `train.py --dry_run --topology` compiles it: the config's mesh, batch_size and every other key)
 for a slice name such as v5e-16 or v4-8; --set key=value changes config keys. Besides the memory,
 the RESULT line then carries XLA's cost_analysis FLOPs, the HLO's matmul FLOPs with loops counted
-by trip count (t2t/hlo.py) and t2t/flops.py's count, all per step, and per device: each kind of
+by trip count (t2t/aot/hlo.py) and t2t/flops.py's count, all per step, and per device: each kind of
 collective (outside and inside loops, times the trip counts), the HBM traffic, the roofline
-bound's terms (t2t/aot.py), XLA's bytes accessed and the rng-bit-generator ops' result types and
+bound's terms (t2t/aot/tpu.py), XLA's bytes accessed and the rng-bit-generator ops' result types and
 bytes; --hlo_dir DIR keeps the compiled HLO text (gzip) for a later look at where the
 temporaries go. --hlo FILE --slice NAME prints the HLO numbers of a kept file without compiling
-(read by this checkout's t2t/hlo.py: a before/after pair is read the same way).
+(read by this checkout's t2t/aot/hlo.py: a before/after pair is read the same way).
 
     flock /tmp/t2t-libtpu.lock timeout 900 .venv/bin/python bench/tpu_aot_memory.py \
         --config configs/wmt14_ende_big.py --slice v5e-16 --set batch_size=128 scan_layers=False
@@ -97,7 +97,8 @@ def main(argv=None) -> int:
     from jax.experimental import topologies
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from t2t import hlo, optim, sharding, train_lib
+    from t2t import optim, sharding, train_lib
+    from t2t.aot import hlo
     from t2t.model import TransformerConfig
 
     topo = topologies.get_topology_desc(
@@ -169,7 +170,7 @@ def main(argv=None) -> int:
 
 
 def config_main(args) -> int:
-    """The dry run's train step of a config file on a slice (t2t.aot), one RESULT line."""
+    """The dry run's train step of a config file on a slice (t2t.aot.tpu), one RESULT line."""
     import gzip
     import importlib.util
 
@@ -177,7 +178,8 @@ def config_main(args) -> int:
     os.environ.setdefault('TPU_SKIP_MDS_QUERY', '1')
     root = args.code or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.path.insert(0, os.path.abspath(root))
-    from t2t import aot, flops
+    from t2t import flops
+    from t2t.aot import tpu as aot
 
     spec = importlib.util.spec_from_file_location('bench_config', args.config)
     module = importlib.util.module_from_spec(spec)
@@ -233,16 +235,16 @@ def _this_checkout(module: str):
 
 
 def hlo_numbers(text: str, generation: str) -> dict:
-    """Per device per step, from the compiled HLO (this checkout's t2t/hlo.py and hlo_memory.py):
-    the collectives (outside / inside loops, x trip counts), the memory traffic and the roofline
-    lower bound on the chip (the t2t/aot.py datasheet table)."""
+    """Per device per step, from the compiled HLO (this checkout's t2t/aot/hlo.py and
+    hlo_memory.py): the collectives (outside / inside loops, x trip counts), the memory traffic and
+    the roofline lower bound on the chip (the t2t/aot/tpu.py datasheet table)."""
     hlo = _this_checkout('hlo')
     module = hlo.parse(text)
     collectives = hlo.collectives(module)
     flops = hlo.matmul_flops(module)
     memory = _this_checkout('hlo_memory').memory_bytes(text)
     coll = sum(c.bytes + c.in_loops_bytes for c in collectives.values())
-    from t2t import aot  # the chip table is the same in every checkout that has it
+    from t2t.aot import tpu as aot  # the chip table is the same in every checkout that has it
 
     chip = getattr(aot, 'CHIPS', {}).get(generation)
     roofline = {}
@@ -276,7 +278,7 @@ def hlo_main(args) -> int:
 
     os.environ.setdefault('JAX_PLATFORMS', 'cpu')
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from t2t import aot
+    from t2t.aot import tpu as aot
 
     with gzip.open(args.hlo, 'rt') as f:
         text = f.read()

@@ -8,7 +8,7 @@
 Each runtime translates file to file, text in and text out, beam 4 (config.beam_size), on this
 CPU; t2t divides by ((5 + |Y|) / 6)^config.length_penalty_alpha, the exports' runtimes by
 |Y|^a with the exponent the export writes (export.runtime_length_penalty: fitted to t2t's):
-- t2t: evaluate.py --translate's code (t2t/translate.py: length-sorted windows, token-budget
+- t2t: evaluate.py --translate's code (t2t/eval/translate.py: length-sorted windows, token-budget
   batches over a few bucketed shapes, the jitted beam search), for each input a first run
   (its shapes' compiles included: first_run_s) and a second, warm run of the same file
   (--t2t_runs=1: the first run only, for inputs where the compiles are a small part);
@@ -51,7 +51,7 @@ _RUNTIMES = flags.DEFINE_list('runtimes', 't2t,ct2-float32,ct2-int8,hf', 'What t
 _MAX_LINES = flags.DEFINE_integer('max_lines', 0, 'Use the first N test lines (0: all).')
 _REPEAT_TO = flags.DEFINE_integer('repeat_to', 100_000, 'Lines of the repeated input (0: none).')
 _TOKEN_BUDGET = flags.DEFINE_integer('token_budget', 0, 'Source tokens per batch for t2t and '
-                                     'CTranslate2 (0: t2t.translate.DEFAULT_TOKEN_BUDGET).')
+                                     'CTranslate2 (0: t2t.eval.translate.DEFAULT_TOKEN_BUDGET).')
 _HF_BATCH = flags.DEFINE_integer('hf_batch', 32, 'Sentences per generate() call.')
 _HF_REPEATED = flags.DEFINE_bool('hf_repeated', False, 'Run generate() on the repeated input.')
 _T2T_RUNS = flags.DEFINE_integer('t2t_runs', 2, 't2t runs per input: 2 = the first (compiles '
@@ -65,7 +65,8 @@ def load_model(config, out_dir):
     import jax
     from flax.core import meta
 
-    from t2t import data, evaluation
+    from t2t import data
+    from t2t.eval import evaluation
     from t2t.model import Transformer, TransformerConfig
 
     if _RANDOM_INIT.value or _TINY.value:
@@ -104,7 +105,8 @@ def timed(fn):
 
 
 def run_t2t(config, params, tokenizer, src, out, token_budget):
-    from t2t import inference, sharding, translate
+    from t2t import inference, sharding
+    from t2t.eval import translate
     from t2t.model import TransformerConfig
 
     mesh = sharding.make_mesh((-1, 1, 1))
@@ -162,8 +164,9 @@ def main(argv):
     import jax
     import sacrebleu
 
-    from t2t import export, sharding, translate
+    from t2t import export, sharding
     from t2t.data import sources
+    from t2t.eval import translate
     from t2t.model import TransformerConfig
 
     config = _CONFIG.value

@@ -107,7 +107,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.skip_nonfinite = False  # True: skip a step whose loss is NaN/inf instead of stopping
     c.ema_decay = 0.0  # > 0: keep ema = d*ema + (1-d)*params after each update (0 = off)
     c.ema_warmup = False  # True: update t uses min(ema_decay, (1+t)/(10+t)) (TF's num_updates)
-    # Divergence guards (t2t/guards.py; MaxText's skip_step_on_spikes, PaLM's rollbacks):
+    # Divergence guards (t2t/train/guards.py; MaxText's skip_step_on_spikes, PaLM's rollbacks):
     c.spike_skip = 0.0  # > 0: skip a step whose loss > recent mean + this x std (0 = off)
     c.spike_window = 100  # the recent applied steps whose loss mean and std spike_skip uses
     # > 0: after this many skipped (spike or non-finite) steps in a row, go back to the last
@@ -122,13 +122,14 @@ def base_config() -> ml_collections.ConfigDict:
     c.keep_checkpoints = 20
     c.num_eval_batches = 20  # validation batches for eval loss (-1 = all)
     c.eval_bleu_sentences = 256  # validation sentences decoded for BLEU at each eval (0 = off)
-    # Best checkpoints and early stopping (t2t/best.py): evaluations ranked by best_metric, one of
-    # 'loss', 'bleu', 'chrf' (validation; 'bleu' and 'chrf' need eval_bleu_sentences > 0), or the
+    # Best checkpoints and early stopping (t2t/run/best.py): evaluations ranked by best_metric, one
+    # of 'loss', 'bleu', 'chrf' (validation; 'bleu' and 'chrf' need eval_bleu_sentences > 0), or the
     # same of the EMA weights: 'loss_ema', 'bleu_ema', 'chrf_ema' (ema_decay > 0).
     c.keep_best = 0  # > 0: the checkpoints of the N best evaluations also stay (0 = off)
     c.best_metric = 'loss'
     c.early_stopping_patience = 0  # > 0: stop after N evaluations without improvement (0 = off)
-    # Hangs and stragglers (t2t/watchdog.py): every thread's stack goes to stderr, training goes on.
+    # Hangs and stragglers (t2t/infra/watchdog.py): every thread's stack goes to stderr, training
+    # goes on.
     c.straggler_factor = 10.0  # a step running over this x the median recent step (0 = off) ...
     c.straggler_min_s = 10.0  # ... and over this many seconds (tiny steps jitter)
     c.slow_save_s = 600.0  # a checkpoint save running over this many seconds (0 = off)
@@ -148,7 +149,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.profile_num_steps = 3
     c.profile_every_steps = 0
     c.profile_all_processes = False
-    # jax's persistent compilation cache (t2t/compile_cache.py): '' = $JAX_COMPILATION_CACHE_DIR
+    # jax's persistent compilation cache (t2t/run/compile_cache.py): '' = $JAX_COMPILATION_CACHE_DIR
     # or ~/.cache/t2t/jax (host-local), 'off', or a directory / gs:// URL.
     c.compilation_cache_dir = ''
 

@@ -1,7 +1,7 @@
 """The recall toy: the target is the first of `recall_length` symbols (t2t/data/recall.py).
 
     python train.py --config=configs/recall_toy.py --workdir=workdirs/recall8
-    python -m t2t.attention_maps --config=configs/recall_toy.py --workdir=workdirs/recall8 \
+    python -m t2t.eval.attention_maps --config=configs/recall_toy.py --workdir=workdirs/recall8 \
         --recall_report
     python train.py --config=configs/recall_toy.py --workdir=workdirs/recall128 \
         --config.recall_length=128                  # the lengths follow recall_length

@@ -7,7 +7,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from t2t import exits  # noqa: E402
+from t2t.infra import exits  # noqa: E402
 
 
 def split_at_dashes(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -31,6 +31,6 @@ def script(args) -> str:
 
 def restartable_pattern() -> str:
     """A shell `case` pattern of the exit statuses a rerun can fix: t2t's pod weather (hang, peer
-    lost, storage outage: t2t/exits.py) and a process ended by a signal (128 + N in the shell).
-    0 (finished, or saved on SIGTERM) and 1 (an error a rerun repeats) are not in it."""
+    lost, storage outage: t2t/infra/exits.py) and a process ended by a signal (128 + N in the
+    shell). 0 (finished, or saved on SIGTERM) and 1 (an error a rerun repeats) are not in it."""
     return '|'.join(str(s) for s in sorted(exits.RESTARTABLE)) + '|129|13[0-9]|14[0-9]|15[0-9]'

@@ -12,7 +12,7 @@ and T2T_ATTEMPT=<launch>:<k> (the goodput ledger's count of attempts, t2t/goodpu
 
 When a process exits abnormally (a non-zero status, or a signal), the others of its attempt are
 SIGKILLed (which ends a SIGSTOPped one too) and all start again: train.py resumes from the last
-checkpoint. One line per restart names the process and its status (t2t/exits.py). Exit 1 (an
+checkpoint. One line per restart names the process and its status (t2t/infra/exits.py). Exit 1 (an
 error: a config value, a path) is not restarted: restarting would repeat it. The launcher's own
 hang guard: when process 0 (the one that prints the step lines) writes nothing to stdout for
 --hang_timeout_s, the attempt is taken as hung, killed and restarted; it catches what the
@@ -42,7 +42,7 @@ import launch_args  # scripts/: the directory of this script is on sys.path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from t2t import exits  # noqa: E402
+from t2t.infra import exits  # noqa: E402
 
 DEVICE_FLAG = '--xla_force_host_platform_device_count'
 POLL_S = 0.05
@@ -105,7 +105,7 @@ def classify(statuses: list) -> tuple[int, int] | None:
     A peer's death makes the others fail a moment later (exit 1 from a collective's error, or
     SIGABRT from jax's coordination service), and one poll can see both: among the processes
     that have ended, a signal from outside (SIGKILL, SIGTERM, ...) is the cause before a
-    restartable exit status (t2t/exits.py), before SIGABRT, before any other status.
+    restartable exit status (t2t/infra/exits.py), before SIGABRT, before any other status.
     """
     def rank(status):
         if status < 0:
@@ -200,7 +200,7 @@ def run_attempt(attempt: Attempt, hang_timeout_s: float, stop: list) -> Outcome:
 
 
 def read_finished(workdir: str) -> dict | None:
-    from t2t import run_record  # imports jax: only once an attempt has ended
+    from t2t.run import run_record  # imports jax: only once an attempt has ended
 
     return run_record.read_finished(workdir)
 

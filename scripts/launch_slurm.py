@@ -39,7 +39,7 @@ def requeue_lines(max_restarts: int) -> list[str]:
 
     SLURM reruns a requeued job under the same id with SLURM_RESTART_COUNT one higher, and
     train.py resumes from the last checkpoint. Restartable: t2t's statuses for the pod's weather
-    (t2t/exits.py) and a task ended by a signal (srun: 128 + the signal). Exit 1 (an error a
+    (t2t/infra/exits.py) and a task ended by a signal (srun: 128 + the signal). Exit 1 (an error a
     rerun repeats) and 0 end the job. `scontrol requeue` needs no cluster setting (RequeueExit in
     slurm.conf is the administrator's way to the same end).
     """

@@ -14,10 +14,10 @@ streamed back here unless --detach). Arguments after `--` go to the script verba
 --dry_run prints the gcloud command lines instead of running them.
 
 --max_restarts=R: each worker runs the script in a loop that reruns it after a restartable failure
-(t2t/exits.py: a hang, a lost peer, a storage outage, or a signal), up to R times; when one host
-fails, the others' processes end too (jax's heartbeats, the watchdog), every loop reruns, and the
-processes meet again and resume from the last checkpoint. 0 (finished, or saved after SIGTERM) and
-1 (an error) end the loop. For restarts that survive the VM itself (a host replaced, a slice
+(t2t/infra/exits.py: a hang, a lost peer, a storage outage, or a signal), up to R times; when one
+host fails, the others' processes end too (jax's heartbeats, the watchdog), every loop reruns, and
+the processes meet again and resume from the last checkpoint. 0 (finished, or saved after SIGTERM)
+and 1 (an error) end the loop. For restarts that survive the VM itself (a host replaced, a slice
 preempted), run under GKE JobSet or a queued resource: see docs/clusters.md.
 
 Without --detach the command blocks until every worker's script ends and exits with its status

@@ -40,7 +40,7 @@ def measure(config_path: str, workdir: str, after_log: int, delay: float, eval_a
             env: dict) -> dict:
     """Seconds from SIGTERM to exit of train.py, and what it left behind."""
     sys.path.insert(0, ROOT)
-    from t2t import checkpoint_read
+    from t2t.run import checkpoint_read
 
     shutil.rmtree(workdir, ignore_errors=True)
     command = [sys.executable, 'train.py', f'--config={config_path}', f'--workdir={workdir}',

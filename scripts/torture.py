@@ -111,7 +111,7 @@ def _records(workdir):
 
 
 def _scalars(workdir):
-    from t2t import metrics
+    from t2t.infra import metrics
 
     events = metrics.read_events(workdir)
     twice = [k for k, n in collections.Counter((t, s) for t, s, _ in events).items() if n > 1]
@@ -123,7 +123,8 @@ def _scalars(workdir):
 def _state(workdir, step):
     import jax
 
-    from t2t import checkpoint, optim, sharding, train_lib
+    from t2t import optim, sharding, train_lib
+    from t2t.run import checkpoint
 
     config = _config()
     mesh = sharding.make_mesh(config.mesh_shape)

@@ -202,7 +202,7 @@ def beam_search(
         next length, ..., and last to max_decode_len. Most sentences end early, and a short
         cache is cheaper to reorder and attend over at every step.
       log_probs: static; tokens_to_logits returns log-probabilities already (an ensemble's mean
-        of its members', t2t/ensemble.py): summed as they are. A log_softmax would renormalize
+        of its members', t2t/eval/ensemble.py): summed as they are. A log_softmax would renormalize
         that mean, so a hypothesis' score would no longer be its members' mean score.
 
     A hypothesis ends when it emits EOS or reaches its example's limit; one cut at the limit is

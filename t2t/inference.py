@@ -22,7 +22,7 @@ at most max_decode_len (the paper: source length + 50).
 The decode buffers are min(max_decode_len, S + max_decode_extra) long, static per bucket length S,
 so there is one compile per (B, S) and short buckets do not pay for long buffers.
 
-An ensemble (make_predict_fn of a tuple of configs, t2t/ensemble.py) decodes in the same jitted
+An ensemble (make_predict_fn of a tuple of configs, t2t/eval/ensemble.py) decodes in the same jitted
 search with the mean of its members' log-probabilities at every step.
 
 Greedy decoding and sampling (make_predict_fn's greedy, sampling: decode.greedy_search and

@@ -9,7 +9,7 @@ scaling, separate embeddings, bfloat16 compute (parameters stay float32) and the
 kernel (attention_impl: 'xla', 'dot_product', 'cudnn' = cuDNN flash attention on GPU, 'splash' =
 the Pallas splash attention kernel on TPU). Speed/memory options that never change the results:
 rematerialization of each layer (remat) and one nn.scan over the identical layers of each stack
-(scan_layers: parameters stacked with a leading 'layers' axis, see t2t/layers_convert.py).
+(scan_layers: parameters stacked with a leading 'layers' axis, see t2t/run/layers_convert.py).
 Dropout draws 16 random bits per element (t2t/dropout.py: keep probability within 2^-17 of
 1 - rate, kept values scaled by its exact inverse).
 

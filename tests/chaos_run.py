@@ -170,8 +170,8 @@ def trained_twice(ranges: list[tuple[int, int]]) -> int:
 
 def step_counts(workdir: str) -> dict[int, int]:
     """{step: how many training records metrics.jsonl holds for it} (raw lines, not merged)."""
-    from t2t import metrics
-    from t2t import workdir as wd
+    from t2t.infra import metrics
+    from t2t.infra import workdir as wd
 
     counts = {}
     for line in (wd.read_text(wd.path(workdir, metrics.JSONL_NAME)) or '').splitlines():
@@ -186,7 +186,7 @@ def params_differ(workdir_a: str, workdir_b: str, step: int) -> list[str]:
     import jax
     import numpy as np
 
-    from t2t import checkpoint_read
+    from t2t.run import checkpoint_read
 
     a, b = (checkpoint_read.restore_params(w, step) for w in (workdir_a, workdir_b))
     differ = []

@@ -58,7 +58,8 @@ def main(spec: dict) -> None:
     d = spec['distributed']
     jax.distributed.initialize(d['coordinator'], d['num_processes'], d['process_id'])
     _install()
-    from t2t import data, loop
+    from t2t import data
+    from t2t.train import loop
     from tests import toy_corpus
 
     corpus = dict(spec['corpus'], root=pathlib.Path(spec['corpus']['root']))

@@ -1,5 +1,5 @@
-"""Several processes meet through t2t/distributed.py and nothing else (no model, no compile), for
-tests/test_hangs.py:
+"""Several processes meet through t2t/infra/distributed.py and nothing else (no model, no compile),
+for tests/test_hangs.py:
 
     python tests/hang_driver.py --coordinator_address=localhost:PORT --num_processes=2 \
         --process_id=I --startup_timeout_s=3 [--scenario=barriers|idle|end] \
@@ -19,7 +19,7 @@ import time
 from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from t2t import distributed  # noqa: E402
+from t2t.infra import distributed  # noqa: E402
 
 _SCENARIO = flags.DEFINE_string('scenario', '', "'' (start only), 'barriers', 'idle' or 'end'.")
 _END_AFTER = flags.DEFINE_float('end_after_s', 0.0, "--scenario=end: process 1's extra time.")

@@ -20,7 +20,7 @@ import sys
 
 
 def _install(action: str, at: int) -> None:
-    from t2t import loop
+    from t2t.train import loop
 
     if action == 'kill_in_save':
         import orbax.checkpoint as ocp
@@ -58,7 +58,7 @@ def main(spec: dict) -> None:
 
         d = spec['distributed']
         jax.distributed.initialize(d['coordinator'], d['num_processes'], d['process_id'])
-    from t2t import loop
+    from t2t.train import loop
     from tests import toy_corpus
 
     _install(spec['action'], spec.get('at', 0))
@@ -66,7 +66,7 @@ def main(spec: dict) -> None:
     config = toy_corpus.tiny_config(corpus, **spec['overrides'])
     if 'data_dir' in spec:  # a host-local data_dir
         config.data_dir = spec['data_dir']
-    from t2t import compile_cache
+    from t2t.run import compile_cache
 
     compile_cache.setup(config)  # as train.py does
     result = loop.train_and_evaluate(config, spec['workdir'])

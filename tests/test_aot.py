@@ -1,4 +1,4 @@
-"""TPU ahead-of-time compiles on this CPU (t2t/aot.py, `train.py --dry_run --topology`).
+"""TPU ahead-of-time compiles on this CPU (t2t/aot/tpu.py, `train.py --dry_run --topology`).
 
 The compiles run libtpu (the `tpu` extra) in subprocesses, one at a time under a file lock: two
 libtpu users at once fail, and each compile takes most of a CPU core.
@@ -14,7 +14,9 @@ import sys
 
 import pytest
 
-from t2t import aot, aot_report, flops, sharding
+from t2t import flops, sharding
+from t2t.aot import report as aot_report
+from t2t.aot import tpu as aot
 from t2t.model import TransformerConfig, abstract_params, count_params
 from tests.conftest import ROOT
 
@@ -278,7 +280,8 @@ def test_no_libtpu_noise_without_a_tpu():
 _FLOPS_SCRIPT = """
 import json, sys
 from configs import tiny
-from t2t import aot, flops
+from t2t import flops
+from t2t.aot import tpu as aot
 out = {}
 for scan in (False, True):
     config = tiny.get_config()

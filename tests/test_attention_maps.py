@@ -1,12 +1,14 @@
-"""Attention maps sown by the model itself, and their picture (t2t/attention_maps.py)."""
+"""Attention maps sown by the model itself, and their picture (t2t/eval/attention_maps.py)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from t2t import attention_maps, checkpoint, optim, sharding, train_lib
+from t2t import optim, sharding, train_lib
+from t2t.eval import attention_maps
 from t2t.model import Transformer, TransformerConfig
+from t2t.run import checkpoint
 from tests import toy_corpus
 
 # Its module fixtures are computed once: all its tests run on one xdist worker (--dist loadgroup).

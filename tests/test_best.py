@@ -8,8 +8,10 @@ import ml_collections
 import numpy as np
 import pytest
 
-from t2t import best, checkpoint, checkpoint_read, config_checks, loop, metrics, run_record
-from t2t.checkpoint_read import CheckpointError
+from t2t.infra import metrics
+from t2t.run import best, checkpoint, checkpoint_read, config_checks, run_record
+from t2t.run.checkpoint_read import CheckpointError
+from t2t.train import loop
 from tests import toy_corpus
 from tests.test_resume import _drive
 

@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 import sacrebleu
 
-from t2t import bleu
+from t2t.eval import bleu
 
 HYPS = [
     'Die Katze sitzt auf der Matte.',

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from t2t import evaluation
-from t2t import workdir as wd
+from t2t.eval import evaluation
+from t2t.infra import workdir as wd
 from tests import gcs_server
 
 # One server for the module: its tests run on one xdist worker (--dist loadgroup).
@@ -88,7 +88,9 @@ def _started(command, env, lines: list) -> tuple[subprocess.Popen, threading.Thr
 def test_watch_on_a_bucket_evaluates_every_checkpoint_once(bucket, tmp_path):
     """The watcher lists checkpoints/ afresh at each poll (gcsfs's listing cache is off): with
     the cache it saw only the first listing, here step 2 of 2..12, and stopped with exit 0."""
-    from t2t import checkpoint_read, data, metrics
+    from t2t import data
+    from t2t.infra import metrics
+    from t2t.run import checkpoint_read
     from tests import toy_corpus
     from tests.conftest import one_device_env
 
@@ -154,7 +156,7 @@ class _Refusing(http.server.BaseHTTPRequestHandler):
 
 
 def test_a_refused_bucket_is_one_line_and_exit_1(tmp_path):
-    from t2t import exits
+    from t2t.infra import exits
     from tests.conftest import ROOT, one_device_env
 
     server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), _Refusing)
@@ -175,7 +177,7 @@ def test_a_refused_bucket_is_one_line_and_exit_1(tmp_path):
 def test_attention_picture_lands_in_a_bucket_workdir(bucket):
     import numpy as np
 
-    from t2t import attention_maps
+    from t2t.eval import attention_maps
 
     rng = np.random.default_rng(0)
     source, output = ['▁a', '▁cat', '</s>'], ['▁CAT', '▁A', '</s>']

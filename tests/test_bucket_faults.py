@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from t2t import exits, metrics
+from t2t.infra import exits, metrics
 from tests import chaos_run, fault_front, gcs_server
 
 pytestmark = pytest.mark.xdist_group(__name__)

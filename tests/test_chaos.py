@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from t2t import run_record
+from t2t.run import run_record
 from tests import chaos_run, fault_front, gcs_server
 
 pytestmark = pytest.mark.xdist_group(__name__)

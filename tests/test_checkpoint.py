@@ -14,9 +14,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from configs.common import base_config
-from t2t import checkpoint as ckpt
-from t2t import checkpoint_read
-from t2t.preemption import PreemptionFlag
+from t2t.infra.preemption import PreemptionFlag
+from t2t.run import checkpoint as ckpt
+from t2t.run import checkpoint_read
 
 
 @flax.struct.dataclass
@@ -230,7 +230,8 @@ def test_attention_biases_of_a_checkpoint_restore_with_the_flag_that_names_them(
     with it the parameters come back bitwise equal."""
     import types
 
-    from t2t import evaluation, optim, sharding, train_lib
+    from t2t import optim, sharding, train_lib
+    from t2t.eval import evaluation
     from t2t.model import TransformerConfig
     from tests.conftest import tiny_config
 
@@ -243,7 +244,7 @@ def test_attention_biases_of_a_checkpoint_restore_with_the_flag_that_names_them(
     ckpt.save(manager, 1, state)
     flag = f'run with --config.attention_bias={written_with}'
 
-    # train.py's restore (t2t/loop.py): a CheckpointError, not corruption; nothing moved
+    # train.py's restore (t2t/train/loop.py): a CheckpointError, not corruption; nothing moved
     with pytest.raises(ckpt.CheckpointError) as error:
         ckpt.restore_newest_good(manager, lambda s: ckpt.restore(
             manager, s, train_lib.abstract_state(other, mesh, tx)))
@@ -253,7 +254,7 @@ def test_attention_biases_of_a_checkpoint_restore_with_the_flag_that_names_them(
     restored = ckpt.restore(manager, 1, train_lib.abstract_state(written, mesh, tx))
     assert_bitwise_equal(restored.params, jax.device_get(state.params))
 
-    # evaluate.py's restore (t2t/evaluation.py)
+    # evaluate.py's restore (t2t/eval/evaluation.py)
     params = evaluation.load_params(tmp_path, [1])
     tokenizer = types.SimpleNamespace(vocab_size=written.vocab_size)
     with pytest.raises(evaluation.EvalError) as error:

@@ -1,5 +1,5 @@
-"""A bad --config.key=value is one line naming the key, before any data or compile (t2t/cli.py,
-the rules in t2t/config_checks.py)."""
+"""A bad --config.key=value is one line naming the key, before any data or compile (t2t/run/cli.py,
+the rules in t2t/run/config_checks.py)."""
 
 import importlib
 import subprocess
@@ -10,7 +10,8 @@ import jax
 import pytest
 
 from configs import tiny
-from t2t import cli, config_checks, exits, startup
+from t2t.infra import exits
+from t2t.run import cli, config_checks, startup
 
 ROOT = Path(__file__).resolve().parents[1]
 

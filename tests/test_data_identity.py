@@ -8,9 +8,11 @@ import shutil
 import jax
 import pytest
 
-from t2t import checkpoint_read, evaluation, loop
-from t2t import workdir as wd
 from t2t.data import cache, identity, pipeline
+from t2t.eval import evaluation
+from t2t.infra import workdir as wd
+from t2t.run import checkpoint_read
+from t2t.train import loop
 from tests import toy_corpus
 
 # Its module fixtures are computed once: all its tests run on one xdist worker (--dist loadgroup).

@@ -19,8 +19,8 @@ import time
 
 import pytest
 
-from t2t import workdir as wd
 from t2t.data import cache, identity, pipeline, shared, tokenizer
+from t2t.infra import workdir as wd
 from tests import gcs_server, toy_corpus
 from tests.conftest import ROOT, TEST_XLA_FLAGS
 

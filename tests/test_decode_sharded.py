@@ -20,7 +20,8 @@ import pytest
 from flax import linen as nn
 from jax.sharding import PartitionSpec
 
-from t2t import aot, attention, inference, model, sharding
+from t2t import attention, inference, model, sharding
+from t2t.aot import tpu as aot
 from t2t.ids import EOS_ID, PAD_ID
 from t2t.model import Transformer, TransformerConfig
 from tests.conftest import ROOT
@@ -116,7 +117,7 @@ def test_splash_in_a_shard_map_runs_on_the_local_block_or_splits_it_over_the_res
 _TPU_SCRIPT = """
 import json, sys
 from configs import tiny
-from t2t import aot
+from t2t.aot import tpu as aot
 out = {}
 for impl, mesh_shape in (('xla', (4, 1, 1)), ('dot_product', (4, 1, 1)), ('splash', (4, 1, 1)),
                          ('splash', (1, 2, 2))):

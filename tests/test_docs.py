@@ -84,3 +84,41 @@ def test_the_checks_see_links_and_code_paths():
     assert set(_code_paths(text)) == {'configs/tiny.py', 'bench/data_speed.py',
                                       'configs/default.py', 'docs/a.png'}
     assert list(_code_paths('`WORKDIR/corrupt/<step>-<time>` `DIR/<name>` `data/vocab`')) == []
+
+
+def _layout_blocks() -> tuple[str, dict[str, str]]:
+    """README's layout: the core's block, and {package: its lines} of the harness block."""
+    text = _read('README.md')
+    section = text[text.index('## Layout'):text.index('## Documentation')]
+    core, harness = re.findall(r'```\n(.*?)```', section, re.S)[:2]
+    packages, current = {}, None
+    for line in harness.splitlines():
+        m = re.match(r't2t/(\w+)/', line)
+        if m or not line.startswith(' '):
+            current = m.group(1) if m else None
+        if current:
+            packages[current] = packages.get(current, '') + line + '\n'
+        for other in re.findall(r't2t/(\w+)/ ', line)[1:]:  # two packages on one line
+            packages[other] = packages.get(other, '') + line[line.index(f't2t/{other}/'):] + '\n'
+    return core, packages
+
+
+def test_the_readme_layout_names_every_module():
+    core, packages = _layout_blocks()
+    missing = []
+    for directory, _, files in os.walk(os.path.join(ROOT, 't2t')):
+        package = os.path.relpath(directory, os.path.join(ROOT, 't2t'))
+        for f in sorted(files):
+            name = f[:-3]
+            if not f.endswith('.py') or name in ('__init__', '__main__') or \
+                    '__pycache__' in directory:
+                continue
+            if package == '.':
+                found = re.search(rf'\b{name}\.py\b', core)
+            else:
+                found = re.search(rf'\b{name}\b', packages.get(package, ''))
+            if not found:
+                missing.append(f'{package}/{f}')
+    assert missing == []
+    assert set(packages) >= {'infra', 'data', 'run', 'goodput', 'aot', 'eval', 'train', 'export',
+                             'sweep'}

@@ -10,18 +10,11 @@ import jax
 import numpy as np
 import pytest
 
-from t2t import (
-    checkpoint,
-    checkpoint_read,
-    cli,
-    config_checks,
-    evaluation,
-    loop,
-    metrics,
-    optim,
-    sharding,
-    train_lib,
-)
+from t2t import optim, sharding, train_lib
+from t2t.eval import evaluation
+from t2t.infra import metrics
+from t2t.run import checkpoint, checkpoint_read, cli, config_checks
+from t2t.train import loop
 from tests import toy_corpus
 from tests.test_resume import _assert_bitwise_equal, _drive, _final_state
 

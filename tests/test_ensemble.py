@@ -1,5 +1,5 @@
-"""Ensembles (evaluate.py --ensemble, t2t/ensemble.py): the mean of the members' log-probabilities
-inside the jitted searches, on one device and on 8, and the members' checks."""
+"""Ensembles (evaluate.py --ensemble, t2t/eval/ensemble.py): the mean of the members'
+log-probabilities inside the jitted searches, on one device and on 8, and the members' checks."""
 
 import functools
 import os
@@ -10,22 +10,14 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from t2t import (
-    checkpoint,
-    checkpoint_read,
-    data,
-    ensemble,
-    eval_checkpoints,
-    evaluation,
-    inference,
-    optim,
-    sharding,
-    train_lib,
-)
+from t2t import data, inference, optim, sharding, train_lib
 from t2t.data import identity
 from t2t.decode import length_penalty
+from t2t.eval import checkpoints as eval_checkpoints
+from t2t.eval import ensemble, evaluation
 from t2t.ids import EOS_ID, PAD_ID
 from t2t.model import Transformer, TransformerConfig
+from t2t.run import checkpoint, checkpoint_read
 from tests.test_evaluate import _config, _read_lines
 
 # Its module fixtures are computed once: all its tests run on one xdist worker (--dist loadgroup).

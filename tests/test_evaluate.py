@@ -12,7 +12,9 @@ import pytest
 import sacrebleu
 
 from configs import tiny
-from t2t import bleu, checkpoint, checkpoint_read, data, evaluation, optim, sharding, train_lib
+from t2t import data, optim, sharding, train_lib
+from t2t.eval import bleu, evaluation
+from t2t.run import checkpoint, checkpoint_read
 from tests import toy_corpus
 
 # Its module fixtures are computed once: all its tests run on one xdist worker (--dist loadgroup).

@@ -21,12 +21,14 @@ import pytest
 import torch
 from flax.core import meta
 
-from t2t import decode, evaluation, export, inference, loop
+from t2t import decode, export, inference
 from t2t.data.tokenizer import train_tokenizer
+from t2t.eval import evaluation
 from t2t.export import ct2 as export_ct2
 from t2t.export import weights
 from t2t.ids import EOS_ID, PAD_ID
 from t2t.model import Transformer, TransformerConfig, shift_right, sinusoidal_table
+from t2t.train import loop
 from tests import toy_corpus
 
 # Its module fixtures are computed once: all its tests run on one xdist worker (--dist loadgroup).

@@ -10,8 +10,9 @@ import os
 
 import pytest
 
-from t2t import metrics, startup
-from t2t import workdir as wd
+from t2t.infra import metrics
+from t2t.infra import workdir as wd
+from t2t.run import startup
 from tests import gcs_server
 
 

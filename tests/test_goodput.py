@@ -19,8 +19,11 @@ import time
 import jax
 import pytest
 
-from t2t import compile_cache, goodput, loop, metrics, profiling, run_record, watchdog
+from t2t import goodput
 from t2t.goodput import report as goodput_report
+from t2t.infra import metrics, watchdog
+from t2t.run import compile_cache, profiling, run_record
+from t2t.train import loop
 from tests import toy_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -7,7 +7,10 @@ import os
 import numpy as np
 import pytest
 
-from t2t import checkpoint_read, config_checks, data, guards, loop, metrics
+from t2t import data
+from t2t.infra import metrics
+from t2t.run import checkpoint_read, config_checks
+from t2t.train import guards, loop
 from tests import toy_corpus
 from tests.conftest import tiny_config
 from tests.test_numbers import _log, _step_metrics

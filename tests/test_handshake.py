@@ -1,5 +1,5 @@
-"""The start-up handshake (t2t/handshake.py) takes input from the network: garbage is ignored and
-counted, a trickling sender holds nothing up, the deadline is one for all, and a process of
+"""The start-up handshake (t2t/infra/handshake.py) takes input from the network: garbage is ignored
+and counted, a trickling sender holds nothing up, the deadline is one for all, and a process of
 another job is refused. Process 0 and the others run in threads of this process (no jax)."""
 
 import random
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from t2t import handshake
+from t2t.infra import handshake
 from tests.test_multiprocess import _free_port
 
 

@@ -11,7 +11,10 @@ import subprocess
 import sys
 import time
 
-from t2t import checkpoint, exits, loop, run_record, train_lib, watchdog
+from t2t import train_lib
+from t2t.infra import exits, watchdog
+from t2t.run import checkpoint, run_record
+from t2t.train import loop
 from tests import toy_corpus
 from tests.conftest import ROOT, one_device_env
 from tests.test_multiprocess import _flags as _pod_flags
@@ -218,7 +221,7 @@ def test_watchdog_dumps_stacks_while_a_step_or_a_save_hangs():
 
 _HUNG = """
 import sys, time
-from t2t import watchdog
+from t2t.infra import watchdog
 dog = watchdog.Watchdog(0, 0, 0, process_index=3, poll_s=0.02, hang_timeout_s=0.5,
                         save_grace_s=float(sys.argv[1]))
 for step in range(1, 4):

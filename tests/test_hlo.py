@@ -1,5 +1,5 @@
-"""t2t/hlo.py: FLOPs from compiled HLO text, loops counted by trip count (on the CPU backend; the
-TPU compiler's text is checked in tests/test_aot.py)."""
+"""t2t/aot/hlo.py: FLOPs from compiled HLO text, loops counted by trip count (on the CPU backend;
+the TPU compiler's text is checked in tests/test_aot.py)."""
 
 import re
 
@@ -7,7 +7,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from t2t import aot, flops, hlo, hlo_memory, sharding
+from t2t import flops, sharding
+from t2t.aot import hlo
+from t2t.aot import memory as hlo_memory
+from t2t.aot import tpu as aot
 from tests.conftest import tiny_config
 
 

@@ -8,7 +8,7 @@ import os
 import jax.numpy as jnp
 import pytest
 
-from t2t import metrics
+from t2t.infra import metrics
 
 
 def test_writer_jsonl_stdout_and_events(tmp_path):
@@ -55,7 +55,7 @@ def test_mfu_arithmetic():
 
 def test_peak_flops_of_the_device_kinds_jax_reports():
     # jax's device_kind strings against the vendors' datasheets (dense bf16 FLOP/s per device),
-    # written here independently of t2t/metrics.py's table: a wrong entry, or a shorter name
+    # written here independently of t2t/infra/metrics.py's table: a wrong entry, or a shorter name
     # matched first ('TPU v5' inside 'TPU v5 lite', 'H100' inside 'H100 PCIe'), fails.
     datasheet = {
         'NVIDIA H100 80GB HBM3': 989.4e12,  # H100 SXM

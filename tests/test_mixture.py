@@ -4,8 +4,8 @@ and bad specs refused in one line before any data is read."""
 import numpy as np
 import pytest
 
-from t2t import cli, config_checks
 from t2t.data import cache, identity, pipeline
+from t2t.run import cli, config_checks
 from tests import toy_corpus
 
 TAG = '<BT>'

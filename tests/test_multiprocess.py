@@ -43,9 +43,13 @@ import jax
 import numpy as np
 import pytest
 
-from t2t import checkpoint, checkpoint_read, evaluation, loop, metrics, run_record, sharding
-from t2t import workdir as wd
+from t2t import sharding
 from t2t.data import identity, pipeline
+from t2t.eval import evaluation
+from t2t.infra import metrics
+from t2t.infra import workdir as wd
+from t2t.run import checkpoint, checkpoint_read, run_record
+from t2t.train import loop
 from tests import gcs_server, toy_corpus
 from tests.conftest import TEST_XLA_FLAGS
 

@@ -18,10 +18,13 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from t2t import decode, flops, inference, loop, metrics, optim, sharding, startup, train_lib
+from t2t import decode, flops, inference, optim, sharding, train_lib
 from t2t.data.pipeline import EvalSplit, sample_batches
 from t2t.ids import EOS_ID, PAD_ID
+from t2t.infra import metrics
 from t2t.model import Transformer, TransformerConfig
+from t2t.run import startup
+from t2t.train import loop
 from tests.conftest import tiny_config
 
 # Its module fixtures are computed once: all its tests run on one xdist worker (--dist loadgroup).

@@ -1,4 +1,5 @@
-"""What the compiled train step does on a pod, read from its HLO (t2t/hlo.py, t2t/aot.py): no
+"""What the compiled train step does on a pod, read from its HLO (t2t/aot/hlo.py, t2t/aot/tpu.py):
+no
 collective on the fused loss's dW (nor its weights) inside the loss's chunk loop, the
 data-parallel gradient reduction as large as the parameters (the tied embedding, read by both
 lookups and the loss, reduced once), and the roofline bound made of the numbers it names. On 8
@@ -11,7 +12,10 @@ import sys
 
 import pytest
 
-from t2t import aot, hlo, metrics, model, sharding
+from t2t import model, sharding
+from t2t.aot import hlo
+from t2t.aot import tpu as aot
+from t2t.infra import metrics
 from t2t.model import TransformerConfig
 from tests.conftest import ROOT
 from tests.test_aot import _env, libtpu_lock
@@ -84,7 +88,7 @@ def test_cpu_no_collective_on_the_loss_dw_inside_the_chunk_loop(mesh_shape):
 _TPU_SCRIPT = f"""
 import dataclasses, json
 from configs import tiny
-from t2t import aot, hlo, hlo_memory
+from t2t.aot import tpu as aot, hlo, memory as hlo_memory
 out = {{}}
 for mesh_shape in ((2, 2, 1), (4, 1, 1)):
     config = tiny.get_config()

@@ -6,7 +6,8 @@ import re
 import subprocess
 import sys
 
-from t2t import checkpoint, data, optim, sharding, train_lib
+from t2t import data, optim, sharding, train_lib
+from t2t.run import checkpoint
 from tests import toy_corpus
 from tests.conftest import ROOT, one_device_env, tiny_config
 

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from configs import recall_toy
-from t2t import attention_maps, loop
 from t2t.data import EOS_ID, UNK_ID, cache, recall, sources
+from t2t.eval import attention_maps
+from t2t.train import loop
 
 # Its module fixtures are computed once: all its tests run on one xdist worker (--dist loadgroup).
 pytestmark = pytest.mark.xdist_group(__name__)

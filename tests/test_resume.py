@@ -21,18 +21,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from t2t import (
-    checkpoint,
-    checkpoint_read,
-    evaluation,
-    loop,
-    metrics,
-    optim,
-    run_record,
-    sharding,
-    startup,
-    train_lib,
-)
+from t2t import optim, sharding, train_lib
+from t2t.eval import evaluation
+from t2t.infra import metrics
+from t2t.run import checkpoint, checkpoint_read, run_record, startup
+from t2t.train import loop
 from tests import toy_corpus
 
 # Its module fixtures are computed once: all its tests run on one xdist worker (--dist loadgroup).
@@ -328,7 +321,7 @@ def test_with_jax_distributed_sigterm_reaches_jaxs_preemption_sync_point():
     code = '''if True:
         import os, signal, socket, time
         import jax
-        from t2t.preemption import PreemptionFlag
+        from t2t.infra.preemption import PreemptionFlag
         s = socket.socket(); s.bind(('localhost', 0)); port = s.getsockname()[1]; s.close()
         jax.distributed.initialize(f'localhost:{port}', 1, 0)
         flag = PreemptionFlag().install()

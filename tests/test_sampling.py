@@ -11,9 +11,11 @@ import pytest
 from flax import linen as nn
 
 from configs import tiny
-from t2t import cli, decode, evaluation, inference, scoring, sharding
+from t2t import decode, inference, sharding
+from t2t.eval import evaluation, scoring
 from t2t.ids import EOS_ID
 from t2t.model import Transformer
+from t2t.run import cli
 from tests.test_inference import CFG  # a random tiny model's config
 
 # Its module fixtures are computed once: all its tests run on one xdist worker (--dist loadgroup).
@@ -97,7 +99,8 @@ def recall_run(tmp_path_factory):
     """A workdir with one checkpoint of a random tiny model of the recall toy, whose fixed
     symbols re-encode exactly what the model generates (the segmentation is the text's)."""
     from configs import recall_toy
-    from t2t import checkpoint, data, optim, train_lib
+    from t2t import data, optim, train_lib
+    from t2t.run import checkpoint
 
     root = tmp_path_factory.mktemp('recall')
     config = recall_toy.get_config()

@@ -23,7 +23,7 @@ import pytest
 from flax import linen as nn
 
 from t2t import dropout as dr
-from t2t import inference, loop, optim, sharding, train_lib
+from t2t import inference, optim, sharding, train_lib
 from t2t.attention import MultiHeadAttention
 from t2t.ids import EOS_ID, PAD_ID
 from t2t.model import (
@@ -31,6 +31,7 @@ from t2t.model import (
     TransformerConfig,
     batch_forward_args,
 )
+from t2t.train import loop
 from tests import reference_np as ref_np
 from tests import toy_corpus
 from tests.conftest import tiny_config

@@ -13,7 +13,7 @@ import optax
 import pytest
 from flax import linen as nn
 
-from t2t import layers_convert, loss, train_lib
+from t2t import loss, train_lib
 from t2t.attention import (
     attention_mask,
     cudnn_arguments,
@@ -23,6 +23,7 @@ from t2t.attention import (
 )
 from t2t.ids import PAD_ID
 from t2t.model import Transformer, TransformerConfig
+from t2t.run import layers_convert
 
 SMALL = dict(vocab_size=40, d_model=32, d_ff=64, num_heads=4, num_encoder_layers=2,
              num_decoder_layers=3, deterministic=True)
@@ -248,7 +249,7 @@ def test_scanned_layers_equal_unrolled_ones_and_checkpoints_convert_both_ways():
 
 
 def test_checkpoint_parameters_convert_on_disk(tmp_path):
-    from t2t import checkpoint, checkpoint_read
+    from t2t.run import checkpoint, checkpoint_read
 
     params = {'embedder': {'embedding': np.ones((5, 2), np.float32)},
               **{f'encoder_{i}': {'w': np.full((2, 3), i, np.float32)} for i in range(2)},

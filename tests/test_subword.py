@@ -10,9 +10,9 @@ import grain
 import numpy as np
 import pytest
 
-from t2t import config_checks
 from t2t.data import cache, packing, pipeline, subword
 from t2t.ids import EOS_ID
+from t2t.run import config_checks
 from tests import toy_corpus
 
 _config = toy_corpus.tiny_config

@@ -17,7 +17,7 @@ import pytest
 import sacrebleu
 
 from configs import table3_mini
-from t2t import evaluation
+from t2t.eval import evaluation
 from t2t.model import Transformer, TransformerConfig
 from t2t.sweep import points, report, runner
 from tests import toy_corpus

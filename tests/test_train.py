@@ -12,8 +12,11 @@ import optax
 import pytest
 import sacrebleu
 
-from t2t import checkpoint, checkpoint_read, loop, metrics, optim, sharding, startup, train_lib
+from t2t import optim, sharding, train_lib
+from t2t.infra import metrics
 from t2t.loss import label_smoothed_cross_entropy
+from t2t.run import checkpoint, checkpoint_read, startup
+from t2t.train import loop
 from tests import toy_corpus
 from tests.conftest import tiny_config
 

@@ -1,10 +1,11 @@
-"""t2t/translate.py: streamed bulk translation keeps order, few shapes, long lines, resumes;
+"""t2t/eval/translate.py: streamed bulk translation keeps order, few shapes, long lines, resumes;
 evaluate.py --translate --truncate_long."""
 
 import numpy as np
 import pytest
 
-from t2t import data, evaluation, inference, translate
+from t2t import data, inference
+from t2t.eval import evaluation, translate
 from tests.test_evaluate import _config, run_dir  # noqa: F401  (a fixture: a random tiny workdir)
 from tests.test_inference import _EchoTokenizer  # text '3 4 5' <-> ids [3, 4, 5]
 

@@ -8,7 +8,10 @@ import sys
 
 import pytest
 
-from t2t import checkpoint_read, data, metrics, watch
+from t2t import data
+from t2t.eval import watch
+from t2t.infra import metrics
+from t2t.run import checkpoint_read
 from tests import toy_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

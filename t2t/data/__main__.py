@@ -21,8 +21,8 @@ import numpy as np
 from absl import app
 from ml_collections import config_flags
 
-from t2t import cli
 from t2t.data import cache, identity, pipeline
+from t2t.run import cli
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'experiment config file',
                                           lock_config=True)

@@ -24,9 +24,9 @@ import tempfile
 
 import numpy as np
 
-from t2t import distributed
 from t2t.data import durable, multihost, packing, prepare, progress, shards, shared, sources
 from t2t.data.tokenizer import EOS_ID, Tokenizer
+from t2t.infra import distributed
 
 CACHE_VERSION = 3
 ARRAYS = shards.ARRAYS

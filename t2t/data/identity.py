@@ -19,8 +19,8 @@ import hashlib
 import json
 import os
 
-from t2t import workdir as wd
-from t2t.exits import ConfigError
+from t2t.infra import workdir as wd
+from t2t.infra.exits import ConfigError
 
 DATA_KEY = 'data_identity'  # in the checkpoint metadata
 VOCAB_NAME = 'vocab.model'  # WORKDIR/vocab.model: the vocabulary the run was trained with

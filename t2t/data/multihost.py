@@ -1,10 +1,10 @@
 """Several processes of one jax.distributed job preparing the same data.
 
 Process 0 builds (trains the vocabulary, writes the packed cache) while the others wait on a
-host-side barrier (jax's key-value store, t2t/distributed.py: a progress line a minute, and after
-config.data_wait_timeout_s an error naming what was awaited), never inside a device collective;
-then the others reuse what it built where they share its filesystem, or, where their data_dir is
-their own (a TPU VM's disk), receive the vocabulary's bytes from process 0 and build the
+host-side barrier (jax's key-value store, t2t/infra/distributed.py: a progress line a minute, and
+after config.data_wait_timeout_s an error naming what was awaited), never inside a device
+collective; then the others reuse what it built where they share its filesystem, or, where their
+data_dir is their own (a TPU VM's disk), receive the vocabulary's bytes from process 0 and build the
 deterministic rest themselves. Every process then gives a digest of its vocabulary and of its
 packed rows, and a host whose data differs (another library version, a stale cache) stops the job
 with one line naming it. Files are always written under a unique temporary name and renamed into
@@ -15,7 +15,7 @@ instead of building anything. Either way the names of the prepared items (which 
 files' contents) are computed by process 0 alone: `process_0_path` gives them to the others, so
 no other host needs the corpus to find them.
 
-The barriers and agreements themselves are t2t/distributed.py's (`wait_for`, `agree`,
+The barriers and agreements themselves are t2t/infra/distributed.py's (`wait_for`, `agree`,
 `share_bytes`, `process_index`); the data's own piece is here: a file of process 0 on every host.
 Several processes means a jax.distributed job (train.py / evaluate.py --coordinator_address=...
 or --distributed); otherwise, e.g. `python -m t2t.data`, there is one and no jax backend starts.
@@ -25,8 +25,8 @@ import hashlib
 import json
 import os
 
-from t2t import distributed
-from t2t import workdir as wd
+from t2t.infra import distributed
+from t2t.infra import workdir as wd
 
 
 def file_digest(path: str) -> str:

@@ -33,7 +33,6 @@ from collections.abc import Iterator
 import numpy as np
 from absl import logging
 
-from t2t import distributed
 from t2t.data import (
     cache,
     durable,
@@ -48,6 +47,7 @@ from t2t.data import (
 )
 from t2t.data.tokenizer import Tokenizer, train_tokenizer
 from t2t.ids import PAD_ID
+from t2t.infra import distributed
 
 MIN_BUCKET = 8
 TOKENIZER_VERSION = 3  # bump when train_tokenizer's fixed settings or the sample change

@@ -28,8 +28,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from t2t import ids as ids_lib
-from t2t import workdir as wd
 from t2t.ids import UNK_ID
+from t2t.infra import workdir as wd
 
 VERSION = 1  # bump when the generated pairs change
 FIRST_SYMBOLS = ('0', '1')  # the two reserved answers, only ever at position 0

@@ -12,11 +12,11 @@ every host uses, process 0 included (a recreated VM copies instead of preparing 
 An item is a file or a directory under data_dir (`vocab/<name>.model`, `tokens/<split>-<key>/`,
 `packed/<split>-<key>/`, `eval/<split>-<key>.json`), stored under the same relative path in the
 share. Each file goes up in parts of PART_BYTES, one object each, through the workdir I/O layer
-(t2t/workdir.py): memory stays bounded, and a failed transfer costs one part. The item's manifest
-`<item>.manifest.json` (size and sha256 of every file and part) is uploaded last, so an item with
-a manifest is whole. A copy is checked part by part and file by file against it, fsynced, and only
-then renamed into place; a directory item is swapped whole, its matching files hard-linked, not
-copied. Local digests are memoized by path, size and mtime (identity.content_digest): a matching
+(t2t/infra/workdir.py): memory stays bounded, and a failed transfer costs one part. The item's
+manifest `<item>.manifest.json` (size and sha256 of every file and part) is uploaded last, so an
+item with a manifest is whole. A copy is checked part by part and file by file against it, fsynced,
+and only then renamed into place; a directory item is swapped whole, its matching files hard-linked,
+not copied. Local digests are memoized by path, size and mtime (identity.content_digest): a matching
 copy is not read again at every start, and a file changed since (new size or mtime) is hashed
 again.
 """
@@ -29,9 +29,9 @@ import os
 import shutil
 import tempfile
 
-from t2t import workdir as wd
 from t2t.data import durable, identity, progress
-from t2t.exits import ConfigError
+from t2t.infra import workdir as wd
+from t2t.infra.exits import ConfigError
 
 PART_BYTES = 64 << 20  # bytes per object of a file's copy: one read or write, one retry's loss
 MANIFEST_SUFFIX = '.manifest.json'

@@ -116,8 +116,9 @@ def export(config, workdir: str, *, fmt: str, output: str, step: int | None = No
     """Exports checkpoint `step` (default: the latest) or the mean of the last `average_last`
     checkpoints of `workdir`, trained with experiment `config`; returns the output directory.
     weights: 'ema', 'raw' or 'auto' (the EMA when the checkpoints hold one; evaluation.py)."""
-    from t2t import checkpoint_read, evaluation
+    from t2t.eval import evaluation
     from t2t.model import TransformerConfig
+    from t2t.run import checkpoint_read
 
     if fmt not in FORMATS:
         raise ExportError(f'--format={fmt!r}; one of {FORMATS}')

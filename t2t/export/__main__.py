@@ -31,7 +31,8 @@ def main(argv):
         raise app.UsageError(f'unexpected arguments: {argv[1:]}')
     if not flags.FLAGS['verbosity'].present:
         logging.set_verbosity(logging.WARNING)
-    from t2t import checkpoint, cli, export, startup
+    from t2t import export
+    from t2t.run import checkpoint, cli, startup
 
     cli.check_values(_CONFIG.value, 't2t.export')
 
@@ -51,6 +52,6 @@ def main(argv):
 
 
 if __name__ == '__main__':
-    from t2t import cli
+    from t2t.run import cli
 
     cli.run(main, 't2t.export')

@@ -15,7 +15,7 @@ clock read at each switch, from the start of the process to the attempt's end:
   checkpoint the blocking part of saves (the state copied to host memory, the wait for the
              previous save) and the wait for the last save at the end
   eval       evaluation (eval loss and BLEU)
-  profile    starting and writing a profile (t2t/profiling.py; the traced steps are 'train')
+  profile    starting and writing a profile (t2t/run/profiling.py; the traced steps are 'train')
 
 Records are JSON lines in WORKDIR/goodput/attempt-<UTC start>-p<process>.jsonl, appended through
 the workdir layer: a start record (train.py writes it before jax starts; with the launcher's count

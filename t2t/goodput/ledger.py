@@ -14,8 +14,8 @@ import threading
 import time
 import typing
 
-from t2t import compile_cache
-from t2t import workdir as wd
+from t2t.infra import workdir as wd
+from t2t.run import compile_cache
 
 DIRNAME = 'goodput'
 PHASES = ('startup', 'setup', 'data', 'restore', 'compile', 'train', 'data_wait', 'checkpoint',
@@ -28,7 +28,7 @@ _startup: dict[str, float] = {}  # seconds of named start-up stages before the f
 _first_attempt_of_process = True
 # jax's compile stages (jax._src.dispatch's monitoring events) -> the ledger's names. The
 # persistent compilation cache serves 'xla' (compile, or load from the cache); a stored
-# executable (t2t/compile_cache.py) is 'load' and skips the others, its writing is 'store'.
+# executable (t2t/run/compile_cache.py) is 'load' and skips the others, its writing is 'store'.
 _JAX_STAGES = {'/jax/core/compile/jaxpr_trace_duration': 'trace',
                '/jax/core/compile/jaxpr_to_mlir_module_duration': 'lower',
                '/jax/core/compile/backend_compile_duration': 'xla',

@@ -16,8 +16,8 @@ import json
 import math
 import sys
 
-from t2t import workdir as wd
 from t2t.goodput import ledger as goodput
+from t2t.infra import workdir as wd
 
 # category -> the ledger phases it is made of ('lost_progress' and 'idle' come from the
 # attempts' steps and gaps; 'productive' is the training time that was not lost)
@@ -267,7 +267,7 @@ def scalars(r: dict) -> dict:
 def write_scalars(workdir, r: dict) -> None:
     """The scalars in WORKDIR/goodput/'s event file and metrics.jsonl, at the last step reached
     (a later report at the same step replaces them)."""
-    from t2t import metrics
+    from t2t.infra import metrics
 
     step = r['steps'][1] or 0
     with metrics.MetricWriter(wd.path(workdir, goodput.DIRNAME), stream=io.StringIO(),

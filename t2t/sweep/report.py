@@ -15,7 +15,7 @@ import json
 import math
 import os
 
-from t2t import workdir as wd
+from t2t.infra import workdir as wd
 from t2t.sweep.points import SweepError, format_value
 
 STATE_NAME = 'sweep_point.json'
@@ -56,7 +56,8 @@ def _curve(records: list[dict]) -> list[tuple[int, float, float]]:
 
 def point_row(workdir: str, name: str) -> dict:
     """One summary row, from the point directory alone."""
-    from t2t import checkpoint_read, metrics
+    from t2t.infra import metrics
+    from t2t.run import checkpoint_read
 
     point_dir = os.path.join(workdir, name)
     state = read_state(point_dir)

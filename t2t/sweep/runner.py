@@ -5,7 +5,7 @@ A point's train.py runs as a subprocess (a crash of one point cannot take the sw
 output in stdout.log / stderr.log of its directory, its state in sweep_point.json there (status
 pending / running / done / failed, return code, error line, the point's full config; written
 atomically). A point is done when its run's TRAINING_FINISHED marker (written by the training
-loop after its last save, t2t/loop.py) says so: a preempted train.py exits 0 too. A new run of
+loop after its last save, t2t/train/loop.py) says so: a preempted train.py exits 0 too. A new run of
 the sweep skips points done with the same config, resumes unfinished ones from their checkpoints,
 retries failed ones only with retry_failed, and trains on a done point whose config changed.
 Each trained point is then evaluated (evaluate.py's logic, or evaluate.py through the cluster
@@ -33,7 +33,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from t2t import workdir as wd
+from t2t.infra import workdir as wd
 from t2t.sweep import points, report
 from t2t.sweep.points import Point, SweepError
 
@@ -201,7 +201,7 @@ def run(config_path: str, config, workdir: str, *, base_overrides: dict | None =
 
 def _run_point(p: Point, tag: str, command, eval_cmd, workdir, split, average_last,
                retry_failed, stop, echo) -> None:
-    from t2t import run_record
+    from t2t.run import run_record
 
     point_dir = os.path.join(workdir, p.name)
     os.makedirs(point_dir, exist_ok=True)
@@ -285,7 +285,7 @@ def outcome(returncode: int, finished: dict | None, interrupted: bool, stderr: s
 
 def train_point(command: list[str], point_dir: str, state: dict, stop: _Stop) -> dict:
     """Runs train.py for one point; returns its new state (already written)."""
-    from t2t import run_record
+    from t2t.run import run_record
 
     # A marker of an earlier attempt says nothing about this one (train.py clears it too, but
     # only once it has started).
@@ -325,7 +325,7 @@ EVAL_KEEP = ('sacrebleu', 'chrf', 'tok_bleu_compound_split', 'sentences', 'skipp
 
 
 def _eval_label(point_dir: str, average_last: int) -> str | None:
-    from t2t import evaluation
+    from t2t.eval import evaluation
 
     try:
         return evaluation.select(point_dir, average_last=average_last)[0][0]
@@ -341,7 +341,8 @@ def evaluate_point(config, point_dir: str, split: str, average_last: int,
     by its cluster launcher, the scores read back from the eval-<split>.json that evaluate.py
     writes in the point's directory. Either way its output is appended to evaluate.log.
     """
-    from t2t import checkpoint, evaluation
+    from t2t.eval import evaluation
+    from t2t.run import checkpoint
 
     resolved = split or config.test_split
     log_path = os.path.join(point_dir, 'evaluate.log')
@@ -367,7 +368,7 @@ def evaluate_point(config, point_dir: str, split: str, average_last: int,
 def _evaluate_with_launcher(command: list[str], point_dir: str, split: str, label: str,
                             stop: _Stop) -> dict:
     """evaluate.py's record of `label`, from a run through the cluster launcher."""
-    from t2t import evaluation
+    from t2t.eval import evaluation
 
     log_path = os.path.join(point_dir, 'evaluate.log')
     offset = os.path.getsize(log_path) if os.path.exists(log_path) else 0

@@ -1,0 +1,366 @@
+"""The logic of evaluate.py: pick checkpoints, decode a split, score it, write the results.
+
+    run(config, workdir)                          # the latest checkpoint on config.test_split
+    run(config, workdir, step=N)                  # one step
+    run(config, workdir, all_steps=True)          # every checkpoint: a table step -> scores
+    run(config, workdir, average_last=5, write_averaged=OUT)   # the paper's checkpoint average
+    run(config, workdir, translate=True, input_path='-', output_path='-')
+
+Weights (weights='auto', 'ema' or 'raw'): a checkpoint of a run with ema_decay > 0 holds the moving
+average of the params beside them; 'auto' evaluates it when there is one, else the raw params, and
+the label of EMA weights ends in -ema (step-N-ema), so the two never share a line or a file.
+
+Each evaluated checkpoint gets a label (step-N, or avgN-FIRST-LAST); its hypotheses go to
+WORKDIR/hypotheses-<split>-<label>.txt (one line per example of the split, in order) and its scores
+into WORKDIR/eval-<split>.json, merged by label. Scores are over every example of the split: an
+example skipped as longer than max_eval_len counts as an empty hypothesis, and is counted.
+
+Every user-facing failure is an EvalError (or checkpoint.CheckpointError, startup.ConfigError) with
+a one-line message; lengths are checked against the position table before anything is read. With
+--all, a checkpoint that fails to load is a `corrupt: ...` row of the table and the others go on.
+
+Several processes (evaluate.py --coordinator_address=... on each): every process reads the
+parameters, decodes its rows of each batch on its devices, and receives every hypothesis; only
+process 0 prints and writes files. Checkpoints of any mesh or process count evaluate the same.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+
+import jax
+from absl import logging
+
+from t2t import inference, sharding
+from t2t.eval import bleu
+from t2t.eval.checkpoints import (  # noqa: F401 (evaluation.EvalError etc.: evaluate.py's names)
+    EvalError,
+    check_params,
+    list_steps,
+    load_params,
+    select,
+    weights_label,
+)
+from t2t.infra import workdir as wd
+from t2t.model import TransformerConfig
+from t2t.run import checkpoint, checkpoint_read, startup
+
+NUM_SHOWN = 3  # source / reference / hypothesis triples printed per evaluation
+
+
+# ----------------------------------------------------------------------------------------------
+# Decoding and scoring
+
+
+def _load_split(config, tokenizer, split: str):
+    from t2t import data
+
+    try:
+        return data.eval_split(config, tokenizer, split)
+    except (ValueError, OSError) as e:
+        raise EvalError(f'cannot read split {split!r}: {e}') from e
+
+
+def _write_lines(path, lines: list[str]) -> None:
+    """One line per entry (a newline inside an entry would shift every later line), atomically."""
+    wd.write_atomic(path, ''.join(line.replace('\n', ' ') + '\n' for line in lines))
+
+
+def merge_json(path, label: str, record: dict) -> None:
+    """Adds `record` under `label` to the JSON object in `path`: rewritten atomically, and no
+    label is lost when several evaluate.py runs merge into it at once (workdir.update)."""
+
+    def add(text: str | None) -> str:
+        results = json.loads(text) if text else {}
+        results[label] = record
+        return json.dumps(results, indent=2, sort_keys=True) + '\n'
+
+    wd.update(path, add)
+
+
+def evaluate_params(config, params, tokenizer, eval_split, *, split: str, label: str,
+                    steps: list[int], workdir, progress: bool = True,
+                    echo: Callable[[str], None] = print, mesh=None,
+                    weights: str = 'raw', members=None) -> dict:
+    """Decodes `eval_split` (on the devices of `mesh`, default one device), writes hypotheses
+    (process 0) and scores, prints the report; returns the record. members: an ensemble's
+    (t2t/eval/ensemble.py, params the tuple of theirs, already checked) instead of --config's
+    model."""
+    from t2t.eval import ensemble
+
+    if members:
+        model_config = ensemble.model_configs(members)
+    else:
+        model_config = TransformerConfig.from_config(config)
+        check_params(params, model_config, tokenizer, label)
+    n = len(eval_split.sources)
+    predict = inference.config_predict_fn(config, model_config,
+                                          num_valid_ids=tokenizer.vocab_size, mesh=mesh)
+    result = inference.translate_batches(
+        predict, params, eval_split.batches(config.eval_batch_size), tokenizer, n,
+        progress=progress, mesh=mesh)
+    missing = {i for i, h in enumerate(result.hypotheses) if h is None}
+    if missing != set(eval_split.skipped):
+        raise RuntimeError(f'{len(missing)} examples were not decoded but '
+                           f'{len(eval_split.skipped)} were skipped')
+    hypotheses = [h or '' for h in result.hypotheses]
+
+    hyp_path = wd.path(workdir, f'hypotheses-{_split_tag(split)}-{label}.txt')
+    if jax.process_index() == 0:
+        _write_lines(hyp_path, hypotheses)
+    scores = bleu.score_all(hypotheses, eval_split.references, lang=config.target_lang)
+    record = {
+        **scores,
+        'steps': steps,
+        'weights': weights,
+        **({'ensemble': ensemble.describe(members), 'ensemble_mean': 'log_prob'}
+           if members else {}),
+        'split': eval_split.name,
+        'sentences': n,
+        'skipped_too_long': len(eval_split.skipped),
+        'hit_length_limit': len(result.hit_limit),
+        'capped_at_max_decode_len': len(result.capped),
+        'decode_strategy': config.decode_strategy,
+        **({key: config[key] for key in ('temperature', 'top_k', 'top_p', 'decode_seed')}
+           if config.decode_strategy == 'sample' else {}),
+        'beam_size': config.beam_size,
+        'length_penalty_alpha': config.length_penalty_alpha,
+        'beam_unfinished': config.beam_unfinished,
+        'beam_stop': config.beam_stop,
+        'max_decode_extra': config.max_decode_extra,
+        'max_decode_len': config.max_decode_len,
+        'decode_seconds': round(result.seconds, 3),
+        'sentences_per_s': round(result.sentences_per_s, 3),
+        'hypotheses_file': str(hyp_path),
+    }
+
+    echo(f'== {label} on {eval_split.name} ({n} sentences, {inference.describe_decoding(config)}'
+         f', {result.sentences_per_s:.1f} sentences/s)')
+    echo(bleu.format_report(scores))
+    echo(f'skipped (longer than max_eval_len={config.max_eval_len}, scored as empty): '
+         f'{len(eval_split.skipped)}; ended at the length limit without EOS: '
+         f'{len(result.hit_limit)}; of those cut by max_decode_len={config.max_decode_len}: '
+         f'{len(result.capped)}')
+    if result.capped:
+        echo(f'WARNING: {len(result.capped)} hypotheses were truncated by max_decode_len; '
+             'raise --config.max_decode_len')
+    shown = [i for i in range(n) if i not in missing][:NUM_SHOWN]
+    for i in shown:
+        echo(f'  source     [{i}] {eval_split.sources[i]}')
+        echo(f'  reference  [{i}] {eval_split.references[i]}')
+        echo(f'  hypothesis [{i}] {hypotheses[i]}')
+    echo(f'hypotheses -> {hyp_path}')
+    return record
+
+
+def _split_tag(split: str) -> str:
+    """A file-name-safe form of a split name such as 'test' or 'validation[:64]'."""
+    return ''.join(c if c.isalnum() or c in '-_.' else '_' for c in split)
+
+
+def scores_path(workdir, split: str):
+    """WORKDIR/eval-<split>.json: the scores of each evaluated checkpoint, by label."""
+    return wd.path(workdir, f'eval-{_split_tag(split)}.json')
+
+
+def _table(results: dict[str, dict]) -> str:
+    lines = [f'{"checkpoint":>24}  {"sacreBLEU":>9}  {"chrF":>6}  {"tok.BLEU":>8}  {"capped":>6}']
+    for label, r in results.items():
+        if 'corrupt' in r:
+            lines.append(f'{label:>24}  corrupt: {r["corrupt"]}')
+            continue
+        lines.append(f'{label:>24}  {r["sacrebleu"]:9.2f}  {r["chrf"]:6.2f}  '
+                     f'{r["tok_bleu_compound_split"]:8.2f}  {r["capped_at_max_decode_len"]:6d}')
+    return '\n'.join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry
+
+
+def workdir_tokenizer(config, workdir):
+    """The vocabulary WORKDIR was trained with (its vocab.model, written by its first run); for a
+    workdir from before t2t kept that copy, the config's prepared vocabulary. Never trains one."""
+    from t2t import data
+    from t2t.data import identity
+
+    try:
+        if config.dataset == 'recall':  # fixed symbols: nothing trained, nothing to pin
+            return data.get_tokenizer(config)
+        path = identity.local_vocabulary(workdir, config.data_dir)
+        if path is None:
+            path = data.vocab_path(config)
+            if not os.path.exists(path):
+                raise EvalError(f'{wd.path(workdir, identity.VOCAB_NAME)} and {path} do not '
+                                'exist: evaluate.py never trains a vocabulary (python -m t2t.data '
+                                '--config=... prepares the config\'s)')
+        return data.Tokenizer(path)
+    except (ValueError, OSError) as e:
+        raise EvalError(f'cannot load the tokenizer: {e}') from e
+
+
+def check_vocabulary(workdir, steps: list[int], tokenizer, label: str) -> None:
+    """The tokenizer is the one checkpoint `steps[-1]` was trained with (when it recorded it)."""
+    from t2t.data import identity
+
+    saved = checkpoint_read.read_metadata(workdir, steps[-1]).get(identity.DATA_KEY)
+    if saved and saved['vocab_sha256'] != identity.vocab_digest(tokenizer):
+        raise EvalError(
+            f'checkpoint {label} was trained with vocabulary {saved["vocab_sha256"][:12]} but '
+            f'{tokenizer.path} is {identity.vocab_digest(tokenizer)[:12]}: its hypotheses would '
+            'be other words (evaluate with the run\'s own WORKDIR/vocab.model)')
+
+
+def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
+        average_last: int = 0, write_averaged: str = '', split: str = '',
+        translate: bool = False, input_path: str = '-', output_path: str = '-',
+        truncate_long: bool = False, nbest: int = 1, progress: bool = True,
+        echo: Callable[[str], None] = print, devices=None,
+        weights: str = 'auto', ensemble: str = '') -> dict[str, dict]:
+    """Everything evaluate.py does; returns {label: record} (empty for --translate).
+
+    Decodes on `devices` (default: all devices of all processes). ensemble: 'DIR_OR_STEP,...',
+    decode with those checkpoints together (t2t/eval/ensemble.py) instead of one.
+    """
+    startup.check_lengths(config)
+    if not workdir:
+        raise EvalError('--workdir is required')
+    if write_averaged and not average_last:
+        raise EvalError('--write_averaged needs --average_last=N')
+    if translate and all_steps:
+        raise EvalError('--translate takes one checkpoint: --step, --average_last or the latest')
+    if nbest != 1 and not (translate and config.decode_strategy == 'beam'
+                           and 1 <= nbest <= config.beam_size):
+        raise EvalError(f'--nbest={nbest} needs --translate, decode_strategy=beam and '
+                        f'1 <= nbest <= beam_size={config.beam_size}')
+    if translate and input_path == '-' and jax.process_count() > 1:
+        raise EvalError('with several processes --translate reads --input=FILE, not stdin')
+    if ensemble:
+        if step is not None or all_steps or average_last or write_averaged:
+            raise EvalError('--ensemble names its members: it takes no --step, --all, '
+                            '--average_last or --write_averaged')
+        return _run_ensemble(config, workdir, ensemble, split=split, translate=translate,
+                             input_path=input_path, output_path=output_path,
+                             truncate_long=truncate_long, nbest=nbest, progress=progress,
+                             echo=echo, devices=devices, weights=weights)
+    selection = select(workdir, step=step, all_steps=all_steps, average_last=average_last)
+    tokenizer = workdir_tokenizer(config, workdir)
+    mesh = sharding.make_mesh((-1, 1, 1), devices)  # decoding: every device its own rows
+    if jax.process_index() != 0:
+        echo, progress = (lambda _: None), False
+
+    for label, steps in selection:
+        check_vocabulary(workdir, steps, tokenizer, label)
+    if translate:
+        label, steps = selection[0]
+        params, _ = _params_for(config, workdir, label, steps, write_averaged, mesh, weights)
+        check_params(params, TransformerConfig.from_config(config), tokenizer, label)
+        translate_file(config, params, tokenizer, input_path, output_path, mesh,
+                       truncate_long=truncate_long, nbest=nbest)
+        return {}
+
+    split = split or config.test_split
+    eval_split = _load_split(config, tokenizer, split)
+    json_path = scores_path(workdir, split)
+    results = {}
+    for label, steps in selection:
+        try:
+            params, used = _params_for(config, workdir, label, steps, write_averaged, mesh,
+                                       weights)
+        except checkpoint.CorruptCheckpointError as e:
+            if len(selection) == 1:
+                raise
+            echo(f'== {label}: corrupt: {e}')  # --all: report it and go on
+            results[label] = {'corrupt': str(e), 'steps': steps}
+            continue
+        label = weights_label(label, used)
+        record = evaluate_params(config, params, tokenizer, eval_split, split=split, label=label,
+                                 steps=steps, workdir=workdir, progress=progress, echo=echo,
+                                 mesh=mesh, weights=used)
+        if jax.process_index() == 0:
+            merge_json(json_path, label, record)
+        results[label] = record
+    if len(results) > 1:
+        echo(_table(results))
+    echo(f'scores -> {json_path}')
+    return results
+
+
+def _run_ensemble(config, workdir, spec: str, *, split: str, translate: bool, input_path: str,
+                  output_path: str, truncate_long: bool, nbest: int, progress: bool, echo,
+                  devices, weights: str) -> dict[str, dict]:
+    """run() for --ensemble: its members decode together; results go to --workdir."""
+    from t2t.eval import ensemble
+
+    tokenizer = workdir_tokenizer(config, workdir)
+    members = ensemble.resolve(config, workdir, spec, tokenizer, weights)  # before any restore
+    mesh = sharding.make_mesh((-1, 1, 1), devices)
+    if jax.process_index() != 0:
+        echo, progress = (lambda _: None), False
+    if not translate:
+        split = split or config.test_split
+        eval_split = _load_split(config, tokenizer, split)
+    params = ensemble.load_params(config, members, tokenizer, mesh)
+    if translate:
+        translate_file(config, params, tokenizer, input_path, output_path, mesh,
+                       truncate_long=truncate_long, nbest=nbest, members=members)
+        return {}
+    label = ensemble.label(members)
+    record = evaluate_params(config, params, tokenizer, eval_split, split=split, label=label,
+                             steps=[m.step for m in members], workdir=workdir,
+                             progress=progress, echo=echo, mesh=mesh,
+                             weights='+'.join(m.weights for m in members), members=members)
+    json_path = scores_path(workdir, split)
+    if jax.process_index() == 0:
+        merge_json(json_path, label, record)
+    echo(f'scores -> {json_path}')
+    return {label: record}
+
+
+def _params_for(config, workdir, label, steps, write_averaged, mesh, weights='auto'):
+    """(the params of `steps` (averaged when several), replicated once on the mesh's devices,
+    the weights they are: 'raw' or 'ema')."""
+    used = checkpoint_read.choose_weights(workdir, steps[-1], weights)
+    params = load_params(workdir, steps, scan_layers=config.scan_layers, weights=used)
+    if write_averaged and len(steps) > 1:
+        out = checkpoint.write_averaged(
+            write_averaged, params, steps[-1], config=config,
+            extra_metadata={'averaged': steps, 'source': workdir, 'weights': used})
+        logging.info('averaged checkpoint %s -> %s', weights_label(label, used), out)
+    return sharding.put_global(params, sharding.replicated(mesh)), used
+
+
+def translate_file(config, params, tokenizer, input_path: str, output_path: str,
+                   mesh=None, truncate_long: bool = False, nbest: int = 1,
+                   members=None) -> None:
+    """Translates the lines of a file (or stdin, '-') into a file (or stdout, '-'), in order,
+    streamed and resumable (t2t/eval/translate.py); nbest > 1: beam search's best nbest per line as
+    TSV. With several processes each reads the file and decodes its rows; process 0 writes.
+    members: an ensemble's (t2t/eval/ensemble.py), params the tuple of theirs."""
+    from t2t.eval import ensemble, translate
+
+    if members:
+        model_config = ensemble.model_configs(members)
+        max_len = min(c.max_position for c in model_config)  # every member's table holds it
+    else:
+        model_config = TransformerConfig.from_config(config)
+        max_len = config.max_position
+    predict = inference.config_predict_fn(config, model_config, nbest=nbest,
+                                          num_valid_ids=tokenizer.vocab_size, mesh=mesh)
+    try:
+        stats = translate.translate_stream(
+            predict, params, tokenizer, input_path, output_path, max_len=max_len,
+            token_budget=max(translate.DEFAULT_TOKEN_BUDGET, max_len),
+            truncate_long=truncate_long, mesh=mesh, write=jax.process_index() == 0,
+            nbest_alpha=config.length_penalty_alpha if nbest > 1 else None,
+            progress=output_path != '-' and jax.process_index() == 0)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise EvalError(f'--translate {input_path} -> {output_path}: {e}') from e
+    if stats.too_long:
+        logging.warning('%d lines are longer than max_position=%d tokens: %s', stats.too_long,
+                        max_len, 'truncated' if truncate_long else 'left empty')
+    if stats.capped:
+        logging.warning('%d translations were truncated by max_decode_len=%d', stats.capped,
+                        config.max_decode_len)

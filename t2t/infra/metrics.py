@@ -1,0 +1,315 @@
+"""Metric writers (stdout, TensorBoard, JSON lines) and model-FLOPs utilization.
+
+`MetricWriter(DIR)` writes each call's scalars to three places:
+  stdout           one line: `step 1200 | loss 3.214 | lr 0.000512 | ...`
+  DIR/events.*     TensorBoard event files (tensorboardX, no TensorFlow)
+  DIR/metrics.jsonl one JSON object per call, {"step": 1200, "loss": 3.214, ...}, appended and
+                   flushed at once (after the event), so a crash loses at most the call in flight.
+                   Non-finite values are written as null (strict JSON).
+A run resumed from the checkpoint of step S passes start_step=S: the records and events of later
+steps, written before the interruption, are removed first (each file rewritten to a new file that
+replaces it atomically), and so are those at step S whose keys all start with one of
+`redo_at_start` (values the resumed run writes again, e.g. a pending evaluation). The new event
+file tells a running TensorBoard to purge steps > S (tensorboardX's purge_step: a SessionLog.START
+event), so no step ever holds two values.
+Only the writer with enabled=True writes (pass enabled=jax.process_index() == 0).
+
+DIR may be a bucket URL (gs://...): every file goes through t2t/infra/workdir.py. A bucket cannot
+append, so metrics.jsonl is rewritten whole at each call, and the event file is written by
+tensorboardX in a local staging directory and uploaded (rewritten) after each call: a crash loses at
+most the call in flight there too.
+
+A bucket write that still fails after workdir's retries does not stop training: the records stay
+in memory (the staged event file, metrics.jsonl's content) and go up with the next call's write,
+which then makes one attempt only, so training is not held back while the bucket is down. It is
+said once when it starts and once when the writes work again. `flush(limit_s)` waits (retrying)
+until everything is up: the loop calls it before each checkpoint save, so the records up to a
+saved step are never behind it; after limit_s it raises workdir.StorageError naming the object.
+"""
+
+import json
+import math
+import os
+import shutil
+import struct
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+
+import jax
+import numpy as np
+
+from t2t.infra import workdir as wd
+
+JSONL_NAME = 'metrics.jsonl'
+EVENTS_GLOB = 'events.out.tfevents.*'
+
+
+def _to_float(value) -> float:
+    return float(np.asarray(jax.device_get(value)))
+
+
+def _format(value: float) -> str:
+    return f'{value:.6g}'
+
+
+class MetricWriter:
+    def __init__(self, logdir, enabled: bool = True, tensorboard: bool = True, stream=None,
+                 start_step: int | None = None, redo_at_start: tuple[str, ...] = ()):
+        """start_step: the step this run starts from (0 fresh, S resumed): later records go."""
+        self.logdir = wd.path(logdir)
+        self.enabled = enabled
+        self._stream = stream
+        self._jsonl = None
+        self._tb = None
+        self._staging = None  # a local directory for the event file of a bucket logdir
+        self._failing = None  # (since when, the first error) while bucket writes fail
+        self._bucket = wd.is_url(self.logdir)
+        if not enabled:
+            return
+        wd.makedirs(self.logdir)
+        if start_step is not None:
+            truncate(self.logdir, start_step, redo_at_start)
+        self._jsonl = wd.Appender(self.logdir / JSONL_NAME)
+        if tensorboard:
+            from tensorboardX import SummaryWriter  # imported lazily: it pulls in protobuf
+
+            if wd.is_url(self.logdir):
+                self._staging = tempfile.mkdtemp(prefix='t2t-events-')
+            # tensorboardX names files by the second and opens them with 'wb': the suffix keeps
+            # a writer started within the same second from wiping the previous one's file.
+            # purge_step hides the steps a running TensorBoard read before this (re)start.
+            self._tb = SummaryWriter(
+                self._staging or os.fspath(self.logdir),
+                filename_suffix=f'.{time.time_ns()}.{os.getpid()}',
+                purge_step=None if start_step is None else start_step + 1)
+
+    def write_scalars(self, step: int, scalars: Mapping[str, object]) -> None:
+        """Writes `scalars` (numbers or 0-d arrays; None values are skipped) at `step`."""
+        if not self.enabled:
+            return
+        step = int(step)
+        values = {k: _to_float(v) for k, v in scalars.items() if v is not None}
+        line = ' | '.join([f'step {step}'] + [f'{k} {_format(v)}' for k, v in values.items()])
+        print(line, file=self._stream or sys.stdout, flush=True)
+        if self._tb is not None:
+            for k, v in values.items():
+                self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        record = {'step': step, **{k: v if math.isfinite(v) else None for k, v in values.items()}}
+        if not self._bucket:
+            self._jsonl.append(json.dumps(record) + '\n')
+            return
+        self._jsonl.keep(json.dumps(record) + '\n')
+        self._upload(wd.RETRY_BUDGET_S if self._failing is None else 0.0)
+
+    def _upload(self, budget_s: float) -> bool:
+        """A bucket logdir: the staged event file, then metrics.jsonl (a record there means its
+        call is complete: evaluate.py --watch relies on it), each rewritten whole. False, and
+        said once, when the bucket refused; the next call tries again."""
+        try:
+            for name in os.listdir(self._staging) if self._staging else ():
+                with open(os.path.join(self._staging, name), 'rb') as f:
+                    wd.write_atomic(self.logdir / name, f.read(), budget_s)
+            self._jsonl.flush(budget_s)
+        except Exception as e:
+            if not wd.is_storage_error(e):
+                raise
+            if self._failing is None:
+                self._failing = (time.monotonic(), e)
+                print(f'metrics: writing to {self.logdir} failed ({wd.describe(e)}); the records '
+                      'are kept and written with the next ones, training goes on',
+                      file=sys.stderr, flush=True)
+            return False
+        if self._failing is not None:
+            print(f'metrics: writing to {self.logdir} works again after '
+                  f'{time.monotonic() - self._failing[0]:.0f} s; every record is written',
+                  file=sys.stderr, flush=True)
+            self._failing = None
+        return True
+
+    def flush(self, limit_s: float) -> None:
+        """Returns once every record is in the bucket, retrying for up to limit_s; then raises
+        workdir.StorageError naming the object (a local logdir is always flushed)."""
+        if not self._bucket or self._failing is None or self._jsonl is None:
+            return
+        deadline, delay = time.monotonic() + limit_s, 1.0
+        while not self._upload(max(0.0, min(wd.RETRY_BUDGET_S, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                raise wd.StorageError(
+                    f'writing the metrics to {self.logdir} failed for {limit_s:.0f} s '
+                    f'(storage_outage_limit_s): {wd.describe(self._failing[1])}')
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(2 * delay, 30.0)
+
+    def close(self, limit_s: float = 0.0, quiet: bool = False) -> None:
+        """Closes the files; in a bucket, uploads what is left, retrying for up to limit_s (then
+        workdir.StorageError). quiet=True (a run ending on an error, whose steps after its last
+        checkpoint are redone anyway): one try unless already failing, and no error."""
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        try:
+            if self._bucket and self._jsonl is not None:
+                if self._failing is None:
+                    self._upload(wd.RETRY_BUDGET_S)  # the last records
+                if not quiet:
+                    self.flush(limit_s)  # a no-op unless they failed
+        finally:
+            if self._jsonl is not None:
+                self._jsonl.close()
+                self._jsonl = None
+            if self._staging is not None:
+                shutil.rmtree(self._staging, ignore_errors=True)
+                self._staging = None
+
+    def __enter__(self) -> 'MetricWriter':
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_jsonl(path) -> list[dict]:
+    """The records of a metrics.jsonl (a file or its directory), one per step, sorted by step.
+
+    Lines of the same step are merged (training and evaluation scalars are written separately);
+    where a key repeats, the later write wins. A torn last line (crash mid-write) is ignored.
+    """
+    path = wd.path(path)
+    if wd.is_dir(path):
+        path = path / JSONL_NAME
+    text = wd.read_text(path)
+    if text is None:
+        raise FileNotFoundError(f'{path} does not exist')
+    by_step = {}
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        by_step.setdefault(record['step'], {}).update(record)
+    return [by_step[s] for s in sorted(by_step)]
+
+
+# --- truncation on resume ----------------------------------------------------------------------
+
+
+def _kept(step: int, keys, last_step: int, redo: tuple[str, ...]) -> bool:
+    if step == last_step and redo:
+        return not all(key.startswith(redo) for key in keys)
+    return step <= last_step
+
+
+def _jsonl_lines_up_to(data: bytes, last_step: int, redo: tuple[str, ...]) -> Iterator[bytes]:
+    for line in data.splitlines(keepends=True):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a torn line (crash mid-write)
+        step = record.pop('step', 0)
+        if _kept(step, record, last_step, redo):
+            yield line if line.endswith(b'\n') else line + b'\n'
+
+
+def _records(data: bytes) -> Iterator[bytes]:
+    """The framed records of a TFRecord file's bytes (length, crc, data, crc), each raw.
+
+    Stops at a torn record (crash mid-write) or a damaged length field.
+    """
+    from tensorboardX.record_writer import masked_crc32c
+
+    offset = 0
+    while offset + 12 <= len(data):
+        header = data[offset:offset + 12]
+        length, length_crc = struct.unpack('<QI', header)
+        if masked_crc32c(header[:8]) != length_crc:
+            return
+        end = offset + 12 + length + 4
+        if end > len(data):
+            return
+        yield data[offset:end]
+        offset = end
+
+
+def _event(record: bytes):
+    from tensorboardX.proto.event_pb2 import Event
+
+    return Event.FromString(record[12:-4])
+
+
+def _event_records_up_to(data: bytes, last_step: int, redo: tuple[str, ...]) -> Iterator[bytes]:
+    for record in _records(data):
+        event = _event(record)
+        # Keep the file header (file_version) and anything at or before the step.
+        tags = [value.tag for value in event.summary.value]
+        if event.HasField('file_version') or _kept(event.step, tags, last_step,
+                                                   redo if tags else ()):
+            yield record
+
+
+def truncate(logdir, last_step: int, redo_at_last: tuple[str, ...] = ()) -> None:
+    """Removes the records of steps > last_step from DIR/metrics.jsonl and DIR's event files,
+    and those at last_step whose keys all start with one of `redo_at_last`."""
+    logdir = wd.path(logdir)
+    path = logdir / JSONL_NAME
+    data = wd.read_bytes(path)
+    if data is not None:
+        wd.write_atomic(path, b''.join(_jsonl_lines_up_to(data, last_step, redo_at_last)))
+    for events in wd.glob(logdir, EVENTS_GLOB):
+        data = wd.read_bytes(events)
+        wd.write_atomic(events, b''.join(_event_records_up_to(data, last_step, redo_at_last)))
+
+
+def read_events(logdir) -> list[tuple[str, int, float]]:
+    """(tag, step, value) of every scalar in DIR's event files, in file order (as written)."""
+    out = []
+    for path in wd.glob(wd.path(logdir), EVENTS_GLOB):
+        for record in _records(wd.read_bytes(path)):
+            event = _event(record)
+            for value in event.summary.value:
+                out.append((value.tag, int(event.step), float(value.simple_value)))
+    return out
+
+
+# --- model FLOPs utilization ----------------------------------------------------------------------
+
+# Dense bf16 peak FLOP/s per device from the vendors' datasheets (no sparsity), matched by
+# substring of jax's device_kind, most specific first. fp32 training cannot reach these peaks.
+_PEAK_FLOPS = (
+    ('h100 pcie', 756e12),
+    ('h100', 989e12),
+    ('h200', 989e12),
+    ('a100', 312e12),
+    ('tpu v4', 275e12),
+    ('tpu v5 lite', 197e12),  # v5e
+    ('tpu v5e', 197e12),
+    ('tpu v5p', 459e12),
+    ('tpu v5', 459e12),  # v5p reports itself as 'TPU v5'
+    ('tpu v6 lite', 918e12),  # v6e (Trillium)
+    ('tpu v6e', 918e12),
+)
+
+
+def peak_flops_per_device(device_kind: str | None = None) -> float | None:
+    """Datasheet peak of `device_kind` (default: the first jax device); None when unknown (CPU)."""
+    if device_kind is None:
+        device_kind = jax.devices()[0].device_kind
+    kind = device_kind.lower()
+    for name, flops in _PEAK_FLOPS:
+        if name in kind:
+            return flops
+    return None
+
+
+def mfu(
+    flops_per_step: float,
+    step_time_s: float,
+    num_devices: int,
+    peak_flops_per_device: float | None,
+) -> float:
+    """Achieved model FLOP/s over the peak of all devices; NaN when the peak is unknown."""
+    if not peak_flops_per_device or step_time_s <= 0 or num_devices <= 0:
+        return math.nan
+    return flops_per_step / step_time_s / (num_devices * peak_flops_per_device)

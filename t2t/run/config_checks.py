@@ -1,0 +1,222 @@
+"""The values each config key must have: one table, checked before any data is read or compiled.
+
+A rule is (key, the test its value must pass, what the key needs). The first rule a config breaks
+is one line naming the key, its value and what it needs:
+
+    warmup_steps=0 must be >= 1 (the steps the learning rate rises over)
+    max_len=300 exceeds max_position=256 (--config.max_len or --config.max_position)
+
+`cli.check_values` prints it for every entry point (train.py, evaluate.py, sweep.py, t2t.data,
+t2t.export); `startup.check_lengths` raises it for the library's own callers. The library keeps
+its own checks for callers that build its objects directly (TransformerConfig, StepConfig,
+decode.beam_search, inference.make_predict_fn, sharding.resolve_mesh_shape): the choices they
+accept are read from them here, and the table answers first, so no entry point rewords their
+messages. Whether the mesh fits the devices needs the devices: startup.make_mesh, before data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from t2t import decode, loss, model, sharding, train_lib
+from t2t.data import mixture, sources
+from t2t.data.tokenizer import MIN_VOCAB_SIZE
+from t2t.run import best
+
+# Every length a config asks the model to handle; positions 0 .. length - 1 index the table.
+LENGTH_KEYS = ('max_len', 'max_eval_len', 'max_decode_len')
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    key: str
+    ok: Callable[[Any, Any], bool]  # (value, config) -> whether the value is usable
+    needs: str  # follows 'key=value '; {c.other_key} reads another key of the config
+
+    def problem(self, config) -> str | None:
+        """The one line if config[key] breaks the rule, else None (also for a key not there)."""
+        if self.key not in config or self.ok(config[self.key], config):
+            return None
+        return f'{self.key}={config[self.key]!r} {self.needs.format(c=config)}'
+
+
+def _at_least(least) -> Callable:
+    return lambda v, c: v >= least
+
+
+def _in_unit(v, c) -> bool:
+    return 0 <= v < 1
+
+
+def _one_of(choices) -> tuple[Callable, str]:
+    return (lambda v, c: v in choices), f'must be one of {tuple(choices)}'
+
+
+def _mesh(v, c, allow_rest: bool) -> bool:
+    """A tuple of one size per mesh axis, each >= 1 (or, with allow_rest, one -1)."""
+    if not isinstance(v, tuple | list) or len(v) != len(sharding.MESH_AXES):
+        return False
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in v):
+        return False
+    rest = v.count(-1) if allow_rest else 0
+    return rest <= 1 and all(n >= 1 for n in v if n != -1 or not allow_rest)
+
+
+class _Why(str):
+    """A rule's `needs` computed from the config: what exactly is wrong with a value whose
+    problems are many (a mixture spec). Rule.problem formats it like any other."""
+
+    def __new__(cls, why: Callable):
+        self = super().__new__(cls, '')
+        self.why = why
+        return self
+
+    def format(self, *args, **kwargs) -> str:
+        return self.why(kwargs['c'])
+
+
+def _rules() -> tuple[Rule, ...]:
+    ge1, ge0 = 'must be >= 1', 'must be >= 0'
+    unit = 'must be in [0, 1)'
+    axes = ', '.join(sharding.MESH_AXES)
+    rules = [
+        # data
+        Rule('dataset', *_one_of(sources.DATASETS)),
+        Rule('vocab_size', lambda v, c: c.dataset == 'recall' or v >= MIN_VOCAB_SIZE,
+             f'must be >= {MIN_VOCAB_SIZE} (256 UTF-8 byte pieces, PAD/EOS/UNK and the '
+             "corpus's characters)"),
+        Rule('tokenizer_sentences', _at_least(1), ge1),
+        Rule('tokenizer_character_coverage', lambda v, c: 0 < v <= 1, 'must be in (0, 1]'),
+        Rule('data_wait_timeout_s', lambda v, c: v > 0, 'must be > 0 (seconds)'),
+        Rule('batch_size', _at_least(1), ge1),
+        Rule('eval_batch_size', _at_least(1), ge1),
+        Rule('recall_length', _at_least(2), 'must be >= 2 (the first symbol and one other)'),
+        Rule('recall_train_examples', _at_least(1), ge1),
+        Rule('recall_eval_examples', _at_least(1), ge1),
+        # mixtures and subword regularization (t2t/data/mixture.py, t2t/data/subword.py)
+        Rule('train_mixture', lambda v, c: mixture.problem(v) is None,
+             _Why(lambda c: f'is unusable: {mixture.problem(c.train_mixture)} (expected '
+                            f'{mixture.FORMAT})')),
+        Rule('train_mixture', lambda v, c: not v.strip() or c.dataset != 'recall',
+             'needs dataset embedded, tfds or tsv (its training split trains the vocabulary)'),
+        Rule('train_mixture', lambda v, c: not mixture.missing_files(v),
+             _Why(lambda c: 'names TSV files that do not exist (or are not FILE.tsv / SRC,TGT): '
+                            + ', '.join(mixture.missing_files(c.train_mixture)))),
+        Rule('spm_alpha', lambda v, c: v >= 0, 'must be >= 0 (0: the 1-best segmentation)'),
+        Rule('spm_alpha', lambda v, c: v == 0 or c.dataset != 'recall',
+             'needs a sentencepiece vocabulary (dataset=recall has fixed symbols)'),
+        Rule('spm_nbest_size', lambda v, c: v == -1 or v >= 2,
+             'must be -1 (sample among every segmentation) or >= 2 (among the n best)'),
+        # model
+        Rule('max_position', _at_least(1), ge1),
+        *(Rule(key, _at_least(1), ge1) for key in LENGTH_KEYS),
+        # Longer sequences would read positions beyond the table (the model refuses them at
+        # trace time too: model.Embedder); checked for rotary positions as well, so that a
+        # config is valid or not whatever its position_embedding.
+        *(Rule(key, lambda v, c: v <= c.max_position,
+               f'exceeds max_position={{c.max_position}} (--config.{key} or '
+               '--config.max_position)') for key in LENGTH_KEYS),
+        Rule('d_model', _at_least(1), ge1),
+        Rule('d_ff', _at_least(1), ge1),
+        Rule('num_heads', _at_least(1), ge1),
+        Rule('d_model', lambda v, c: c.num_heads < 1 or v % c.num_heads == 0,
+             'must be divisible by num_heads={c.num_heads}'),
+        Rule('num_encoder_layers', _at_least(1), ge1),
+        Rule('num_decoder_layers', _at_least(1), ge1),
+        Rule('dropout_rate', _in_unit, unit),
+        Rule('attention_dropout_rate', _in_unit, unit),
+        Rule('relu_dropout_rate', _in_unit, unit),
+        Rule('position_embedding', *_one_of(model._POSITIONS)),
+        Rule('position_embedding', lambda v, c: v != 'rope' or c.num_heads < 1
+             or c.d_model // c.num_heads % 2 == 0,
+             'needs an even head dimension: d_model={c.d_model} / num_heads={c.num_heads}'),
+        Rule('attention_impl', *_one_of(model._ATTENTION_IMPLS)),
+        Rule('attention_dropout_rate', lambda v, c: v == 0 or c.attention_impl == 'xla',
+             'needs attention_impl=xla (attention_impl={c.attention_impl!r} has no dropout on '
+             'attention weights)'),
+        Rule('remat', *_one_of(tuple(model._REMAT_POLICIES))),
+        Rule('dtype', *_one_of(tuple(model._DTYPES))),
+        Rule('loss_chunk_len', _at_least(0), 'must be >= 0 (0: one chunk)'),
+        Rule('loss_impl', *_one_of(loss.IMPLS)),
+        Rule('z_loss', _at_least(0), 'must be >= 0 (0: off)'),
+        Rule('rng_impl', *_one_of(tuple(train_lib.RNG_IMPLS))),
+        # optimization
+        Rule('learning_rate_scale', lambda v, c: v > 0, 'must be > 0'),
+        Rule('warmup_steps', _at_least(1), 'must be >= 1 (the steps the learning rate rises over)'),
+        Rule('adam_b1', _in_unit, unit),
+        Rule('adam_b2', _in_unit, unit),
+        Rule('adam_eps', lambda v, c: v > 0, 'must be > 0'),
+        Rule('weight_decay', _at_least(0), ge0),
+        Rule('clip_grad_norm', _at_least(0), 'must be >= 0 (0: off)'),
+        Rule('label_smoothing', _in_unit, unit),
+        Rule('ema_decay', _in_unit, unit),
+        Rule('grad_accum_steps', _at_least(1), ge1),
+        Rule('batch_size', lambda v, c: c.grad_accum_steps < 1 or v % c.grad_accum_steps == 0,
+             'must be a multiple of grad_accum_steps={c.grad_accum_steps}'),
+        Rule('num_train_steps', _at_least(1), ge1),
+        Rule('train_time_budget_s', _at_least(0), 'must be >= 0 (0: no budget)'),
+        # loop, checkpoints, evaluation
+        Rule('log_every_steps', _at_least(1), ge1),
+        Rule('eval_every_steps', _at_least(1), ge1),
+        Rule('checkpoint_every_steps', _at_least(1), ge1),
+        Rule('keep_checkpoints', _at_least(1), ge1),
+        Rule('num_eval_batches', lambda v, c: v >= 1 or v == -1, 'must be >= 1, or -1 for all'),
+        Rule('eval_bleu_sentences', _at_least(0), 'must be >= 0 (0: no BLEU during training)'),
+        # divergence guards
+        Rule('spike_skip', _at_least(0), 'must be >= 0 (standard deviations; 0: off)'),
+        Rule('spike_window', _at_least(2), 'must be >= 2 (steps whose loss spread spike_skip '
+             'measures)'),
+        Rule('rollback_after', _at_least(0), 'must be >= 0 (0: off)'),
+        Rule('rollback_after', lambda v, c: v == 0 or c.spike_skip > 0 or c.skip_nonfinite,
+             'needs spike_skip > 0 or skip_nonfinite=True (the steps it counts are skipped ones)'),
+        # best checkpoints and early stopping
+        Rule('keep_best', _at_least(0), 'must be >= 0 (0: off)'),
+        Rule('early_stopping_patience', _at_least(0), 'must be >= 0 (0: off)'),
+        Rule('best_metric', *_one_of(best.METRICS)),
+        Rule('best_metric', lambda v, c: not best.enabled(c) or v.startswith('loss')
+             or c.eval_bleu_sentences > 0,
+             'needs eval_bleu_sentences > 0 (BLEU and chrF are scored during training only then)'),
+        Rule('best_metric', lambda v, c: not best.enabled(c) or not v.endswith('_ema')
+             or c.ema_decay > 0, 'needs ema_decay > 0 (the EMA weights it ranks)'),
+        Rule('straggler_factor', _at_least(0), 'must be >= 0 (0: off)'),
+        Rule('straggler_min_s', _at_least(0), ge0),
+        Rule('slow_save_s', _at_least(0), 'must be >= 0 (0: off)'),
+        Rule('storage_outage_limit_s', _at_least(0), 'must be >= 0 (0: not retried)'),
+        # decoding
+        Rule('decode_strategy', *_one_of(decode.STRATEGIES)),
+        Rule('temperature', lambda v, c: v > 0, "must be > 0 (1: the model's distribution)"),
+        Rule('top_k', _at_least(0), 'must be >= 0 (0: every token)'),
+        Rule('top_p', lambda v, c: 0 < v <= 1, 'must be in (0, 1] (1: every token)'),
+        Rule('decode_seed', _at_least(0), ge0),
+        Rule('beam_size', _at_least(1), ge1),
+        Rule('length_penalty_alpha', _at_least(0), ge0),
+        Rule('beam_unfinished', *_one_of(decode.UNFINISHED_RULES)),
+        Rule('beam_stop', *_one_of(decode.STOP_RULES)),
+        Rule('max_decode_extra', _at_least(0), ge0),
+        Rule('beam_shrink_floor', _at_least(0), 'must be >= 0 (0: no compaction)'),
+        # devices
+        Rule('mesh_shape', lambda v, c: _mesh(v, c, allow_rest=True),
+             f'must be {len(sharding.MESH_AXES)} sizes ({axes}), each >= 1 or one -1 (the devices '
+             'left), e.g. --config.mesh_shape=-1,1,1'),
+        Rule('dcn_mesh_shape', lambda v, c: _mesh(v, c, allow_rest=False),
+             f'must be {len(sharding.MESH_AXES)} sizes >= 1 ({axes}), e.g. '
+             '--config.dcn_mesh_shape=2,1,1'),
+    ]
+    return tuple(rules)
+
+
+RULES = _rules()
+CHECKED_KEYS = tuple(dict.fromkeys(rule.key for rule in RULES))
+
+
+def problem(config, keys=None) -> str | None:
+    """The first rule (of those on `keys`, default all) that config breaks, as one line; None
+    when it breaks none."""
+    for rule in RULES:
+        if keys is None or rule.key in keys:
+            line = rule.problem(config)
+            if line:
+                return line
+    return None
