@@ -152,6 +152,10 @@ def base_config() -> ml_collections.ConfigDict:
     # jax's persistent compilation cache (t2t/run/compile_cache.py): '' = $JAX_COMPILATION_CACHE_DIR
     # or ~/.cache/t2t/jax (host-local), 'off', or a directory / gs:// URL.
     c.compilation_cache_dir = ''
+    # True: also store the train / eval steps' whole executables there (t2t-executables/), so a
+    # restart of a single-process run traces nothing. Off by default: XLA:CPU's serialized
+    # executables are young (docs/goodput.md).
+    c.store_executables = False
 
     # --- decoding
     c.decode_strategy = 'beam'  # 'beam' (beam_size, alpha), 'greedy' (argmax) or 'sample'

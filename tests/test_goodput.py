@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A log and a checkpoint every 3 steps: a kill in the save of step s loses s - 3 .. s.
 SETTINGS = dict(num_train_steps=12, log_every_steps=3, checkpoint_every_steps=3,
                 eval_every_steps=6, keep_checkpoints=5, eval_bleu_sentences=0,
-                num_eval_batches=2, max_len=32, eval_batch_size=8)
+                num_eval_batches=2, max_len=32, eval_batch_size=8, store_executables=True)
 
 
 @pytest.fixture(scope='module')
@@ -189,6 +189,7 @@ def test_a_stored_executable_serves_the_same_program_only(tmp_path, monkeypatch,
     jax.config.update('jax_compilation_cache_dir', str(tmp_path / 'cache'))
     config = toy_corpus.tiny_config({'root': tmp_path, 'train': '', 'validation': '',
                                      'test': ''})
+    config.store_executables = True
     events = []
 
     def listen(event, seconds, **_):

@@ -145,11 +145,12 @@ def stored(fn, config, name: str):
     for the same program (program_key) from the cache directory, or compiles it (jax's cache
     serves XLA's part) and stores it there; a restart then skips tracing and lowering as well.
     Calls with other argument types (evaluation batches of other lengths) go through fn. As fn
-    itself when the cache is off, fn cannot be lowered (a test's wrapper), or there are several
-    processes (each holds its part of the program: not stored)."""
+    itself unless config.store_executables, and when the cache is off, fn cannot be lowered (a
+    test's wrapper), or there are several processes (each holds its part of the program)."""
     import jax
 
-    if not hasattr(fn, 'lower') or not jax.config.jax_enable_compilation_cache or \
+    if not config.get('store_executables', False) or not hasattr(fn, 'lower') or \
+            not jax.config.jax_enable_compilation_cache or \
             not jax.config.jax_compilation_cache_dir or jax.process_count() > 1:
         return fn
     directory = jax.config.jax_compilation_cache_dir
