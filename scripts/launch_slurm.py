@@ -12,6 +12,8 @@ with one process per node JAX_LOCAL_DEVICE_IDS hands it all the node's GPUs. The
 on a file system every node sees. Logs: <logs>/<job>-<jobid>.out (the batch script) and
 <logs>/<job>-<jobid>-<task>.out (one per process). SIGTERM reaches the processes --signal_s
 seconds before the time limit, so t2t saves a checkpoint; submitting again resumes from it.
+Each run of the job gets T2T_ATTEMPT=slurm-<jobid>:<SLURM_RESTART_COUNT> (the goodput ledger's
+count of attempts: a requeue, by --max_restarts or by SLURM itself, is the next one).
 The script is written to <logs>/<job>.sbatch and submitted with sbatch; --dry_run prints both.
 Arguments after `--` go to the script verbatim.
 
@@ -100,6 +102,8 @@ def sbatch_script(args, passthrough: list[str]) -> str:
         *args.setup,
         # One identity per run of the job (the start-up handshake refuses another's processes).
         'export T2T_JOB_ID="slurm-$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"',
+        # The goodput ledger's count of attempts: a requeue is the same job, one restart later.
+        'export T2T_ATTEMPT="slurm-$SLURM_JOB_ID:${SLURM_RESTART_COUNT:-0}"',
     ]
     if not per_gpu and args.gpus_per_node:
         ids = ','.join(str(i) for i in range(args.gpus_per_node))

@@ -17,8 +17,10 @@ streamed back here unless --detach). Arguments after `--` go to the script verba
 (t2t/infra/exits.py: a hang, a lost peer, a storage outage, or a signal), up to R times; when one
 host fails, the others' processes end too (jax's heartbeats, the watchdog), every loop reruns, and
 the processes meet again and resume from the last checkpoint. 0 (finished, or saved after SIGTERM)
-and 1 (an error) end the loop. For restarts that survive the VM itself (a host replaced, a slice
-preempted), run under GKE JobSet or a queued resource: see docs/clusters.md.
+and 1 (an error) end the loop. Every run gets T2T_ATTEMPT=<job id>:<restarts so far> (the goodput
+ledger counts the attempts by it, also those killed before their first record). For restarts
+that survive the VM itself (a host replaced, a slice preempted), run under GKE JobSet or a queued
+resource: see docs/clusters.md.
 
 Without --detach the command blocks until every worker's script ends and exits with its status
 (what sweep.py uses). SIGTERM or SIGINT then sends SIGTERM to the script on every worker (one more
@@ -38,6 +40,7 @@ import launch_args  # scripts/: the directory of this script is on sys.path
 
 LOG_DIR = '~/t2t-logs'  # on each worker; '~' expands there
 RESTART_PAUSE_S = 5  # between a failure and the rerun: the other hosts' processes end meanwhile
+ATTEMPT_ENV = 'T2T_ATTEMPT'  # '<launch>:<n>', the goodput ledger's count (t2t/goodput/ledger.py)
 
 
 def gcloud_ssh(args, remote: str) -> list[str]:
@@ -70,19 +73,21 @@ def run_command(args, passthrough: list[str]) -> str:
     # $(hostname) expands on the worker
     log = f'{LOG_DIR}/{launch_args.script(args)[:-3]}-$(hostname).log'
     cd = f'cd {shlex.quote(args.dir)} && mkdir -p {LOG_DIR}'
+    launch = shlex.quote(args.job_id)
     if args.max_restarts:
-        cd += f' && export T2T_JOB_ID={shlex.quote(args.job_id)}'
+        cd += f' && export T2T_JOB_ID={launch}'
         if args.detach:
-            loop = restart_loop(shlex.join(argv), args.max_restarts)
+            loop = restart_loop(shlex.join(argv), args.max_restarts, launch=launch)
             return f'{cd} && nohup bash -c {shlex.quote(loop)} >> {log} 2>&1 < /dev/null &'
         return f'{cd} || exit 1; ' + restart_loop(f'{shlex.join(argv)} 2>&1 | tee -a {log}',
-                                          args.max_restarts, '${PIPESTATUS[0]}')
+                                          args.max_restarts, '${PIPESTATUS[0]}', launch)
+    cd += f' && export {ATTEMPT_ENV}={launch}:0'  # the launch's only attempt
     if args.detach:  # keeps running after the ssh session ends
         return f'{cd} && nohup {shlex.join(argv)} > {log} 2>&1 < /dev/null &'
     return f'set -o pipefail; {cd} && {shlex.join(argv)} 2>&1 | tee -a {log}'
 
 
-def restart_loop(command: str, max_restarts: int, status: str = '$?') -> str:
+def restart_loop(command: str, max_restarts: int, status: str = '$?', launch: str = '') -> str:
     """A worker's loop: run `command`; rerun it after a restartable failure, up to max_restarts.
 
     When one host's process fails, the others' end too (jax's heartbeats, the watchdog's
@@ -90,9 +95,11 @@ def restart_loop(command: str, max_restarts: int, status: str = '$?') -> str:
     again in the start-up handshake; train.py resumes from the last checkpoint. 0 (finished, or
     saved after SIGTERM) and 1 (an error a rerun repeats) end the loop. The job identity
     (T2T_JOB_ID) is the launch's: a worker runs one process at a time, so no earlier attempt's
-    process can stand in for a later one's.
+    process can stand in for a later one's. Each run is attempt <launch>:<restarts> of the
+    goodput ledger ($T2T_ATTEMPT): every worker's loop counts the same restarts.
     """
-    return (f'restarts=0; while true; do {command}; status={status}; '
+    attempt = f'export {ATTEMPT_ENV}={launch}:$restarts; ' if launch else ''
+    return (f'restarts=0; while true; do {attempt}{command}; status={status}; '
             f'case $status in {launch_args.restartable_pattern()}) ;; *) exit $status ;; esac; '
             f'if [ $restarts -ge {max_restarts} ]; then echo "t2t: $(hostname): exit status '
             f'$status; all {max_restarts} restarts spent"; exit $status; fi; '
@@ -136,7 +143,8 @@ def parse_args(argv: list[str]):
                    help='on every worker, rerun the script after a restartable failure (a signal, '
                    'exit 3/4/5) up to this many times; it resumes from the last checkpoint')
     p.add_argument('--job_id', default='',
-                   help='T2T_JOB_ID of this launch, the same on every worker (default: random)')
+                   help='T2T_JOB_ID of this launch, the same on every worker, and the launch in '
+                   'T2T_ATTEMPT (default: random)')
     p.add_argument('--dry_run', action='store_true', help='print the gcloud commands only')
     args = p.parse_args(argv)
     if args.max_restarts < 0:

@@ -225,10 +225,11 @@ def test_a_stored_executable_serves_the_same_program_only(tmp_path, monkeypatch,
         digest = compile_cache.sources_digest(str(tmp_path / 'src'))
         (tmp_path / 'src' / 'm.py').write_text('A = 2\n')
         assert compile_cache.sources_digest(str(tmp_path / 'src')) != digest
-        # A torn file is compiled over, with a warning.
+        # A torn file is compiled over, with a warning (and not stored again from fn's
+        # executable, which jax's in-memory cache now serves: tests/test_compile_cache.py).
         path.write_bytes(path.read_bytes()[:100])
         assert compile_cache.stored(fn, config, 'f')(x).tolist() == [1, 3, 5, 7, 9, 11]
-        assert 'unusable' in caplog.text and path.stat().st_size > 100
+        assert 'unusable (ValueError: torn' in caplog.text
         # An executable that jax's own cache served is not stored (it would not run).
         path.unlink()
         jax.clear_caches()

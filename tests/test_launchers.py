@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from t2t.goodput import ledger
 from tests.conftest import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, 'scripts'))
@@ -60,6 +61,8 @@ def test_tpu_launcher_runs_the_same_command_on_every_worker():
     assert words[start + 4:start + 4 + len(TRICKY)] == TRICKY  # verbatim, one word each
     assert words[-3:] == ['tee', '-a', '~/t2t-logs/train-$(hostname).log']
     assert remote.startswith('set -o pipefail; cd t2t && mkdir -p ~/t2t-logs && ')
+    # The launch's one attempt, in the goodput ledger's form (no restarts: number 0).
+    assert re.search(r' && export T2T_ATTEMPT=tpu-[0-9a-f]{12}:0 && ', remote)
 
 
 def test_tpu_launcher_detach_evaluate_and_errors():
@@ -239,8 +242,8 @@ print('finished at step 40 (preemption)')
     (1, None, False),  # an error a rerun would repeat
     (0, None, False),  # finished
 ])
-def test_slurm_batch_script_requeues_restartable_failures(tmp_path, srun_status, restart_count,
-                                                          requeued):
+def test_slurm_batch_script_requeues_restartable_failures(tmp_path, monkeypatch, srun_status,
+                                                          restart_count, requeued):
     args, rest = launch_slurm.parse_args([
         '--nodes=1', '--gpus_per_node=0', '--tasks_per_node=2', '--max_restarts=2',
         f'--chdir={tmp_path}', '--workdir=/w', '--signal_s=0'])
@@ -252,7 +255,7 @@ def test_slurm_batch_script_requeues_restartable_failures(tmp_path, srun_status,
     # srun records the job identity its tasks get and ends with the status under test.
     _fake(bin_dir / 'srun', f'''d = os.environ['FAKE_DIR']
 with open(os.path.join(d, 'job_id'), 'w') as f:
-    f.write(os.environ['T2T_JOB_ID'])
+    f.write(os.environ['T2T_JOB_ID'] + ' ' + os.environ['T2T_ATTEMPT'])
 sys.exit({srun_status})
 ''')
     _fake(bin_dir / 'scontrol', '''d = os.environ['FAKE_DIR']
@@ -266,7 +269,11 @@ with open(os.path.join(d, 'scontrol_calls'), 'w') as f:
     done = subprocess.run(['bash', str(tmp_path / 'job.sh')], env=env, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == srun_status, done.stderr
-    assert (bin_dir / 'job_id').read_text() == f'slurm-41-{restart_count or 0}'
+    # The goodput ledger's attempt: the job's launch, numbered by its requeues.
+    assert (bin_dir / 'job_id').read_text() == \
+        f'slurm-41-{restart_count or 0} slurm-41:{restart_count or 0}'
+    monkeypatch.setenv(ledger.LAUNCH_ENV, (bin_dir / 'job_id').read_text().split()[1])
+    assert ledger.launch_attempt() == {'launch': 'slurm-41', 'number': int(restart_count or 0)}
     if requeued:
         assert (bin_dir / 'scontrol_calls').read_text() == 'requeue 41'
         n = int(restart_count or 0) + 1
@@ -290,6 +297,8 @@ def test_tpu_worker_loop_reruns_after_restartable_failures(tmp_path, monkeypatch
     _fake(checkout / '.venv' / 'bin' / 'python', f'''d = os.environ['FAKE_DIR']
 with open(os.path.join(d, 'runs'), 'a') as f:
     f.write(os.environ['T2T_JOB_ID'] + ' ' + ' '.join(sys.argv[1:]) + '\\n')
+with open(os.path.join(d, 'attempts'), 'a') as f:
+    f.write(os.environ['T2T_ATTEMPT'] + '\\n')
 n = len(open(os.path.join(d, 'runs')).readlines())
 print('run', n)
 sys.exit({statuses}[n - 1])
@@ -305,6 +314,9 @@ sys.exit({statuses}[n - 1])
     assert done.returncode == final, done.stderr
     calls = (tmp_path / 'runs').read_text().splitlines()
     assert len(calls) == runs
+    # Each run is the next attempt of the launch (the goodput ledger counts them).
+    assert (tmp_path / 'attempts').read_text().splitlines() == \
+        [f'launch-7:{i}' for i in range(runs)]
     # The same command and job identity every time (the processes of one launch meet again).
     assert set(calls) == {'launch-7 train.py --config=configs/wmt14_ende_big.py '
                           '--workdir=gs://b/r --distributed --config.num_heads=2'}
