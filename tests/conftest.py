@@ -6,20 +6,22 @@ import shutil
 import sys
 import tempfile
 
-# LLVM without optimization for XLA's CPU code: the tests run tiny models, a few steps each, so
-# compiling is most of their time; at level 0 it takes about a third less and the programs run
-# slower, which tiny models do not notice. Every CPU process of the tests uses it (tests compare
-# runs bit for bit). The TPU ahead-of-time tests compile in processes without XLA_FLAGS.
-TEST_XLA_FLAGS = '--xla_backend_optimization_level=0'
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+# LLVM without optimization for XLA's CPU code (TEST_XLA_FLAGS): the tests run tiny models, a few
+# steps each, so compiling is most of their time; at level 0 it takes about a third less and the
+# programs run slower, which tiny models do not notice. Every CPU process of the tests uses it
+# (tests compare runs bit for bit): the scripts they start get it from tests/helpers.py. The TPU
+# ahead-of-time tests compile in processes without XLA_FLAGS.
+from tests.helpers import TEST_XLA_FLAGS, script_env, tiny_config  # noqa: E402, F401
+
 os.environ['XLA_FLAGS'] = (
     os.environ.get('XLA_FLAGS', '') + f' {TEST_XLA_FLAGS} --xla_force_host_platform_device_count=8'
 ).strip()
 os.environ['JAX_PLATFORMS'] = 'cpu'
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 # One persistent compilation cache for the whole run, shared by the xdist workers and the train.py /
 # evaluate.py subprocesses they start (they inherit the environment): the same tiny train step is
@@ -34,19 +36,5 @@ if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
 
 
 def one_device_env() -> dict:
-    """The environment for a script the tests start on one CPU device (no 8-device XLA_FLAGS)."""
-    env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-    env['JAX_PLATFORMS'] = 'cpu'
-    env['XLA_FLAGS'] = TEST_XLA_FLAGS
-    return env
-
-
-def tiny_config(**overrides):
-    """configs/tiny.py shrunk for in-process tests (12 tokens, 8 rows, 50 ids), then overrides."""
-    from configs import tiny
-
-    c = tiny.get_config()
-    c.max_len, c.batch_size, c.vocab_size = 12, 8, 50
-    for k, v in overrides.items():
-        setattr(c, k, v)
-    return c
+    """The environment for a script the tests start on one CPU device (tests/helpers.py)."""
+    return script_env(1)

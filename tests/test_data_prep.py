@@ -17,7 +17,7 @@ import pytest
 from t2t.data import cache, pipeline, prepare, progress, shards, sources, tsv
 from t2t.data.tokenizer import Tokenizer
 from tests import toy_corpus
-from tests.conftest import ROOT
+from tests.helpers import ROOT, tiny_config
 
 SMALL_CHUNKS = 50  # lines per chunk: the 400-pair toy corpus becomes 8 chunks
 
@@ -33,7 +33,7 @@ def small_chunks(monkeypatch):
 
 
 def _config(corpus, data_dir, **overrides):
-    return toy_corpus.tiny_config(corpus, data_dir=str(data_dir), **overrides)
+    return tiny_config(corpus, data_dir=str(data_dir), **overrides)
 
 
 def _streamed(spec: str, chunk_lines: int):
@@ -179,7 +179,7 @@ corpus['root'] = __import__('pathlib').Path(corpus['root'])
 prepare.CHUNK_PAIRS = 50
 real = Tokenizer.encode_batch
 Tokenizer.encode_batch = lambda self, *a: time.sleep(0.3) or real(self, *a)
-config = toy_corpus.tiny_config(corpus, data_dir=data_dir)
+config = tiny_config(corpus, data_dir=data_dir)
 cache.packed_split(config, Tokenizer(sys.argv[3]), 'train')
 """
 
@@ -278,8 +278,8 @@ def test_progress_lines_name_pairs_rate_eta_and_memory():
 
 
 def test_sources_chunks_of_an_index_source(tmp_path):
-    config = toy_corpus.tiny_config({'root': tmp_path, 'train': '', 'validation': '',
-                                     'test': ''}, dataset='recall', data_dir=str(tmp_path))
+    config = tiny_config({'root': tmp_path, 'train': '', 'validation': '',
+                          'test': ''}, dataset='recall', data_dir=str(tmp_path))
     chunks, total = sources.chunks(config, 'test', 300)
     whole = sources.open_split(config, 'test').read(0, total)
     got = [p for c in chunks for p in sources.read_chunk(config, 'test', c)[0]]

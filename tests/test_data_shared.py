@@ -22,7 +22,7 @@ import pytest
 from t2t.data import cache, identity, pipeline, shared, tokenizer
 from t2t.infra import workdir as wd
 from tests import gcs_server, toy_corpus
-from tests.conftest import ROOT, TEST_XLA_FLAGS
+from tests.helpers import ROOT, TEST_XLA_FLAGS, tiny_config
 
 pytestmark = pytest.mark.xdist_group(__name__)
 TIMEOUT_S = 180  # the two processes take seconds; a loaded 2-core machine a few times that
@@ -100,8 +100,8 @@ def test_the_second_host_copies_the_data_and_never_tokenizes(pod):
 
 def _host1_config(pod):
     corpus = dict(pod['corpus'], **{k: pod['absent'][k] for k in ('train', 'validation', 'test')})
-    return toy_corpus.tiny_config(corpus, data_dir=pod['data_dirs'][1],
-                                  shared_data_dir=pod['share'])
+    return tiny_config(corpus, data_dir=pod['data_dirs'][1],
+                       shared_data_dir=pod['share'])
 
 
 def test_a_matching_copy_is_reused_and_a_corrupt_file_replaced(pod, monkeypatch):
@@ -138,7 +138,7 @@ def test_a_matching_copy_is_reused_and_a_corrupt_file_replaced(pod, monkeypatch)
 def test_a_fresh_single_host_takes_the_share_and_a_damaged_share_is_one_line(pod, tmp_path,
                                                                              monkeypatch):
     # A recreated VM (process 0 alone, an empty disk, no corpus): the share's copy, no training.
-    config = toy_corpus.tiny_config(
+    config = tiny_config(
         dict(pod['corpus'], **{k: pod['absent'][k] for k in ('train', 'validation', 'test')}),
         data_dir=str(tmp_path / 'fresh'), shared_data_dir=pod['share'])
     monkeypatch.setattr(tokenizer.Tokenizer, 'encode_batch', None)

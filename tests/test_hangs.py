@@ -16,7 +16,7 @@ from t2t.infra import exits, watchdog
 from t2t.run import checkpoint, run_record
 from t2t.train import loop
 from tests import toy_corpus
-from tests.conftest import ROOT, one_device_env
+from tests.helpers import ROOT, script_env
 from tests.test_multiprocess import _flags as _pod_flags
 from tests.test_multiprocess import _free_port
 from tests.test_train import _run_config
@@ -29,7 +29,7 @@ def _start(port, count, index, *extra):
     return subprocess.Popen(
         [sys.executable, DRIVER, f'--coordinator_address=localhost:{port}',
          f'--num_processes={count}', f'--process_id={index}', f'--startup_timeout_s={STARTUP_S}',
-         *extra], cwd=ROOT, env=one_device_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+         *extra], cwd=ROOT, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True)
 
 
@@ -171,7 +171,7 @@ def test_a_stopped_host_ends_training_within_the_heartbeat_timeout(tmp_path):
             [sys.executable, 'train.py', *flags, f'--workdir={workdir}',
              f'--config.data_dir={tmp_path / f"data{i}"}',
              f'--coordinator_address=localhost:{port}', '--num_processes=2', f'--process_id={i}',
-             f'--heartbeat_timeout_s={HEARTBEAT_S}'], cwd=ROOT, env=one_device_env(),
+             f'--heartbeat_timeout_s={HEARTBEAT_S}'], cwd=ROOT, env=script_env(),
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     try:
         metrics_file, deadline = workdir / 'metrics.jsonl', time.monotonic() + 400

@@ -51,7 +51,7 @@ from t2t.infra import workdir as wd
 from t2t.run import checkpoint, checkpoint_read, run_record
 from t2t.train import loop
 from tests import gcs_server, toy_corpus
-from tests.conftest import TEST_XLA_FLAGS
+from tests.helpers import TEST_XLA_FLAGS, tiny_config
 
 # Its module fixtures are computed once: all its tests run on one xdist worker (--dist loadgroup).
 pytestmark = pytest.mark.xdist_group(__name__)
@@ -66,7 +66,7 @@ TIMEOUT_S = 420  # per 2-process command; a loaded 2-core machine takes a few ti
 
 
 def _config(corpus, **overrides):
-    return toy_corpus.tiny_config(corpus, **{**SETTINGS, **overrides})
+    return tiny_config(corpus, **{**SETTINGS, **overrides})
 
 
 def _flags(corpus, **overrides) -> list[str]:

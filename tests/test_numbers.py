@@ -25,7 +25,7 @@ from t2t.infra import metrics
 from t2t.model import Transformer, TransformerConfig
 from t2t.run import startup
 from t2t.train import loop
-from tests.conftest import tiny_config
+from tests.helpers import tiny_config
 
 # Its module fixtures are computed once: all its tests run on one xdist worker (--dist loadgroup).
 pytestmark = pytest.mark.xdist_group(__name__)

@@ -27,6 +27,7 @@ from t2t.infra import metrics
 from t2t.run import checkpoint, checkpoint_read, run_record, startup
 from t2t.train import loop
 from tests import toy_corpus
+from tests.helpers import tiny_config
 
 # Its module fixtures are computed once: all its tests run on one xdist worker (--dist loadgroup).
 pytestmark = pytest.mark.xdist_group(__name__)
@@ -64,7 +65,7 @@ def _final_state(config, workdir, step):
 @pytest.fixture(scope='module')
 def reference(corpus, tmp_path_factory):
     """One uninterrupted run: checkpoints 3, 6, 8."""
-    config = toy_corpus.tiny_config(corpus, **SETTINGS)
+    config = tiny_config(corpus, **SETTINGS)
     workdir = tmp_path_factory.mktemp('reference') / 'run'
     assert loop.train_and_evaluate(config, str(workdir)).step == 8
     return {'config': config, 'workdir': workdir, 'state': _final_state(config, workdir, 8)}
@@ -164,7 +165,7 @@ def test_sigterm_in_the_final_evaluation_of_a_time_budget_stop_leaves_it_pending
     assert checkpoint_read.read_metadata(workdir, 2)['evaluation_pending'] is True
     assert run_record.read_finished(workdir) is None
     # The resumed run evaluates step 2 first, then finds the budget spent.
-    result = loop.train_and_evaluate(toy_corpus.tiny_config(corpus, **budget), str(workdir))
+    result = loop.train_and_evaluate(tiny_config(corpus, **budget), str(workdir))
     assert (result.step, result.stopped_by) == (2, 'time_budget')
     assert result.eval_metrics['eval_loss'] == metrics.read_jsonl(workdir)[-1]['eval_loss']
     assert run_record.read_finished(workdir) == {'step': 2, 'stopped_by': 'time_budget'}
