@@ -38,3 +38,41 @@ if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
 def one_device_env() -> dict:
     """The environment for a script the tests start on one CPU device (tests/helpers.py)."""
     return script_env(1)
+
+
+# --dist loadgroup (make test) hands each worker a whole group at a time, in the order of the
+# collection here (pytest_configure turns xdist's own reordering by test count off: it put the
+# groups of one or two long tests last, where two of them met on one worker). The longest groups
+# go first, two to each worker (xdist's first assignment), paired so that each worker gets about
+# the same; every other test follows, the larger groups first, and fills in wherever a worker is
+# free. Their times: bench/RESULTS.md, "The test suite".
+LONGEST_FIRST = ('tests.test_chaos', 'tests.test_bucket_faults', 'tests.test_multiprocess',
+                 'libtpu')
+
+
+def pytest_configure(config):
+    if getattr(config.option, 'loadscopereorder', None) is not None:
+        config.option.loadscopereorder = False
+
+
+def _group(item) -> str:
+    """The work unit xdist makes of the item: its xdist_group names joined, as xdist joins them."""
+    names = {str(m.args[0] if m.args else m.kwargs.get('name', 'default'))
+             for m in item.iter_markers('xdist_group')}
+    return '_'.join(sorted(names)) if names else item.nodeid
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption('dist', 'no') != 'loadgroup':
+        return  # a plain run keeps each module's tests together (its module fixtures once)
+    sizes = {}
+    for item in items:
+        sizes[_group(item)] = sizes.get(_group(item), 0) + 1
+
+    def rank(item):
+        group = _group(item)
+        if group in LONGEST_FIRST:
+            return (LONGEST_FIRST.index(group), 0)
+        return (len(LONGEST_FIRST), -sizes[group])
+
+    items.sort(key=rank)  # stable: each group's tests stay in their order

@@ -13,8 +13,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -27,12 +25,11 @@ from t2t.infra import metrics
 from t2t.run import checkpoint, checkpoint_read, run_record, startup
 from t2t.train import loop
 from tests import toy_corpus
-from tests.helpers import tiny_config
+from tests.helpers import run_script, tiny_config
 
 # Its module fixtures are computed once: all its tests run on one xdist worker (--dist loadgroup).
 pytestmark = pytest.mark.xdist_group(__name__)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Checkpoints every 3 steps, logs every 2: a resume usually starts inside a log interval.
 SETTINGS = dict(num_train_steps=8, log_every_steps=2, eval_every_steps=4, checkpoint_every_steps=3,
                 keep_checkpoints=5, eval_bleu_sentences=0, num_eval_batches=2, max_len=32,
@@ -114,9 +111,7 @@ def _assert_same_run(workdir, reference):
 def _drive(corpus, workdir, action, at=0, overrides=SETTINGS):
     spec = {'corpus': {k: str(v) for k, v in corpus.items() if k != 'validation_texts'},
             'overrides': overrides, 'workdir': str(workdir), 'action': action, 'at': at}
-    return subprocess.run([sys.executable, '-m', 'tests.kill_driver', json.dumps(spec)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+    return run_script('-m', 'tests.kill_driver', json.dumps(spec), devices=8, timeout=600)
 
 
 def _leftovers(workdir):
@@ -334,7 +329,6 @@ def test_with_jax_distributed_sigterm_reaches_jaxs_preemption_sync_point():
                 break
             time.sleep(0.01)
     '''
-    proc = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+    proc = run_script('-c', code, devices=8, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split()[0] == 'reached' and proc.stdout.split()[2] == 'False'
