@@ -97,7 +97,7 @@ def test_position_none_makes_the_encoder_permutation_equivariant():
 _SWEEP_CONFIG = '''
 import pathlib
 
-from tests import toy_corpus
+from tests.helpers import tiny_config
 
 CORPUS = {{'root': pathlib.Path({root!r}), 'train': {train!r}, 'validation': {validation!r},
           'test': {test!r}}}
