@@ -46,8 +46,8 @@ def one_device_env() -> dict:
 # go first, two to each worker (xdist's first assignment), paired so that each worker gets about
 # the same; every other test follows, the larger groups first, and fills in wherever a worker is
 # free. Their times: bench/RESULTS.md, "The test suite".
-LONGEST_FIRST = ('tests.test_chaos', 'tests.test_bucket_faults', 'tests.test_multiprocess',
-                 'libtpu')
+LONGEST_FIRST = ('tests.test_chaos', 'tests.test_bucket_faults', 'libtpu',
+                 'tests.test_multiprocess')
 
 
 def pytest_configure(config):
