@@ -50,8 +50,10 @@ demo: $(STAMP)
 	$(BIN)/python evaluate.py --config=configs/default.py --workdir=$(WORKDIR) --average_last=5
 	$(BIN)/python bench/learning_curve.py --workdir=$(WORKDIR)
 
+# --max-worker-restart=0: a worker that crashes ends the run with its test named; a replacement
+# worker would wait forever for the crashed one's group under --dist loadgroup.
 test: $(STAMP) $(TPU_STAMP) $(EXPORT_STAMP)
-	JAX_PLATFORMS=cpu $(BIN)/pytest -n 2 --dist loadgroup --durations=15 tests
+	JAX_PLATFORMS=cpu $(BIN)/pytest -n 2 --dist loadgroup --max-worker-restart=0 --durations=15 tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

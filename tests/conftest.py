@@ -6,20 +6,22 @@ import shutil
 import sys
 import tempfile
 
-# LLVM without optimization for XLA's CPU code: the tests run tiny models, a few steps each, so
-# compiling is most of their time; at level 0 it takes about a third less and the programs run
-# slower, which tiny models do not notice. Every CPU process of the tests uses it (tests compare
-# runs bit for bit). The TPU ahead-of-time tests compile in processes without XLA_FLAGS.
-TEST_XLA_FLAGS = '--xla_backend_optimization_level=0'
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+# LLVM without optimization for XLA's CPU code (TEST_XLA_FLAGS): the tests run tiny models, a few
+# steps each, so compiling is most of their time; at level 0 it takes about a third less and the
+# programs run slower, which tiny models do not notice. Every CPU process of the tests uses it
+# (tests compare runs bit for bit): the scripts they start get it from tests/helpers.py. The TPU
+# ahead-of-time tests compile in processes without XLA_FLAGS.
+from tests.helpers import TEST_XLA_FLAGS, script_env, tiny_config  # noqa: E402, F401
+
 os.environ['XLA_FLAGS'] = (
     os.environ.get('XLA_FLAGS', '') + f' {TEST_XLA_FLAGS} --xla_force_host_platform_device_count=8'
 ).strip()
 os.environ['JAX_PLATFORMS'] = 'cpu'
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 # One persistent compilation cache for the whole run, shared by the xdist workers and the train.py /
 # evaluate.py subprocesses they start (they inherit the environment): the same tiny train step is
@@ -34,19 +36,43 @@ if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
 
 
 def one_device_env() -> dict:
-    """The environment for a script the tests start on one CPU device (no 8-device XLA_FLAGS)."""
-    env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-    env['JAX_PLATFORMS'] = 'cpu'
-    env['XLA_FLAGS'] = TEST_XLA_FLAGS
-    return env
+    """The environment for a script the tests start on one CPU device (tests/helpers.py)."""
+    return script_env(1)
 
 
-def tiny_config(**overrides):
-    """configs/tiny.py shrunk for in-process tests (12 tokens, 8 rows, 50 ids), then overrides."""
-    from configs import tiny
+# --dist loadgroup (make test) hands each worker a whole group at a time, in the order of the
+# collection here (pytest_configure turns xdist's own reordering by test count off: it put the
+# groups of one or two long tests last, where two of them met on one worker). The longest groups
+# go first, two to each worker (xdist's first assignment), paired so that each worker gets about
+# the same; every other test follows, the larger groups first, and fills in wherever a worker is
+# free. Their times: bench/RESULTS.md, "The test suite".
+LONGEST_FIRST = ('tests.test_chaos', 'tests.test_bucket_faults', 'libtpu',
+                 'tests.test_multiprocess')
 
-    c = tiny.get_config()
-    c.max_len, c.batch_size, c.vocab_size = 12, 8, 50
-    for k, v in overrides.items():
-        setattr(c, k, v)
-    return c
+
+def pytest_configure(config):
+    if getattr(config.option, 'loadscopereorder', None) is not None:
+        config.option.loadscopereorder = False
+
+
+def _group(item) -> str:
+    """The work unit xdist makes of the item: its xdist_group names joined, as xdist joins them."""
+    names = {str(m.args[0] if m.args else m.kwargs.get('name', 'default'))
+             for m in item.iter_markers('xdist_group')}
+    return '_'.join(sorted(names)) if names else item.nodeid
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption('dist', 'no') != 'loadgroup':
+        return  # a plain run keeps each module's tests together (its module fixtures once)
+    sizes = {}
+    for item in items:
+        sizes[_group(item)] = sizes.get(_group(item), 0) + 1
+
+    def rank(item):
+        group = _group(item)
+        if group in LONGEST_FIRST:
+            return (LONGEST_FIRST.index(group), 0)
+        return (len(LONGEST_FIRST), -sizes[group])
+
+    items.sort(key=rank)  # stable: each group's tests stay in their order

@@ -60,11 +60,11 @@ def main(spec: dict) -> None:
     _install()
     from t2t import data
     from t2t.train import loop
-    from tests import toy_corpus
+    from tests.helpers import tiny_config
 
     corpus = dict(spec['corpus'], root=pathlib.Path(spec['corpus']['root']))
-    config = toy_corpus.tiny_config(corpus, data_dir=spec['data_dir'],
-                                    shared_data_dir=spec['shared_data_dir'])
+    config = tiny_config(corpus, data_dir=spec['data_dir'],
+                         shared_data_dir=spec['shared_data_dir'])
     os.environ['T2T_DATA_WORKERS'] = '1'  # tokenized in this process, where it is counted
     tokenizer, train_iter, identity = loop._training_data(config, spec['workdir'], None)
     batches = hashlib.sha256()

@@ -59,11 +59,11 @@ def main(spec: dict) -> None:
         d = spec['distributed']
         jax.distributed.initialize(d['coordinator'], d['num_processes'], d['process_id'])
     from t2t.train import loop
-    from tests import toy_corpus
+    from tests.helpers import tiny_config
 
     _install(spec['action'], spec.get('at', 0))
     corpus = dict(spec['corpus'], root=pathlib.Path(spec['corpus']['root']))
-    config = toy_corpus.tiny_config(corpus, **spec['overrides'])
+    config = tiny_config(corpus, **spec['overrides'])
     if 'data_dir' in spec:  # a host-local data_dir
         config.data_dir = spec['data_dir']
     from t2t.run import compile_cache

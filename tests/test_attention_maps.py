@@ -10,6 +10,7 @@ from t2t.eval import attention_maps
 from t2t.model import Transformer, TransformerConfig
 from t2t.run import checkpoint
 from tests import toy_corpus
+from tests.helpers import tiny_config
 
 # Its module fixtures are computed once: all its tests run on one xdist worker (--dist loadgroup).
 pytestmark = pytest.mark.xdist_group(__name__)
@@ -48,7 +49,7 @@ def tiny_checkpoint(tmp_path_factory):
     """configs/tiny.py (2+2 layers, 4 heads) on the toy corpus, random weights, one checkpoint."""
     root = tmp_path_factory.mktemp('attention')
     corpus = toy_corpus.make_corpus(root)
-    config = toy_corpus.tiny_config(corpus, max_decode_len=8, max_decode_extra=4)
+    config = tiny_config(corpus, max_decode_len=8, max_decode_extra=4)
     mesh = sharding.make_mesh(config.mesh_shape)
     state, _ = train_lib.create_sharded_state(config, mesh, optim.make_optimizer(config))
     workdir = root / 'run'

@@ -5,7 +5,6 @@ of eval-<split>.json keep every record, and a storage failure is one line."""
 import http.server
 import json
 import subprocess
-import sys
 import threading
 import time
 
@@ -14,6 +13,7 @@ import pytest
 from t2t.eval import evaluation
 from t2t.infra import workdir as wd
 from tests import gcs_server
+from tests.helpers import tiny_config
 
 # One server for the module: its tests run on one xdist worker (--dist loadgroup).
 pytestmark = pytest.mark.xdist_group(__name__)
@@ -70,11 +70,11 @@ def _config_flags(config) -> list[str]:
 
 
 def _started(command, env, lines: list) -> tuple[subprocess.Popen, threading.Thread]:
-    """The command (stdout and stderr together), each line kept as (arrival time, text)."""
-    from tests.conftest import ROOT
+    """The script command (stdout and stderr together), each line kept as (arrival time, text)."""
+    from tests.helpers import start_script
 
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = start_script(*command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                        text=True)
 
     def read():
         for line in proc.stdout:
@@ -92,23 +92,21 @@ def test_watch_on_a_bucket_evaluates_every_checkpoint_once(bucket, tmp_path):
     from t2t.infra import metrics
     from t2t.run import checkpoint_read
     from tests import toy_corpus
-    from tests.conftest import one_device_env
 
     (tmp_path / 'corpus').mkdir()
     corpus = toy_corpus.make_corpus(tmp_path / 'corpus', train=200, validation=4, test=4,
                                     long_validation=0)
-    config = toy_corpus.tiny_config(corpus, **TRAIN)
+    config = tiny_config(corpus, **TRAIN)
     data.get_tokenizer(config)  # trained once here, not by both processes at the same time
     workdir = f'{bucket}/watched'
-    env = {**one_device_env(), 'PYTHONUNBUFFERED': '1'}
+    env = {'PYTHONUNBUFFERED': '1'}
     spec = {'corpus': {k: str(v) for k, v in corpus.items() if k != 'validation_texts'},
             'overrides': TRAIN, 'workdir': workdir, 'action': 'none'}
     watched, trained = [], []
     watcher, watch_reader = _started(
-        [sys.executable, 'evaluate.py', *_config_flags(config), f'--workdir={workdir}', '--watch',
-         '--poll=0.2', '--timeout=300'], env, watched)
-    training, train_reader = _started(
-        [sys.executable, '-m', 'tests.kill_driver', json.dumps(spec)], env, trained)
+        ['evaluate.py', *_config_flags(config), f'--workdir={workdir}', '--watch', '--poll=0.2',
+         '--timeout=300'], env, watched)
+    training, train_reader = _started(['-m', 'tests.kill_driver', json.dumps(spec)], env, trained)
     try:
         training.wait(timeout=300)
         watcher.wait(timeout=300)
@@ -157,16 +155,14 @@ class _Refusing(http.server.BaseHTTPRequestHandler):
 
 def test_a_refused_bucket_is_one_line_and_exit_1(tmp_path):
     from t2t.infra import exits
-    from tests.conftest import ROOT, one_device_env
+    from tests.helpers import run_script
 
     server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), _Refusing)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        env = {**one_device_env(),
-               **gcs_server.environment(f'http://127.0.0.1:{server.server_port}')}
-        run = subprocess.run([sys.executable, 'evaluate.py', '--config=configs/tiny.py',
-                              '--workdir=gs://refused/run', '--watch'], cwd=ROOT, env=env,
-                             capture_output=True, text=True, timeout=120)
+        run = run_script('evaluate.py', '--config=configs/tiny.py', '--workdir=gs://refused/run',
+                         '--watch', timeout=120,
+                         env=gcs_server.environment(f'http://127.0.0.1:{server.server_port}'))
     finally:
         server.shutdown()
     # Not transient (a restart is refused again): ERROR, not STORAGE.

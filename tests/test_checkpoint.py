@@ -233,7 +233,7 @@ def test_attention_biases_of_a_checkpoint_restore_with_the_flag_that_names_them(
     from t2t import optim, sharding, train_lib
     from t2t.eval import evaluation
     from t2t.model import TransformerConfig
-    from tests.conftest import tiny_config
+    from tests.helpers import tiny_config
 
     written = tiny_config(attention_bias=written_with)
     other = tiny_config(attention_bias=not written_with)

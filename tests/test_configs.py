@@ -3,12 +3,11 @@
 import glob
 import importlib.util
 import os
-import subprocess
-import sys
 
 import pytest
 
 from t2t.model import TransformerConfig, abstract_params, count_params
+from tests.helpers import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILES = sorted(
@@ -55,13 +54,11 @@ def test_paper_configs_have_the_papers_sizes():
 
 
 def test_dry_run_prints_params_and_flops_and_rejects_unknown_keys():
-    cmd = [sys.executable, 'train.py', '--config=configs/wmt14_ende_base.py', '--dry_run']
-    env = dict(os.environ, JAX_PLATFORMS='cpu')
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    cmd = ['train.py', '--config=configs/wmt14_ende_base.py', '--dry_run']
+    out = run_script(*cmd, devices=8, timeout=120)
     assert out.returncode == 0, out.stderr
     assert 'params: 63045632' in out.stdout.splitlines()
     flops_line = next(line for line in out.stdout.splitlines() if line.startswith('train_flops'))
     assert float(flops_line.split(':')[1]) > 1e12
-    bad = subprocess.run(cmd + ['--config.dmodel=3'], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=120)
+    bad = run_script(*cmd, '--config.dmodel=3', devices=8, timeout=120)
     assert bad.returncode != 0 and 'dmodel' in bad.stderr

@@ -6,8 +6,6 @@ No network: WMT is read through tfds.testing.mock_data, the embedded corpus from
 import collections
 import os
 import random
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -17,9 +15,10 @@ from t2t.data import cache, embedded, packing, pipeline, sources, tfds_wmt, tsv
 from t2t.data.__main__ import report
 from t2t.data.tokenizer import EOS_ID, PAD_ID, UNK_ID
 from tests import toy_corpus
+from tests.helpers import run_script, tiny_config
 
 _translate = toy_corpus.translate
-_config = toy_corpus.tiny_config
+_config = tiny_config
 
 
 @pytest.fixture(scope='module')
@@ -337,5 +336,5 @@ def test_too_long_training_pairs_are_counted(corpus, tokenizer):
 def test_import_is_light():
     code = ('import sys, t2t.data; t2t.data.PAD_ID; '
             'assert not {"grain", "tensorflow_datasets", "sentencepiece"} & set(sys.modules)')
-    subprocess.run([sys.executable, '-c', code], check=True,
-                   cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = run_script('-c', code, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -14,6 +14,7 @@ from t2t.infra import workdir as wd
 from t2t.run import checkpoint_read
 from t2t.train import loop
 from tests import toy_corpus
+from tests.helpers import tiny_config
 
 # Its module fixtures are computed once: all its tests run on one xdist worker (--dist loadgroup).
 pytestmark = pytest.mark.xdist_group(__name__)
@@ -34,7 +35,7 @@ def corpus(tmp_path_factory):
 
 
 def _config(corpus, **overrides):
-    return toy_corpus.tiny_config(corpus, **{**SETTINGS, **overrides})
+    return tiny_config(corpus, **{**SETTINGS, **overrides})
 
 
 @pytest.fixture(scope='module')
@@ -158,7 +159,7 @@ def test_two_processes_with_other_packed_rows_stop_with_one_line(corpus, tmp_pat
 
     # Process 0's data_dir prepared here; process 1's is a copy whose cache holds other rows
     # (what another library version or a stale cache gives a host).
-    config = toy_corpus.tiny_config(corpus, data_dir=str(tmp_path / 'data0'))
+    config = tiny_config(corpus, data_dir=str(tmp_path / 'data0'))
     packed = cache.packed_split(config, pipeline.get_tokenizer(config), 'train')
     shutil.copytree(config.data_dir, tmp_path / 'data1')
     other = os.path.join(str(tmp_path / 'data1'), os.path.relpath(packed.directory,

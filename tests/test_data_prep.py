@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -17,7 +16,7 @@ import pytest
 from t2t.data import cache, pipeline, prepare, progress, shards, sources, tsv
 from t2t.data.tokenizer import Tokenizer
 from tests import toy_corpus
-from tests.conftest import ROOT
+from tests.helpers import run_script, start_script, tiny_config
 
 SMALL_CHUNKS = 50  # lines per chunk: the 400-pair toy corpus becomes 8 chunks
 
@@ -33,7 +32,7 @@ def small_chunks(monkeypatch):
 
 
 def _config(corpus, data_dir, **overrides):
-    return toy_corpus.tiny_config(corpus, data_dir=str(data_dir), **overrides)
+    return tiny_config(corpus, data_dir=str(data_dir), **overrides)
 
 
 def _streamed(spec: str, chunk_lines: int):
@@ -173,13 +172,13 @@ _SLOW = """
 import json, sys, time
 from t2t.data import cache, prepare
 from t2t.data.tokenizer import Tokenizer
-from tests import toy_corpus
+from tests.helpers import tiny_config
 corpus, data_dir = json.loads(sys.argv[1]), sys.argv[2]
 corpus['root'] = __import__('pathlib').Path(corpus['root'])
 prepare.CHUNK_PAIRS = 50
 real = Tokenizer.encode_batch
 Tokenizer.encode_batch = lambda self, *a: time.sleep(0.3) or real(self, *a)
-config = toy_corpus.tiny_config(corpus, data_dir=data_dir)
+config = tiny_config(corpus, data_dir=data_dir)
 cache.packed_split(config, Tokenizer(sys.argv[3]), 'train')
 """
 
@@ -192,9 +191,8 @@ def test_a_killed_preparation_resumes_to_identical_bytes(corpus, tmp_path, monke
     config, tokenizer = _vocab(corpus, tmp_path / 'killed')
     tokens = prepare.token_dir(config, tokenizer, 'train')
     args = {k: str(v) for k, v in corpus.items() if k != 'validation_texts'}
-    proc = subprocess.Popen([sys.executable, '-c', _SLOW, json.dumps(args), config.data_dir,
-                             tokenizer.path], cwd=ROOT, env={**os.environ, 'PYTHONPATH': ROOT},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = start_script('-c', _SLOW, json.dumps(args), config.data_dir, tokenizer.path,
+                        devices=8, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 120
     def finished_chunks():  # chunks are written to a temporary name first, then renamed
         return sum(f.endswith('.npz') for f in os.listdir(tokens)) if os.path.isdir(tokens) else 0
@@ -278,8 +276,8 @@ def test_progress_lines_name_pairs_rate_eta_and_memory():
 
 
 def test_sources_chunks_of_an_index_source(tmp_path):
-    config = toy_corpus.tiny_config({'root': tmp_path, 'train': '', 'validation': '',
-                                     'test': ''}, dataset='recall', data_dir=str(tmp_path))
+    config = tiny_config({'root': tmp_path, 'train': '', 'validation': '',
+                          'test': ''}, dataset='recall', data_dir=str(tmp_path))
     chunks, total = sources.chunks(config, 'test', 300)
     whole = sources.open_split(config, 'test').read(0, total)
     got = [p for c in chunks for p in sources.read_chunk(config, 'test', c)[0]]
@@ -290,11 +288,9 @@ def test_bench_data_prep_runs_at_toy_size(tmp_path):
     ding = tmp_path / 'de-en'  # a stand-in for the trans-de-en file: 300 sentence pairs
     ding.write_text(''.join(f'Satz {i} ist hier gut. :: Sentence {i} is good here.\n'
                             for i in range(300)), encoding='utf-8')
-    out = subprocess.run(
-        [sys.executable, 'bench/data_prep.py', '--pairs=500', '--vocab_size=400',
-         '--tokenizer_sentences=400', f'--dir={tmp_path / "bench"}', '--limit_pairs=500'],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-        env={**os.environ, 'T2T_TRANS_DE_EN': str(ding), 'JAX_PLATFORMS': 'cpu'})
+    out = run_script('bench/data_prep.py', '--pairs=500', '--vocab_size=400',
+                     '--tokenizer_sentences=400', f'--dir={tmp_path / "bench"}',
+                     '--limit_pairs=500', devices=8, env={'T2T_TRANS_DE_EN': str(ding)})
     results = [json.loads(line[len('RESULT '):]) for line in out.stdout.splitlines()
                if line.startswith('RESULT ')]
     assert out.returncode == 0 and len(results) == 1, out.stdout[-3000:] + out.stderr[-3000:]
@@ -331,8 +327,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_workers_exit_when_their_preparation_is_killed():
-    proc = subprocess.Popen([sys.executable, '-c', _POOL], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, env={**os.environ, 'PYTHONPATH': ROOT})
+    proc = start_script('-c', _POOL, devices=8, text=True, stdout=subprocess.PIPE)
     pids = [int(p) for p in proc.stdout.readline().split()]
     assert pids and all(map(_alive, pids))
     proc.send_signal(signal.SIGKILL)

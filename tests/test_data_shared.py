@@ -14,7 +14,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import time
 
 import pytest
@@ -22,7 +21,7 @@ import pytest
 from t2t.data import cache, identity, pipeline, shared, tokenizer
 from t2t.infra import workdir as wd
 from tests import gcs_server, toy_corpus
-from tests.conftest import ROOT, TEST_XLA_FLAGS
+from tests.helpers import start_script, tiny_config
 
 pytestmark = pytest.mark.xdist_group(__name__)
 TIMEOUT_S = 180  # the two processes take seconds; a loaded 2-core machine a few times that
@@ -38,15 +37,14 @@ def _two_hosts(corpora: list[dict], data_dirs: list[str], share: str, workdir: s
                log_dir) -> list[dict]:
     """tests/data_driver.py on 2 processes; their JSON lines (raises with stderr on failure)."""
     port = _free_port()
-    env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'XLA_FLAGS': TEST_XLA_FLAGS}
     procs = []
     for i in range(2):
         spec = {'corpus': corpora[i], 'data_dir': data_dirs[i], 'shared_data_dir': share,
                 'workdir': workdir, 'distributed': {'coordinator': f'localhost:{port}',
                                                     'num_processes': 2, 'process_id': i}}
-        procs.append(subprocess.Popen([sys.executable, '-m', 'tests.data_driver', json.dumps(spec)],
-                                      cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                      stderr=open(log_dir / f'host-{i}.err', 'w+')))
+        procs.append(start_script('-m', 'tests.data_driver', json.dumps(spec),
+                                  stdout=subprocess.PIPE,
+                                  stderr=open(log_dir / f'host-{i}.err', 'w+')))
     deadline = time.monotonic() + TIMEOUT_S
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
         # One failed: it (jax.distributed's shutdown) and the other (at a barrier) would wait.
@@ -100,8 +98,8 @@ def test_the_second_host_copies_the_data_and_never_tokenizes(pod):
 
 def _host1_config(pod):
     corpus = dict(pod['corpus'], **{k: pod['absent'][k] for k in ('train', 'validation', 'test')})
-    return toy_corpus.tiny_config(corpus, data_dir=pod['data_dirs'][1],
-                                  shared_data_dir=pod['share'])
+    return tiny_config(corpus, data_dir=pod['data_dirs'][1],
+                       shared_data_dir=pod['share'])
 
 
 def test_a_matching_copy_is_reused_and_a_corrupt_file_replaced(pod, monkeypatch):
@@ -138,7 +136,7 @@ def test_a_matching_copy_is_reused_and_a_corrupt_file_replaced(pod, monkeypatch)
 def test_a_fresh_single_host_takes_the_share_and_a_damaged_share_is_one_line(pod, tmp_path,
                                                                              monkeypatch):
     # A recreated VM (process 0 alone, an empty disk, no corpus): the share's copy, no training.
-    config = toy_corpus.tiny_config(
+    config = tiny_config(
         dict(pod['corpus'], **{k: pod['absent'][k] for k in ('train', 'validation', 'test')}),
         data_dir=str(tmp_path / 'fresh'), shared_data_dir=pod['share'])
     monkeypatch.setattr(tokenizer.Tokenizer, 'encode_batch', None)

@@ -24,7 +24,7 @@ from t2t import attention, inference, model, sharding
 from t2t.aot import tpu as aot
 from t2t.ids import EOS_ID, PAD_ID
 from t2t.model import Transformer, TransformerConfig
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 from tests.test_aot import _env, libtpu_lock
 
 # One xdist worker runs every test that compiles with libtpu (--dist loadgroup), one at a time

@@ -16,6 +16,7 @@ from t2t.infra import metrics
 from t2t.run import checkpoint, checkpoint_read, cli, config_checks
 from t2t.train import loop
 from tests import toy_corpus
+from tests.helpers import tiny_config
 from tests.test_resume import _assert_bitwise_equal, _drive, _final_state
 
 pytestmark = pytest.mark.xdist_group(__name__)
@@ -42,7 +43,7 @@ def corpus(tmp_path_factory):
 @pytest.fixture(scope='module')
 def ema_run(corpus, tmp_path_factory):
     """One uninterrupted run with ema_decay=0.9: checkpoints 1, 2, 3, evaluated at 3."""
-    config = toy_corpus.tiny_config(corpus, **SETTINGS)
+    config = tiny_config(corpus, **SETTINGS)
     workdir = tmp_path_factory.mktemp('ema') / 'run'
     with pytest.MonkeyPatch.context() as patch:  # the routing of BLEU, without a beam compile
         patch.setattr(loop, '_make_bleu_eval', lambda *args: _fake_bleu)
@@ -112,14 +113,14 @@ def test_killed_mid_save_and_resumed_the_ema_and_params_are_bitwise_those_of_one
 def test_ema_decay_0_is_the_state_and_checkpoint_of_before(corpus, ema_run, tmp_path):
     from t2t import data
 
-    plain = toy_corpus.tiny_config(corpus, **{**SETTINGS, 'ema_decay': 0.0})
+    plain = tiny_config(corpus, **{**SETTINGS, 'ema_decay': 0.0})
     mesh = sharding.make_mesh(plain.mesh_shape)
     # A batch of the run's own data: the EMA run's step is compiled already (the cache).
     batch = next(data.train_iterator(plain, data.get_tokenizer(plain)))
     batch = sharding.put_rows(batch, sharding.batch_sharding(mesh), plain.batch_size)
     states = {}
     for decay in (0.0, DECAY):
-        config = toy_corpus.tiny_config(corpus, **{**SETTINGS, 'ema_decay': decay})
+        config = tiny_config(corpus, **{**SETTINGS, 'ema_decay': decay})
         tx = optim.make_optimizer(config)
         state, shardings = train_lib.create_sharded_state(config, mesh, tx)
         if decay:  # the average starts at the initial parameters
@@ -159,7 +160,7 @@ def test_ema_decay_0_is_the_state_and_checkpoint_of_before(corpus, ema_run, tmp_
 
 
 def test_ema_decay_outside_0_1_is_one_line_and_exit_1(corpus):
-    config = toy_corpus.tiny_config(corpus, ema_decay=1.0)
+    config = tiny_config(corpus, ema_decay=1.0)
     with pytest.raises(SystemExit) as exited:  # a message as the code: printed, exit status 1
         cli.check_values(config, 'train.py')
     assert exited.value.code == 'train.py: ema_decay=1.0 must be in [0, 1)'

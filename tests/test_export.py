@@ -30,6 +30,7 @@ from t2t.ids import EOS_ID, PAD_ID
 from t2t.model import Transformer, TransformerConfig, shift_right, sinusoidal_table
 from t2t.train import loop
 from tests import toy_corpus
+from tests.helpers import tiny_config
 
 # Its module fixtures are computed once: all its tests run on one xdist worker (--dist loadgroup).
 pytestmark = pytest.mark.xdist_group(__name__)
@@ -217,7 +218,7 @@ def trained(tmp_path_factory):
     t2t.export from its workdir, and 300 new sources of 1-12 words in one padded batch."""
     root = tmp_path_factory.mktemp('trained')
     corpus = toy_corpus.make_corpus(root, train=2000)
-    config = toy_corpus.tiny_config(
+    config = tiny_config(
         corpus, num_train_steps=TRAIN_STEPS, checkpoint_every_steps=TRAIN_STEPS,
         log_every_steps=100, eval_every_steps=10 * TRAIN_STEPS, eval_bleu_sentences=0,
         num_eval_batches=1, mesh_shape=(1, 1, 1), batch_size=32, max_len=32, dropout_rate=0.0,

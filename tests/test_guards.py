@@ -12,7 +12,7 @@ from t2t.infra import metrics
 from t2t.run import checkpoint_read, config_checks
 from t2t.train import guards, loop
 from tests import toy_corpus
-from tests.conftest import tiny_config
+from tests.helpers import tiny_config
 from tests.test_numbers import _log, _step_metrics
 from tests.test_resume import _final_state
 
@@ -88,7 +88,7 @@ def test_a_poisoned_batch_is_skipped_and_a_run_of_them_rolls_back(tmp_path, monk
     corpus = toy_corpus.make_corpus(tmp_path / 'corpus')
     original = data.train_iterator
     monkeypatch.setattr(data, 'train_iterator', lambda *a, **k: _Poisoned(original(*a, **k)))
-    config = toy_corpus.tiny_config(corpus, **SETTINGS)
+    config = tiny_config(corpus, **SETTINGS)
     workdir = tmp_path / 'run'
     result = loop.train_and_evaluate(config, str(workdir))
     assert (result.step, result.stopped_by) == (7, 'num_train_steps')

@@ -16,7 +16,7 @@ from t2t.infra import exits, watchdog
 from t2t.run import checkpoint, run_record
 from t2t.train import loop
 from tests import toy_corpus
-from tests.conftest import ROOT, one_device_env
+from tests.helpers import ROOT, start_script
 from tests.test_multiprocess import _flags as _pod_flags
 from tests.test_multiprocess import _free_port
 from tests.test_train import _run_config
@@ -26,11 +26,10 @@ STARTUP_S = 3
 
 
 def _start(port, count, index, *extra):
-    return subprocess.Popen(
-        [sys.executable, DRIVER, f'--coordinator_address=localhost:{port}',
-         f'--num_processes={count}', f'--process_id={index}', f'--startup_timeout_s={STARTUP_S}',
-         *extra], cwd=ROOT, env=one_device_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True)
+    return start_script(DRIVER, f'--coordinator_address=localhost:{port}',
+                        f'--num_processes={count}', f'--process_id={index}',
+                        f'--startup_timeout_s={STARTUP_S}', *extra, stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, text=True)
 
 
 def _finish(proc, timeout=60):
@@ -167,12 +166,12 @@ def test_a_stopped_host_ends_training_within_the_heartbeat_timeout(tmp_path):
     flags = _pod_flags(corpus, num_train_steps=100000, log_every_steps=1, eval_every_steps=100000,
                        checkpoint_every_steps=100000, hang_timeout_s=30.0)
     for i in range(2):
-        procs.append(subprocess.Popen(
-            [sys.executable, 'train.py', *flags, f'--workdir={workdir}',
-             f'--config.data_dir={tmp_path / f"data{i}"}',
-             f'--coordinator_address=localhost:{port}', '--num_processes=2', f'--process_id={i}',
-             f'--heartbeat_timeout_s={HEARTBEAT_S}'], cwd=ROOT, env=one_device_env(),
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        procs.append(start_script(
+            'train.py', *flags, f'--workdir={workdir}',
+            f'--config.data_dir={tmp_path / f"data{i}"}',
+            f'--coordinator_address=localhost:{port}', '--num_processes=2', f'--process_id={i}',
+            f'--heartbeat_timeout_s={HEARTBEAT_S}', stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, text=True))
     try:
         metrics_file, deadline = workdir / 'metrics.jsonl', time.monotonic() + 400
         while not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 3):
@@ -237,9 +236,9 @@ stuck_in_a_collective()
 def test_watchdog_ends_a_stuck_step_save_or_evaluation_with_status_3():
     """Past hang_timeout_s the process ends by itself (exits.HANG), one line naming the process,
     the step and how long, then every stack; a save gets storage_outage_limit_s on top."""
-    procs = {kind: subprocess.Popen(
-        [sys.executable, '-c', _HUNG, grace, kind], cwd=ROOT, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True) for kind, grace in (
+    procs = {kind: start_script(
+        '-c', _HUNG, grace, kind, devices=8, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True) for kind, grace in (
             ('step', '0'), ('save', '0.7'), ('other', '0'))}
     results = {kind: _finish(proc, timeout=30) for kind, proc in procs.items()}
     assert {kind: r[0] for kind, r in results.items()} == dict.fromkeys(procs, exits.HANG)

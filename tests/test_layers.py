@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 # The floors of the package, lowest first: a module imports only from its own floor or below.
 # The core is t2t/*.py (the model, attention, loss, train step, decoding and inference glue,

@@ -7,6 +7,7 @@ import pytest
 from t2t.data import cache, identity, pipeline
 from t2t.run import cli, config_checks
 from tests import toy_corpus
+from tests.helpers import tiny_config
 
 TAG = '<BT>'
 
@@ -23,7 +24,7 @@ def corpora(tmp_path_factory):
 
 def _config(corpora, spec, **overrides):
     corpus, _ = corpora
-    return toy_corpus.tiny_config(corpus, train_mixture=spec, **overrides)
+    return tiny_config(corpus, train_mixture=spec, **overrides)
 
 
 def _spec(corpora, base=3, bt=1, tag=TAG):
@@ -94,7 +95,7 @@ def test_weights_tags_resume_and_identity(corpora):
         identity.check_resume(run, identity.run_identity(tokenizer, changed, 8), None,
                               allow_change=False, where='ckpt')
     # without a mixture, today's vocabulary and rows (no tag in either)
-    plain = toy_corpus.tiny_config(corpora[0])
+    plain = tiny_config(corpora[0])
     assert pipeline.vocab_path(plain) != pipeline.vocab_path(config)
     assert pipeline.train_rows(plain, tokenizer).directory == base.directory
     assert cache.packed_split(plain, tokenizer, 'train').meta['digest'] == base.meta['digest']
@@ -111,8 +112,8 @@ def test_weights_tags_resume_and_identity(corpora):
                            '/no/such.tsv'),
 ])
 def test_bad_specs_are_one_line_before_any_data(tmp_path, spec, says):
-    config = toy_corpus.tiny_config({'root': tmp_path, 'train': 't', 'validation': 'v',
-                                     'test': 't'}, train_mixture=spec)
+    config = tiny_config({'root': tmp_path, 'train': 't', 'validation': 'v',
+                         'test': 't'}, train_mixture=spec)
     line = config_checks.problem(config)
     assert line.startswith(f'train_mixture={spec!r} ') and says in line, line
     with pytest.raises(SystemExit) as e:

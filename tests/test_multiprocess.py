@@ -35,7 +35,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 import traceback
 
@@ -51,7 +50,7 @@ from t2t.infra import workdir as wd
 from t2t.run import checkpoint, checkpoint_read, run_record
 from t2t.train import loop
 from tests import gcs_server, toy_corpus
-from tests.conftest import TEST_XLA_FLAGS
+from tests.helpers import start_script, tiny_config
 
 # Its module fixtures are computed once: all its tests run on one xdist worker (--dist loadgroup).
 pytestmark = pytest.mark.xdist_group(__name__)
@@ -66,7 +65,7 @@ TIMEOUT_S = 420  # per 2-process command; a loaded 2-core machine takes a few ti
 
 
 def _config(corpus, **overrides):
-    return toy_corpus.tiny_config(corpus, **{**SETTINGS, **overrides})
+    return tiny_config(corpus, **{**SETTINGS, **overrides})
 
 
 def _flags(corpus, **overrides) -> list[str]:
@@ -88,24 +87,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _cache_env(log_dir) -> dict:
+    """The scenario's own compilation cache (see the module doc), for its processes."""
+    return {'JAX_COMPILATION_CACHE_DIR': str(log_dir / 'jax-cache'),
+            'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',
+            'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES': '-1'}
+
+
 def _two_processes(script: str, args: list[str], data_dirs: list[str], log_dir) -> list[str]:
     """Runs `script` on 2 processes x 4 CPU devices; returns their stdouts; raises with both
     processes' stderr tails when one fails or the time runs out."""
     port = _free_port()
-    env = {**os.environ, 'JAX_PLATFORMS': 'cpu',
-           'XLA_FLAGS': f'{TEST_XLA_FLAGS} --xla_force_host_platform_device_count=4',
-           'JAX_COMPILATION_CACHE_DIR': str(log_dir / 'jax-cache'),
-           'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',
-           'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES': '-1'}
     procs, logs = [], []
     for i in range(2):
         out = open(log_dir / f'{script}-{port}-{i}.out', 'w+')
         err = open(log_dir / f'{script}-{port}-{i}.err', 'w+')
         logs.append((out, err))
-        procs.append(subprocess.Popen(
-            [sys.executable, script, *args, f'--config.data_dir={data_dirs[i]}',
-             f'--coordinator_address=localhost:{port}', '--num_processes=2', f'--process_id={i}'],
-            cwd=ROOT, env=env, stdout=out, stderr=err))
+        procs.append(start_script(
+            script, *args, f'--config.data_dir={data_dirs[i]}',
+            f'--coordinator_address=localhost:{port}', '--num_processes=2', f'--process_id={i}',
+            devices=4, env=_cache_env(log_dir), stdout=out, stderr=err))
     # A process that fails leaves the other waiting in a collective: stop it soon after.
     deadline, failed = time.monotonic() + TIMEOUT_S, []
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
@@ -166,9 +167,6 @@ def _killed_in_save(corpus, args_overrides, workdir, data_dirs, log_dir, at: int
     checkpoint of step `at` is written; process 1 is killed then too, as a pod's scheduler does.
     Returns both return codes."""
     port, procs = _free_port(), []
-    env = {**os.environ, 'JAX_PLATFORMS': 'cpu',
-           'XLA_FLAGS': f'{TEST_XLA_FLAGS} --xla_force_host_platform_device_count=4',
-           'JAX_COMPILATION_CACHE_DIR': str(log_dir / 'jax-cache')}
     for i in range(2):
         spec = {'corpus': {k: str(v) for k, v in corpus.items() if k != 'validation_texts'},
                 'overrides': {**SETTINGS, **args_overrides}, 'workdir': workdir,
@@ -176,9 +174,9 @@ def _killed_in_save(corpus, args_overrides, workdir, data_dirs, log_dir, at: int
                 'at': at, 'distributed': {'coordinator': f'localhost:{port}',
                                           'num_processes': 2, 'process_id': i}}
         with open(log_dir / f'killed-{port}-{i}.err', 'w') as err:
-            procs.append(subprocess.Popen([sys.executable, '-m', 'tests.kill_driver',
-                                           json.dumps(spec)], cwd=ROOT, env=env,
-                                          stdout=subprocess.DEVNULL, stderr=err))
+            procs.append(start_script('-m', 'tests.kill_driver', json.dumps(spec), devices=4,
+                                      env=_cache_env(log_dir), stdout=subprocess.DEVNULL,
+                                      stderr=err))
     deadline = time.monotonic() + TIMEOUT_S
     while procs[0].poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -7,9 +7,6 @@ a hypothesis, PAD targets in the loss, dropout on in evaluation or off in traini
 
 import functools
 import json
-import os
-import subprocess
-import sys
 import types
 
 import jax
@@ -25,12 +22,10 @@ from t2t.infra import metrics
 from t2t.model import Transformer, TransformerConfig
 from t2t.run import startup
 from t2t.train import loop
-from tests.conftest import tiny_config
+from tests.helpers import run_script, tiny_config
 
 # Its module fixtures are computed once: all its tests run on one xdist worker (--dist loadgroup).
 pytestmark = pytest.mark.xdist_group(__name__)
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _batch(rows=8, length=12, vocab=50, seed=0, pad_to=None):
@@ -211,12 +206,10 @@ def test_a_sequence_longer_than_the_position_table_is_an_error_while_tracing():
 
 
 def test_evaluate_refuses_a_long_max_eval_len_in_one_line_before_compiling(tmp_path):
-    env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'JAX_LOG_COMPILES': '1'}
     for extra in ([], ['--translate']):
-        proc = subprocess.run(
-            [sys.executable, 'evaluate.py', '--config=configs/tiny.py', f'--workdir={tmp_path}',
-             '--config.max_eval_len=300', *extra],
-            cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+        proc = run_script('evaluate.py', '--config=configs/tiny.py', f'--workdir={tmp_path}',
+                          '--config.max_eval_len=300', *extra, timeout=120,
+                          env={'JAX_LOG_COMPILES': '1'})
         assert proc.returncode == 1
         assert proc.stderr.strip().splitlines()[-1] == (
             'evaluate.py: max_eval_len=300 exceeds max_position=256 (--config.max_eval_len or '

@@ -3,13 +3,11 @@
 import os
 import random
 import re
-import subprocess
-import sys
 
 from t2t import data, optim, sharding, train_lib
 from t2t.run import checkpoint
 from tests import toy_corpus
-from tests.conftest import ROOT, one_device_env, tiny_config
+from tests.helpers import ROOT, run_script, tiny_config
 
 # absl's line prefix: W1201 05:05:48.246602 139859538611072 checkpoint_manager.py:849]
 ABSL_LINE = re.compile(r'^[WEF]\d{4} [\d:.]+ +\d+ (\S+\.py):\d+\]', re.M)
@@ -36,9 +34,7 @@ def test_evaluate_prints_no_library_warnings(tmp_path):
 
     # tiny_config's shrunk keys too, so that the checkpoint fits evaluate.py's model
     flags = [f'--config.{k}={v}' for k, v in {'max_len': config.max_len, **overrides}.items()]
-    proc = subprocess.run(
-        [sys.executable, 'evaluate.py', '--config=configs/tiny.py', f'--workdir={workdir}',
-         *flags], cwd=ROOT, env=one_device_env(), capture_output=True, text=True, timeout=300)
+    proc = run_script('evaluate.py', '--config=configs/tiny.py', f'--workdir={workdir}', *flags)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert 'sacreBLEU' in proc.stdout and 'read only' not in proc.stderr
     # orbax printed 'Given directory is read only' twice before the scores; the only warnings

@@ -25,7 +25,7 @@ from t2t import inference
 from t2t.ids import EOS_ID, PAD_ID
 from t2t.model import Transformer, TransformerConfig, batch_forward_args
 from tests import reference_np as ref_np
-from tests.conftest import tiny_config
+from tests.helpers import tiny_config
 
 ATOL = 1e-5
 # With attention biases: the reference then checks every parameter the model can have.

@@ -13,8 +13,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -27,11 +25,11 @@ from t2t.infra import metrics
 from t2t.run import checkpoint, checkpoint_read, run_record, startup
 from t2t.train import loop
 from tests import toy_corpus
+from tests.helpers import run_script, tiny_config
 
 # Its module fixtures are computed once: all its tests run on one xdist worker (--dist loadgroup).
 pytestmark = pytest.mark.xdist_group(__name__)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Checkpoints every 3 steps, logs every 2: a resume usually starts inside a log interval.
 SETTINGS = dict(num_train_steps=8, log_every_steps=2, eval_every_steps=4, checkpoint_every_steps=3,
                 keep_checkpoints=5, eval_bleu_sentences=0, num_eval_batches=2, max_len=32,
@@ -64,7 +62,7 @@ def _final_state(config, workdir, step):
 @pytest.fixture(scope='module')
 def reference(corpus, tmp_path_factory):
     """One uninterrupted run: checkpoints 3, 6, 8."""
-    config = toy_corpus.tiny_config(corpus, **SETTINGS)
+    config = tiny_config(corpus, **SETTINGS)
     workdir = tmp_path_factory.mktemp('reference') / 'run'
     assert loop.train_and_evaluate(config, str(workdir)).step == 8
     return {'config': config, 'workdir': workdir, 'state': _final_state(config, workdir, 8)}
@@ -113,9 +111,7 @@ def _assert_same_run(workdir, reference):
 def _drive(corpus, workdir, action, at=0, overrides=SETTINGS):
     spec = {'corpus': {k: str(v) for k, v in corpus.items() if k != 'validation_texts'},
             'overrides': overrides, 'workdir': str(workdir), 'action': action, 'at': at}
-    return subprocess.run([sys.executable, '-m', 'tests.kill_driver', json.dumps(spec)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+    return run_script('-m', 'tests.kill_driver', json.dumps(spec), devices=8, timeout=600)
 
 
 def _leftovers(workdir):
@@ -164,7 +160,7 @@ def test_sigterm_in_the_final_evaluation_of_a_time_budget_stop_leaves_it_pending
     assert checkpoint_read.read_metadata(workdir, 2)['evaluation_pending'] is True
     assert run_record.read_finished(workdir) is None
     # The resumed run evaluates step 2 first, then finds the budget spent.
-    result = loop.train_and_evaluate(toy_corpus.tiny_config(corpus, **budget), str(workdir))
+    result = loop.train_and_evaluate(tiny_config(corpus, **budget), str(workdir))
     assert (result.step, result.stopped_by) == (2, 'time_budget')
     assert result.eval_metrics['eval_loss'] == metrics.read_jsonl(workdir)[-1]['eval_loss']
     assert run_record.read_finished(workdir) == {'step': 2, 'stopped_by': 'time_budget'}
@@ -333,7 +329,6 @@ def test_with_jax_distributed_sigterm_reaches_jaxs_preemption_sync_point():
                 break
             time.sleep(0.01)
     '''
-    proc = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+    proc = run_script('-c', code, devices=8, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split()[0] == 'reached' and proc.stdout.split()[2] == 'False'

@@ -1,8 +1,5 @@
 """Sampling (decode_strategy='sample'), n-best output and forced-decoding scores on a tiny model."""
 
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -16,12 +13,12 @@ from t2t.eval import evaluation, scoring
 from t2t.ids import EOS_ID
 from t2t.model import Transformer
 from t2t.run import cli
+from tests.helpers import run_script
 from tests.test_inference import CFG  # a random tiny model's config
 
 # Its module fixtures are computed once: all its tests run on one xdist worker (--dist loadgroup).
 pytestmark = pytest.mark.xdist_group(__name__)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EOS_LIFT = 0.06  # the tied EOS row's value in recall_run (0 leaves hypotheses cut at the limit)
 SETTINGS = dict(beam_size=3, alpha=0.6, max_decode_len=24, max_decode_extra=16)
 
@@ -183,10 +180,8 @@ def test_bad_values_are_one_line_before_any_compile():
     for flags, line in [(['--config.top_p=0'], BAD[0][2]),
                         (['--translate', '--nbest=3'], '--nbest=3 needs --translate, '
                          'decode_strategy=beam and 1 <= nbest <= beam_size=2')]:
-        proc = subprocess.run(
-            [sys.executable, 'evaluate.py', '--config=configs/tiny.py', '--workdir=/nonexistent',
-             *flags], cwd=ROOT, capture_output=True, text=True, timeout=120,
-            env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+        proc = run_script('evaluate.py', '--config=configs/tiny.py', '--workdir=/nonexistent',
+                          *flags, timeout=120)
         assert proc.returncode == 1 and 'Traceback' not in proc.stderr, proc.stderr
         assert proc.stderr.strip().splitlines() == [f'evaluate.py: {line}']
 

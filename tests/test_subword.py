@@ -2,9 +2,6 @@
 alpha > 0 samples valid segmentations, reproducible per seed, resumed bit for bit, training only."""
 
 import hashlib
-import os
-import subprocess
-import sys
 
 import grain
 import numpy as np
@@ -14,9 +11,9 @@ from t2t.data import cache, packing, pipeline, subword
 from t2t.ids import EOS_ID
 from t2t.run import config_checks
 from tests import toy_corpus
+from tests.helpers import run_script, tiny_config
 
-_config = toy_corpus.tiny_config
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_config = tiny_config
 
 
 @pytest.fixture(scope='module')
@@ -124,11 +121,9 @@ def test_the_draws_are_the_same_in_another_process(corpus, tokenizer, tmp_path):
     out = subword.Sampler.from_config(_config(corpus, spm_alpha=0.1), tokenizer)(
         batch, np.arange(8) + 100)
     here = hashlib.sha256(b''.join(out[k].tobytes() for k in sorted(out))).hexdigest()
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu')
-    there = subprocess.run([sys.executable, '-c', _OTHER_PROCESS, tokenizer.path,
-                            str(tmp_path / 'batch.npz')], env=env, capture_output=True,
-                           text=True, check=True).stdout.strip()
-    assert there == here
+    there = run_script('-c', _OTHER_PROCESS, tokenizer.path, tmp_path / 'batch.npz', timeout=120)
+    assert there.returncode == 0, there.stderr[-2000:]
+    assert there.stdout.strip() == here
 
 
 def test_identity_covers_the_sampling_and_evaluation_stays_one_best(corpus, tokenizer):

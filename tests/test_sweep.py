@@ -21,7 +21,7 @@ from t2t.eval import evaluation
 from t2t.model import Transformer, TransformerConfig
 from t2t.sweep import points, report, runner
 from tests import toy_corpus
-from tests.conftest import ROOT, one_device_env
+from tests.helpers import ROOT, run_script, start_script
 
 
 def test_product_zipped_and_names():
@@ -97,14 +97,14 @@ def test_position_none_makes_the_encoder_permutation_equivariant():
 _SWEEP_CONFIG = '''
 import pathlib
 
-from tests import toy_corpus
+from tests.helpers import tiny_config
 
 CORPUS = {{'root': pathlib.Path({root!r}), 'train': {train!r}, 'validation': {validation!r},
           'test': {test!r}}}
 
 
 def get_config():  # one layer a side, one evaluation batch: fewer and smaller compiles
-    return toy_corpus.tiny_config(
+    return tiny_config(
         CORPUS, num_train_steps=6, log_every_steps=2, eval_every_steps=6,
         checkpoint_every_steps=3, keep_checkpoints=2, eval_bleu_sentences=0,
         num_eval_batches=1, max_len=32, eval_batch_size=32, num_encoder_layers=1,
@@ -119,7 +119,7 @@ LONG = 'checkpoint_every_steps=1,eval_every_steps=16,num_train_steps=16'
 
 
 def _sweep_command(config_path, workdir, *flags):
-    return [sys.executable, 'sweep.py', f'--config={config_path}', f'--workdir={workdir}', *flags]
+    return ['sweep.py', f'--config={config_path}', f'--workdir={workdir}', *flags]
 
 
 def _saved_steps(point_dir):
@@ -140,9 +140,8 @@ def test_sweep_records_failures_resumes_after_a_kill_skips_done_points_and_summa
 
     # First run: the first point fails, the sweep goes on; it is killed (SIGKILL) once the
     # second point has saved its first checkpoint.
-    first = subprocess.Popen(_sweep_command(config_path, workdir), cwd=ROOT,
-                             env=one_device_env(), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+    first = start_script(*_sweep_command(config_path, workdir), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 300
     while not _saved_steps(long_dir):
         assert first.poll() is None, first.stdout.read()
@@ -161,8 +160,7 @@ def test_sweep_records_failures_resumes_after_a_kill_skips_done_points_and_summa
     # Second run: the failed point is left alone (no --retry_failed), the killed one resumes
     # from its checkpoint (its train.py got SIGTERM when the sweep died), finishes (its
     # TRAINING_FINISHED) and is evaluated.
-    second = subprocess.run(_sweep_command(config_path, workdir), cwd=ROOT,
-                            env=one_device_env(), capture_output=True, text=True, timeout=300)
+    second = run_script(*_sweep_command(config_path, workdir))
     assert second.returncode == 1, second.stdout + second.stderr  # one point failed
     assert '[1/2] max_decode_len=300: failed earlier' in second.stdout
     assert f'[2/2] {LONG}: resuming (unfinished)' in second.stdout
@@ -173,8 +171,7 @@ def test_sweep_records_failures_resumes_after_a_kill_skips_done_points_and_summa
     assert done['eval']['label'] == 'step-16'
 
     # Third run: the done point is skipped, training and evaluation alike.
-    third = subprocess.run(_sweep_command(config_path, workdir), cwd=ROOT,
-                           env=one_device_env(), capture_output=True, text=True, timeout=300)
+    third = run_script(*_sweep_command(config_path, workdir))
     assert third.returncode == 1, third.stdout + third.stderr
     assert f'[2/2] {LONG}: done (step 16), skipped' in third.stdout
     assert 'evaluating' not in third.stdout and 'failed earlier' in third.stdout

@@ -18,7 +18,7 @@ from t2t.loss import label_smoothed_cross_entropy
 from t2t.run import checkpoint, checkpoint_read, startup
 from t2t.train import loop
 from tests import toy_corpus
-from tests.conftest import tiny_config
+from tests.helpers import tiny_config
 
 # Its module fixtures are computed once: all its tests run on one xdist worker (--dist loadgroup).
 pytestmark = pytest.mark.xdist_group(__name__)
@@ -155,7 +155,7 @@ def _run_config(corpus, **overrides):
                     checkpoint_every_steps=3, keep_checkpoints=5, eval_bleu_sentences=0,
                     num_eval_batches=2, max_len=32, eval_batch_size=8)
     settings.update(overrides)
-    return toy_corpus.tiny_config(corpus, **settings)
+    return tiny_config(corpus, **settings)
 
 
 def test_resumed_run_is_bitwise_equal_to_an_uninterrupted_one(corpus, tmp_path):

@@ -6,6 +6,8 @@ steps, and every split is made of real lines the TSV source reads like a user's 
 
 import random
 
+from tests.helpers import tiny_config  # noqa: F401 (the config of a run on this corpus)
+
 WORDS = ('red green blue small large old new house tree river stone cat dog bird sees finds '
          'likes near under over the a one two three'.split())
 
@@ -35,20 +37,3 @@ def make_corpus(root, seed: int = 0, train: int = 400, validation: int = 37, tes
     return {'root': root, 'train': write_tsv(root / 'train.tsv', train_src),
             'validation': write_tsv(root / 'validation.tsv', validation_src),
             'test': write_tsv(root / 'test.tsv', test_src), 'validation_texts': validation_src}
-
-
-def tiny_config(corpus: dict, **overrides):
-    """configs/tiny.py on the toy corpus, with a 400-piece vocabulary (256 are UTF-8 bytes)."""
-    from configs import tiny
-
-    c = tiny.get_config()
-    c.dataset = 'tsv'
-    c.data_dir = str(corpus['root'] / 'data')
-    for split in ('train', 'validation', 'test'):
-        c.tsv_files[split] = corpus[split]
-    c.vocab_size, c.tokenizer_sentences = 400, 2000
-    c.max_len, c.max_eval_len = 64, 32
-    c.batch_size, c.eval_batch_size = 8, 4
-    for key, value in overrides.items():
-        setattr(c, key, value)
-    return c

@@ -47,7 +47,9 @@ from google.api_core import retry as api_retry
 
 fsspec.config.conf.setdefault('gs', {})['use_listings_cache'] = False  # see the module doc
 
-RETRY_BUDGET_S = 60.0  # seconds of retries of one read or write before its error is raised
+# Seconds of retries of one read or write before its error is raised; T2T_STORAGE_RETRY_S sets
+# another (tests/test_bucket_faults.py: outages scaled down with it).
+RETRY_BUDGET_S = float(os.environ.get('T2T_STORAGE_RETRY_S', '60'))
 _TRANSIENT_ERRNOS = {errno.ECONNRESET, errno.ECONNABORTED, errno.ECONNREFUSED, errno.EPIPE,
                      errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EAGAIN}
 
