@@ -79,6 +79,7 @@ def main(argv):
         logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
     # after flag parsing: fast --help
     from t2t.eval import evaluation, scoring, watch
+    from t2t.eval.checkpoints import EvalError
     from t2t.infra import workdir
     from t2t.run import checkpoint, startup
 
@@ -109,8 +110,7 @@ def main(argv):
             weights=_WEIGHTS.value, nbest=_NBEST.value, ensemble=_ENSEMBLE.value)
     except distributed.PeerLost as e:  # exit 4: another process of the job is gone
         distributed.exit_peer_lost(f'evaluate.py: {e}')
-    except (evaluation.EvalError, checkpoint.CheckpointError, startup.ConfigError,
-            distributed.SyncError) as e:
+    except (EvalError, checkpoint.CheckpointError, startup.ConfigError, distributed.SyncError) as e:
         sys.exit(f'evaluate.py: {e}')
     except Exception as e:  # the workdir's storage (a bucket down, a missing one): one line
         if not workdir.is_storage_error(e):
@@ -120,14 +120,14 @@ def main(argv):
 
 def _best_step(workdir_path, process_index: int) -> int:
     """--best: the step of the run's best checkpoint (t2t/run/best.py), said on stderr."""
-    from t2t.eval import evaluation
+    from t2t.eval.checkpoints import EvalError
     from t2t.run import best
 
     if _STEP.present or _ALL.value or _AVERAGE_LAST.value or _WATCH.value:
-        raise evaluation.EvalError('--best takes the place of --step, --all, --average_last and '
-                                   '--watch: give one of them')
+        raise EvalError('--best takes the place of --step, --all, --average_last and --watch: '
+                        'give one of them')
     if not workdir_path:
-        raise evaluation.EvalError('--workdir is required')
+        raise EvalError('--workdir is required')
     step, what = best.best_step(workdir_path)
     if process_index == 0:
         print(f'the best checkpoint: step {step} ({what})', file=sys.stderr)

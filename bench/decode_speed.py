@@ -11,7 +11,7 @@ t2t.inference.make_predict_fn, unchanged: per batch it runs the encoder, builds 
 and runs the beam search, all inside one jit.
 
 "64 new tokens forced": the peers pass eos_id=-1 to the flax beam search, so no token ends a
-hypothesis and every search runs to its length limit; make_predict_fn(eos_id=-1) does the same
+hypothesis and every search runs to its length limit; DecodeConfig(eos_id=-1) does the same
 here. The limit is max_decode_len = max_decode_extra = 64 (so min(64, source length + 64) = 64).
 The script checks that every best hypothesis ran to the limit.
 
@@ -70,9 +70,10 @@ def build_predict(attention: str, shape, args, scan_layers: bool = False):
     inputs_BS = jnp.asarray(decode_src(args.batch, args.src_len, args.vocab), jnp.int32)
     params = jax.jit(lambda key: nn.unbox(Transformer(config).init(key, inputs_BS, inputs_BS)))(
         jax.random.PRNGKey(0))['params']
-    predict = inference.make_predict_fn(
-        config, beam_size=args.beams, alpha=0.6, max_decode_len=args.new_tokens,
-        max_decode_extra=args.new_tokens, eos_id=NO_EOS)
+    decoding = inference.DecodeConfig(beam_size=args.beams, length_penalty_alpha=0.6,
+                                      max_decode_len=args.new_tokens,
+                                      max_decode_extra=args.new_tokens, eos_id=NO_EOS)
+    predict = inference.make_predict_fn(config, decoding)
     return predict, params, inputs_BS
 
 

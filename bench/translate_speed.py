@@ -66,6 +66,7 @@ def load_model(config, out_dir):
     from flax.core import meta
 
     from t2t import data
+    from t2t.eval import checkpoints as eval_checkpoints
     from t2t.eval import evaluation
     from t2t.model import Transformer, TransformerConfig
 
@@ -75,11 +76,11 @@ def load_model(config, out_dir):
         x = jax.numpy.ones((1, 8), jax.numpy.int32)
         params = meta.unbox(Transformer(cfg).init(jax.random.PRNGKey(0), x, x)['params'])
         return params, tokenizer, 'random init (BLEU meaningless)'
-    (label, steps), = evaluation.select(_WORKDIR.value, step=_STEP.value,
-                                        average_last=_AVERAGE_LAST.value)
+    (label, steps), = eval_checkpoints.select(_WORKDIR.value, step=_STEP.value,
+                                              average_last=_AVERAGE_LAST.value)
     tokenizer = evaluation.workdir_tokenizer(config, _WORKDIR.value)
     evaluation.check_vocabulary(_WORKDIR.value, steps, tokenizer, label)
-    params = evaluation.load_params(_WORKDIR.value, steps, scan_layers=False)
+    params = eval_checkpoints.load_params(_WORKDIR.value, steps, scan_layers=False)
     return params, tokenizer, f'{_WORKDIR.value} {label}'
 
 

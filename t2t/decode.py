@@ -423,16 +423,13 @@ def greedy_search(
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     """What `sample_search` draws from: softmax(logits / temperature) over the top_k tokens
-    (0: all), then over the fewest most likely of those whose mass reaches top_p (1: all)."""
+    (0: all), then over the fewest most likely of those whose mass reaches top_p (1: all).
+    temperature > 0, top_k >= 0, top_p in (0, 1]: the rules of inference.DecodeConfig, which
+    makes it."""
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
-
-    def __post_init__(self):
-        if not (self.temperature > 0 and self.top_k >= 0 and 0 < self.top_p <= 1):
-            raise ValueError(f'temperature={self.temperature} must be > 0, top_k={self.top_k} '
-                             f'>= 0 and top_p={self.top_p} in (0, 1]')
 
 
 def sampling_logits(logits_BV, sampling: Sampling):

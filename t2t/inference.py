@@ -1,7 +1,7 @@
 """Model glue for decoding: a jitted predict function, and batched translation in original order.
 
-    predict = make_predict_fn(model_config, beam_size=4, alpha=0.6, max_decode_len=256,
-                              max_decode_extra=50, mesh=mesh)
+    decoding = DecodeConfig.from_config(config)   # or DecodeConfig(beam_size=4, ...): checked
+    predict = make_predict_fn(model_config, decoding, mesh=mesh)
     prediction = predict(params, inputs_BS)   # Prediction(ids_BL, hit_limit_B, capped_B, score_B)
     result = translate_batches(predict, params, eval_split.batches(64), tokenizer, n, mesh=mesh)
 
@@ -14,9 +14,13 @@ attention kernels that shard themselves (splash) run on each device's block as i
 mesh it is a plain jit on the default device. `config_predict_fn` builds it from an
 experiment config, for training's BLEU and evaluate.py alike.
 
+`DecodeConfig` holds the decoding keys of a config (their names, their rules): checked once when
+it is made, at startup (t2t/run/config_checks.py) before any data or compile, and the one thing
+make_predict_fn reads of how to decode.
+
 Per batch the encoder runs once, the decode cache is created once for B rows (beam_search tiles it
 to B * K), then t2t/decode.py searches, dropping ended sentences from the batch as it goes
-(shrink_floor). A row without source tokens is padding: nothing is decoded for it. Each
+(beam_shrink_floor). A row without source tokens is padding: nothing is decoded for it. Each
 example may generate source length (non-pad tokens, EOS included) + max_decode_extra tokens,
 at most max_decode_len (the paper: source length + 50).
 The decode buffers are min(max_decode_len, S + max_decode_extra) long, static per bucket length S,
@@ -25,7 +29,7 @@ so there is one compile per (B, S) and short buckets do not pay for long buffers
 An ensemble (make_predict_fn of a tuple of configs, t2t/eval/ensemble.py) decodes in the same jitted
 search with the mean of its members' log-probabilities at every step.
 
-Greedy decoding and sampling (make_predict_fn's greedy, sampling: decode.greedy_search and
+Greedy decoding and sampling (decode_strategy 'greedy', 'sample': decode.greedy_search and
 decode.sample_search, one row per example, the whole buffer's cache from the start) replace the
 beam search; a sampled sentence's PRNG key comes from the seed and its own source tokens
 (`sample_keys`). nbest=N also returns beam search's best N hypotheses and their scores.
@@ -184,35 +188,105 @@ def _ensemble_step(members: Sequence[_Member], params, ids_N1, caches, constants
     return jnp.mean(log_probs_MNV, axis=0), tuple(cache for _, cache in stepped)
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """How make_predict_fn decodes: the decoding keys of configs/common.py under their names,
+    checked when made (one line naming the key and what it needs). Hashable: make_predict_fn's
+    cache key. The defaults are the paper's beam search, without compaction."""
+
+    decode_strategy: str = 'beam'  # one of decode.STRATEGIES: beam search, argmax, sampling
+    beam_size: int = 4  # 1 is still beam search (alive / finished, the length penalty)
+    length_penalty_alpha: float = 0.6
+    beam_unfinished: str = 'fallback'  # decode.beam_search's `unfinished` rule
+    beam_stop: str = 'bound'  # decode.beam_search's `stop` rule
+    # Compaction: beam search drops ended examples, to quarters down to this many (`shrink_ladder`)
+    beam_shrink_floor: int = 0
+    max_decode_len: int = 256  # the decode buffers' length: the most tokens of any hypothesis
+    max_decode_extra: int = 50  # an example's limit: its source length + this
+    temperature: float = 1.0  # decode_strategy='sample': what decode.Sampling draws from
+    top_k: int = 0
+    top_p: float = 1.0
+    decode_seed: int = 0  # decode_strategy='sample': with its source, a sentence's key
+    nbest: int = 1  # beam search's best nbest too (evaluate.py --nbest; no config key)
+    eos_id: int = EOS_ID  # -1: no EOS, every hypothesis runs to its limit (benchmarks)
+
+    def __post_init__(self):
+        rules = (  # (holds, key, what the key needs), in the order a config is checked
+            (self.decode_strategy in decode.STRATEGIES, 'decode_strategy',
+             f'must be one of {decode.STRATEGIES}'),
+            (self.temperature > 0, 'temperature', "must be > 0 (1: the model's distribution)"),
+            (self.top_k >= 0, 'top_k', 'must be >= 0 (0: every token)'),
+            (0 < self.top_p <= 1, 'top_p', 'must be in (0, 1] (1: every token)'),
+            (self.decode_seed >= 0, 'decode_seed', 'must be >= 0'),
+            (self.beam_size >= 1, 'beam_size', 'must be >= 1'),
+            (self.length_penalty_alpha >= 0, 'length_penalty_alpha', 'must be >= 0'),
+            (self.beam_unfinished in decode.UNFINISHED_RULES, 'beam_unfinished',
+             f'must be one of {decode.UNFINISHED_RULES}'),
+            (self.beam_stop in decode.STOP_RULES, 'beam_stop',
+             f'must be one of {decode.STOP_RULES}'),
+            (self.max_decode_extra >= 0, 'max_decode_extra', 'must be >= 0'),
+            (self.beam_shrink_floor >= 0, 'beam_shrink_floor', 'must be >= 0 (0: no compaction)'),
+            (self.max_decode_len >= 1, 'max_decode_len', 'must be >= 1'),
+            (1 <= self.nbest <= self.beam_size, 'nbest',
+             f'must be in [1, beam_size={self.beam_size}]'),
+            (self.nbest == 1 or self.decode_strategy == 'beam', 'nbest',
+             f'needs decode_strategy=beam (decode_strategy={self.decode_strategy!r} keeps one '
+             'hypothesis)'),
+        )
+        for holds, key, needs in rules:
+            if not holds:
+                raise ValueError(f'{key}={getattr(self, key)!r} {needs}')
+
+    @classmethod
+    def from_config(cls, config, nbest: int = 1) -> DecodeConfig:
+        return cls(decode_strategy=config.decode_strategy,
+                   beam_size=config.beam_size,
+                   length_penalty_alpha=config.length_penalty_alpha,
+                   beam_unfinished=config.beam_unfinished,
+                   beam_stop=config.beam_stop,
+                   beam_shrink_floor=config.beam_shrink_floor,
+                   max_decode_len=config.max_decode_len,
+                   max_decode_extra=config.max_decode_extra,
+                   temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
+                   decode_seed=config.decode_seed,
+                   nbest=nbest)
+
+    def replace(self, **changes) -> DecodeConfig:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def sampling(self) -> decode.Sampling | None:
+        """What decode.sample_search draws from when decode_strategy='sample', else None."""
+        if self.decode_strategy != 'sample':
+            return None
+        return decode.Sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+
+    def describe(self) -> str:
+        """The settings for a report line."""
+        if self.decode_strategy == 'greedy':
+            return 'greedy'
+        if self.decode_strategy == 'sample':
+            return (f'sampling: temperature {self.temperature}, top_k {self.top_k}, top_p '
+                    f'{self.top_p}, seed {self.decode_seed}')
+        stop = '' if self.beam_stop == 'bound' else f', stop {self.beam_stop}'
+        return f'beam {self.beam_size}, alpha {self.length_penalty_alpha}{stop}'
+
+
 @functools.lru_cache(maxsize=32)
-def make_predict_fn(model_config: TransformerConfig | tuple[TransformerConfig, ...], *,
-                    beam_size: int, alpha: float, max_decode_len: int,
-                    max_decode_extra: int, greedy: bool = False,
-                    num_valid_ids: int | None = None, eos_id: int = EOS_ID,
-                    beam_unfinished: str = 'fallback', beam_stop: str = 'bound',
-                    shrink_floor: int = 0, sampling: decode.Sampling | None = None,
-                    seed: int = 0, nbest: int = 1, mesh=None) -> Predict:
-    """A jitted predict(params, inputs_BS) -> Prediction with the best beam (or greedy output).
+def make_predict_fn(model_config: TransformerConfig | tuple[TransformerConfig, ...],
+                    decoding: DecodeConfig, *, num_valid_ids: int | None = None,
+                    mesh=None) -> Predict:
+    """A jitted predict(params, inputs_BS) -> Prediction with the best beam (or greedy output,
+    or a sample), decoding as `decoding` says (DecodeConfig: its fields' comments).
 
     mesh: decode on every device of it, the batch split over all its axes (inputs_BS: a global
     array whose rows divide by mesh.size, e.g. from `feed`), the parameters replicated inside
     (sharded ones are gathered by the compiled function; put host ones once with
     `sharding.put_global(params, sharding.replicated(mesh))`).
 
-    beam_size=1 is still beam search (alive / finished with the length penalty); greedy=True is
-    plain argmax decoding and ignores beam_size and alpha. num_valid_ids: the tokenizer's size
-    when the embedding has more rows (a vocabulary that came out smaller than vocab_size); ids
-    from it up are never generated. eos_id=-1 disables EOS (benchmarks force full-length
-    output). beam_unfinished: `decode.beam_search`'s `unfinished` rule for a hypothesis cut at
-    its length limit without EOS ('fallback': only when no hypothesis ended in EOS, as
-    tensor2tensor; 'compete'). beam_stop: its `stop` rule ('bound': exact, tensor2tensor;
-    'k_finished': as soon as beam_size hypotheses ended, as fairseq and CTranslate2).
-    shrink_floor: beam search drops ended examples from the batch, compacting it to quarters
-    down to this many examples (`shrink_ladder`; 0: never): a batch then pays for its longest
-    sentences with few rows; each stage compiles once more. sampling: draw each token
-    (`decode.sample_search`, keys from `sample_keys` with `seed`) instead of searching.
-    nbest: beam search also returns its best nbest hypotheses (<= beam_size). Cached, so every
-    caller with the same settings shares one function and its compiled buckets.
+    num_valid_ids: the tokenizer's size when the embedding has more rows (a vocabulary that came
+    out smaller than vocab_size); ids from it up are never generated. Cached, so every caller with
+    the same settings shares one function and its compiled buckets.
 
     An ensemble: model_config a tuple of its members' configs (any sizes and architectures, one
     vocabulary), params the tuple of their params. Every member encodes the batch and keeps its
@@ -220,19 +294,15 @@ def make_predict_fn(model_config: TransformerConfig | tuple[TransformerConfig, .
     beam search's scores are sums of it, greedy takes its argmax and sampling draws from its
     softmax (renormalized there).
     """
-    if beam_size < 1 or max_decode_len < 1 or max_decode_extra < 0 or shrink_floor < 0:
-        raise ValueError(f'beam_size={beam_size}, max_decode_len={max_decode_len} must be >= 1 '
-                         f'and max_decode_extra={max_decode_extra}, shrink_floor={shrink_floor} '
-                         '>= 0')
-    if not 1 <= nbest <= beam_size or (nbest > 1 and (greedy or sampling is not None)):
-        raise ValueError(f'nbest={nbest} needs beam search with beam_size={beam_size} >= it')
     configs = model_config if isinstance(model_config, tuple) else (model_config,)
     for member in configs:  # positions beyond a table would clamp
-        if max_decode_len > member.max_position:
-            raise ValueError(f'max_decode_len={max_decode_len} exceeds the model\'s max_position='
-                             f'{member.max_position}')
+        if decoding.max_decode_len > member.max_position:
+            raise ValueError(f'max_decode_len={decoding.max_decode_len} exceeds the model\'s '
+                             f'max_position={member.max_position}')
     members = [_Member(member, num_valid_ids) for member in configs]
     ensemble = isinstance(model_config, tuple)
+    strategy, sampling, eos_id = decoding.decode_strategy, decoding.sampling, decoding.eos_id
+    max_decode_len, max_decode_extra = decoding.max_decode_len, decoding.max_decode_extra
 
     def predict(params, inputs_BS) -> Prediction:
         B, S = inputs_BS.shape
@@ -248,7 +318,7 @@ def make_predict_fn(model_config: TransformerConfig | tuple[TransformerConfig, .
         # cost follows the cache's length.
         first = S + SHORT_CACHE_OVER_SOURCE
         # Greedy and sampling never grow the cache; a short saving is not worth its compile.
-        if greedy or sampling is not None or L - first < SHORT_CACHE_MIN_SAVING:
+        if strategy != 'beam' or L - first < SHORT_CACHE_MIN_SAVING:
             first = L
         if ensemble:
             started = [m.start(p, inputs_BS, first) for m, p in zip(members, params, strict=True)]
@@ -260,25 +330,27 @@ def make_predict_fn(model_config: TransformerConfig | tuple[TransformerConfig, .
             tokens_to_logits = functools.partial(members[0].step, params)
 
         score_B = nbest_ids_BNL = nbest_scores_BN = None
-        if sampling is not None:
+        if strategy == 'sample':
             ids_BL = decode.sample_search(
-                tokens_to_logits, cache, keys_B=sample_keys(inputs_BS, seed),
+                tokens_to_logits, cache, keys_B=sample_keys(inputs_BS, decoding.decode_seed),
                 sampling=sampling, batch_size=B, eos_id=eos_id, max_decode_len=L,
                 max_lengths=limit_B, constants=constants)
-        elif greedy:
+        elif strategy == 'greedy':
             ids_BL = decode.greedy_search(
                 tokens_to_logits, cache, batch_size=B, eos_id=eos_id,
                 max_decode_len=L, max_lengths=limit_B, constants=constants)
         else:
             seqs_BKL, scores_BK = decode.beam_search(
-                tokens_to_logits, cache, batch_size=B, beam_size=beam_size,
-                alpha=alpha, eos_id=eos_id, max_decode_len=L, max_lengths=limit_B,
-                unfinished=beam_unfinished, stop=beam_stop, constants=constants,
-                shrink_to=shrink_ladder(B, shrink_floor), cache_lengths=(first,),
+                tokens_to_logits, cache, batch_size=B, beam_size=decoding.beam_size,
+                alpha=decoding.length_penalty_alpha, eos_id=eos_id, max_decode_len=L,
+                max_lengths=limit_B, unfinished=decoding.beam_unfinished,
+                stop=decoding.beam_stop, constants=constants,
+                shrink_to=shrink_ladder(B, decoding.beam_shrink_floor), cache_lengths=(first,),
                 grow_cache=_grow_cache, log_probs=ensemble)
             ids_BL, score_B = seqs_BKL[:, 0], scores_BK[:, 0]
-            if nbest > 1:
-                nbest_ids_BNL, nbest_scores_BN = seqs_BKL[:, :nbest], scores_BK[:, :nbest]
+            if decoding.nbest > 1:
+                nbest_ids_BNL = seqs_BKL[:, :decoding.nbest]
+                nbest_scores_BN = scores_BK[:, :decoding.nbest]
         hit_limit_B = ~jnp.any(ids_BL == eos_id, axis=1) & (src_len_B > 0)
         return Prediction(ids_BL=ids_BL, hit_limit_B=hit_limit_B,
                           capped_B=hit_limit_B & (wanted_B > max_decode_len), score_B=score_B,
@@ -296,39 +368,12 @@ def make_predict_fn(model_config: TransformerConfig | tuple[TransformerConfig, .
                                  out_specs=rows, check_vma=False))
 
 
-def config_sampling(config) -> decode.Sampling | None:
-    """The config's sampling settings when decode_strategy='sample', else None."""
-    if config.decode_strategy != 'sample':
-        return None
-    return decode.Sampling(temperature=config.temperature, top_k=config.top_k,
-                           top_p=config.top_p)
-
-
-def describe_decoding(config) -> str:
-    """The config's decoding settings for a report line."""
-    if config.decode_strategy == 'greedy':
-        return 'greedy'
-    if config.decode_strategy == 'sample':
-        return (f'sampling: temperature {config.temperature}, top_k {config.top_k}, top_p '
-                f'{config.top_p}, seed {config.decode_seed}')
-    stop = '' if config.beam_stop == 'bound' else f', stop {config.beam_stop}'
-    return f'beam {config.beam_size}, alpha {config.length_penalty_alpha}{stop}'
-
-
 def config_predict_fn(config, model_config: TransformerConfig | tuple[TransformerConfig, ...],
                       *, num_valid_ids: int, nbest: int = 1, mesh=None) -> Predict:
-    """The predict function of an experiment config's decoding settings (decode_strategy: beam
-    search, greedy or sampling), with beam search's best `nbest` hypotheses too; an ensemble's
-    for a tuple of member configs (`make_predict_fn`)."""
-    return make_predict_fn(
-        model_config, beam_size=config.beam_size, alpha=config.length_penalty_alpha,
-        max_decode_len=config.max_decode_len, max_decode_extra=config.max_decode_extra,
-        greedy=config.decode_strategy == 'greedy', num_valid_ids=num_valid_ids,
-        beam_unfinished=config.beam_unfinished, beam_stop=config.beam_stop,
-        shrink_floor=config.beam_shrink_floor, sampling=config_sampling(config),
-        # Searches read no seed: keeping it 0 for them shares their cached functions.
-        seed=config.decode_seed if config.decode_strategy == 'sample' else 0, nbest=nbest,
-        mesh=mesh)
+    """The predict function of an experiment config's decoding keys (`DecodeConfig`), with beam
+    search's best `nbest` hypotheses too; an ensemble's for a tuple of member configs."""
+    return make_predict_fn(model_config, DecodeConfig.from_config(config, nbest=nbest),
+                           num_valid_ids=num_valid_ids, mesh=mesh)
 
 
 def feed(inputs_BS, mesh=None):

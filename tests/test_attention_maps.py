@@ -7,6 +7,7 @@ import pytest
 
 from t2t import optim, sharding, train_lib
 from t2t.eval import attention_maps
+from t2t.eval import checkpoints as eval_checkpoints
 from t2t.model import Transformer, TransformerConfig
 from t2t.run import checkpoint
 from tests import toy_corpus
@@ -77,5 +78,5 @@ def test_png_has_one_panel_per_layer_head_and_kind(tiny_checkpoint, tmp_path):
     assert titles.count('layer 2 head 4') == 3
     bottom_left = figure.axes[layers * heads - heads]  # encoder block, last layer, head 1
     assert [t.get_text() for t in bottom_left.get_xticklabels()] == maps.source_pieces
-    with pytest.raises(attention_maps.evaluation.EvalError, match='at most max_eval_len'):
+    with pytest.raises(eval_checkpoints.EvalError, match='at most max_eval_len'):
         attention_maps.sentence_maps(config, workdir, 'a ' * 100)

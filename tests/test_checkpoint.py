@@ -231,7 +231,7 @@ def test_attention_biases_of_a_checkpoint_restore_with_the_flag_that_names_them(
     import types
 
     from t2t import optim, sharding, train_lib
-    from t2t.eval import evaluation
+    from t2t.eval import checkpoints as eval_checkpoints
     from t2t.model import TransformerConfig
     from tests.helpers import tiny_config
 
@@ -255,11 +255,13 @@ def test_attention_biases_of_a_checkpoint_restore_with_the_flag_that_names_them(
     assert_bitwise_equal(restored.params, jax.device_get(state.params))
 
     # evaluate.py's restore (t2t/eval/evaluation.py)
-    params = evaluation.load_params(tmp_path, [1])
+    params = eval_checkpoints.load_params(tmp_path, [1])
     tokenizer = types.SimpleNamespace(vocab_size=written.vocab_size)
-    with pytest.raises(evaluation.EvalError) as error:
-        evaluation.check_params(params, TransformerConfig.from_config(other), tokenizer, 'step-1')
+    with pytest.raises(eval_checkpoints.EvalError) as error:
+        eval_checkpoints.check_params(params, TransformerConfig.from_config(other), tokenizer,
+                                      'step-1')
     assert str(error.value).endswith(flag) and '\n' not in str(error.value), str(error.value)
-    evaluation.check_params(params, TransformerConfig.from_config(written), tokenizer, 'step-1')
+    eval_checkpoints.check_params(params, TransformerConfig.from_config(written), tokenizer,
+                                  'step-1')
     assert_bitwise_equal(params, jax.device_get(state.params))
     ckpt.close(manager)

@@ -1,6 +1,7 @@
 """A bad --config.key=value is one line naming the key, before any data or compile (t2t/run/cli.py,
 the rules in t2t/run/config_checks.py)."""
 
+import dataclasses
 import importlib
 import subprocess
 import sys
@@ -10,10 +11,12 @@ import jax
 import pytest
 
 from configs import tiny
+from t2t import inference
 from t2t.infra import exits
 from t2t.run import cli, config_checks, startup
 
 ROOT = Path(__file__).resolve().parents[1]
+DECODE_FIELDS = {field.name for field in dataclasses.fields(inference.DecodeConfig)}
 
 
 def _exit_line(fn, *args) -> str:
@@ -79,6 +82,16 @@ BAD_VALUES = [
     ('dtype', 'float16', "dtype='float16' must be one of ('float32', 'bfloat16')"),
     ('loss_impl', 'chunked', "loss_impl='chunked' must be one of ('plain', 'fused')"),
     ('z_loss', -1e-4, 'z_loss=-0.0001 must be >= 0 (0: off)'),
+    # decoding: inference.DecodeConfig's own check, made once at startup
+    ('decode_strategy', 'nucleus',
+     "decode_strategy='nucleus' must be one of ('beam', 'greedy', 'sample')"),
+    ('temperature', 0.0, "temperature=0.0 must be > 0 (1: the model's distribution)"),
+    ('top_k', -1, 'top_k=-1 must be >= 0 (0: every token)'),
+    ('top_p', 1.5, 'top_p=1.5 must be in (0, 1] (1: every token)'),
+    ('decode_seed', -1, 'decode_seed=-1 must be >= 0'),
+    ('length_penalty_alpha', -0.6, 'length_penalty_alpha=-0.6 must be >= 0'),
+    ('max_decode_extra', -1, 'max_decode_extra=-1 must be >= 0'),
+    ('max_decode_len', 0, 'max_decode_len=0 must be >= 1'),
 ]
 
 
@@ -89,9 +102,13 @@ def test_an_invalid_value_is_one_line_naming_the_key_and_what_it_needs(case):
     config.update(*also)
     config[key] = value
     assert _exit_line(cli.check_values, config, 'train.py') == f'train.py: {line}'
-    if key in config_checks.LENGTH_KEYS:  # the library's callers get the same line
+    if key in config_checks.LENGTH_KEYS and 'max_position' in line:  # the library's callers
         with pytest.raises(startup.ConfigError) as error:
             startup.check_lengths(config)
+        assert str(error.value) == line
+    if key in DECODE_FIELDS and 'max_position' not in line:  # the line is DecodeConfig's own
+        with pytest.raises(ValueError) as error:
+            inference.DecodeConfig.from_config(config)
         assert str(error.value) == line
 
 
@@ -126,6 +143,7 @@ def test_a_mesh_the_devices_cannot_form_is_a_config_error_naming_it():
     ('--config.num_eval_batches=0', 'train.py: num_eval_batches=0 must be >= 1, or -1 for all'),
     ('--config.mesh_shape=3,1,1',  # one CPU device: the mesh is made before any data
      f'train.py: {MESH_LINE}'),
+    ('--config.beam_size=0', 'train.py: beam_size=0 must be >= 1'),  # DecodeConfig's check
 ])
 def test_train_py_says_it_in_one_line_before_data_or_compile(tmp_path, flag, line):
     data_dir = tmp_path / 'data'

@@ -9,6 +9,7 @@ import jax
 import pytest
 
 from t2t.data import cache, identity, pipeline
+from t2t.eval import checkpoints as eval_checkpoints
 from t2t.eval import evaluation
 from t2t.infra import workdir as wd
 from t2t.run import checkpoint_read
@@ -118,13 +119,13 @@ def test_another_vocabulary_is_a_one_line_error_for_evaluate_and_resume(corpus, 
     swapped = tmp_path / 'swapped'
     shutil.copytree(trained, swapped)
     wd.write_atomic(wd.path(swapped, identity.VOCAB_NAME), other_bytes)
-    with pytest.raises(evaluation.EvalError, match=r'^checkpoint step-2 was trained with '
-                                                    r'vocabulary \w{12} but .* is \w{12}'):
+    with pytest.raises(eval_checkpoints.EvalError, match=r'^checkpoint step-2 was trained with '
+                                                          r'vocabulary \w{12} but .* is \w{12}'):
         evaluation.run(_config(corpus), str(swapped), progress=False, echo=lambda _: None)
     # A workdir without its copy (from before t2t kept one) falls back to the config's vocabulary,
     # which is checked against the checkpoint too.
     os.remove(wd.path(swapped, identity.VOCAB_NAME))
-    with pytest.raises(evaluation.EvalError, match='was trained with vocabulary'):
+    with pytest.raises(eval_checkpoints.EvalError, match='was trained with vocabulary'):
         evaluation.run(other_config, str(swapped), progress=False, echo=lambda _: None)
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from t2t import optim, sharding, train_lib
+from t2t.eval import checkpoints as eval_checkpoints
 from t2t.eval import evaluation
 from t2t.infra import metrics
 from t2t.run import checkpoint, checkpoint_read, cli, config_checks
@@ -85,7 +86,7 @@ def test_ema_follows_its_formula_step_by_step_and_is_evaluated_beside_the_params
 
     # evaluate.py's readers: auto picks the EMA; an average of EMAs is their mean.
     assert checkpoint_read.choose_weights(workdir, None, 'auto') == 'ema'
-    averaged = evaluation.load_params(workdir, [LAST - 1, LAST], weights='ema')
+    averaged = eval_checkpoints.load_params(workdir, [LAST - 1, LAST], weights='ema')
     before = checkpoint_read.restore_params(workdir, LAST - 1, weights='ema')
     jax.tree.map(lambda a, x, y: np.testing.assert_allclose(a, (x + y) / 2, rtol=1e-6),
                  averaged, before, stored)

@@ -28,7 +28,8 @@ CFG_A = TransformerConfig(vocab_size=40, d_model=32, d_ff=64, num_heads=4, num_e
                           num_decoder_layers=2, max_position=32, deterministic=True)
 CFG_B = CFG_A.replace(d_model=16, d_ff=48, num_heads=2, num_encoder_layers=1,
                       num_decoder_layers=1)
-SETTINGS = dict(beam_size=3, alpha=0.6, max_decode_len=12, max_decode_extra=5)
+DECODING = inference.DecodeConfig(beam_size=3, length_penalty_alpha=0.6, max_decode_len=12,
+                                  max_decode_extra=5)
 SRC_LENS = (7, 2, 5, 3, 8, 4, 6, 2)  # EOS included
 
 
@@ -66,8 +67,8 @@ def _lengths(ids_BL):
 
 def test_an_ensemble_of_a_model_with_itself_is_the_model(members, inputs_BS):
     params = members[0]
-    alone = inference.make_predict_fn(CFG_A, **SETTINGS)(params, inputs_BS)
-    twice = inference.make_predict_fn((CFG_A, CFG_A), **SETTINGS)((params, params), inputs_BS)
+    alone = inference.make_predict_fn(CFG_A, DECODING)(params, inputs_BS)
+    twice = inference.make_predict_fn((CFG_A, CFG_A), DECODING)((params, params), inputs_BS)
     np.testing.assert_array_equal(twice.ids_BL, alone.ids_BL)
     np.testing.assert_array_equal(twice.hit_limit_B, alone.hit_limit_B)
     np.testing.assert_allclose(twice.score_B, alone.score_B, rtol=0, atol=1e-5)
@@ -85,9 +86,10 @@ def test_two_members_equal_the_hand_averaged_reference_on_8_devices(members, inp
     on_mesh = sharding.put_global(members, sharding.replicated(mesh))
     B = len(SRC_LENS)
     got = {}
-    for name, strategy in (('greedy', {'greedy': True}), ('beam', {})):
-        predict = inference.make_predict_fn((CFG_A, CFG_B), mesh=mesh, **SETTINGS, **strategy)
-        got[name] = inference.fetch(predict(on_mesh, inference.feed(inputs_BS, mesh)), B)
+    for strategy in ('greedy', 'beam'):
+        predict = inference.make_predict_fn(
+            (CFG_A, CFG_B), DECODING.replace(decode_strategy=strategy), mesh=mesh)
+        got[strategy] = inference.fetch(predict(on_mesh, inference.feed(inputs_BS, mesh)), B)
 
     ids_BL = got['greedy'].ids_BL
     mean_BLV = np.mean([np.asarray(_forced_log_probs(cfg, p, inputs_BS, ids_BL))
@@ -102,7 +104,7 @@ def test_two_members_equal_the_hand_averaged_reference_on_8_devices(members, inp
     assert steps > 3 * B
 
     beam = got['beam']
-    alone = inference.make_predict_fn(CFG_A, **SETTINGS)(members[0], inputs_BS)
+    alone = inference.make_predict_fn(CFG_A, DECODING)(members[0], inputs_BS)
     assert (np.asarray(alone.ids_BL) != beam.ids_BL).any(axis=1).sum() >= 2  # B changes A's
     sums = [np.take_along_axis(np.asarray(_forced_log_probs(cfg, p, inputs_BS, beam.ids_BL)),
                                beam.ids_BL[..., None], -1)[..., 0]
@@ -176,10 +178,10 @@ def test_member_errors_are_one_line_before_anything_is_restored(runs, monkeypatc
                 '1': 'give two or more members', '1,7': 'no checkpoint for step 7',
                 f'1,{runs["root"]}/none': 'does not exist'}
     for spec, message in problems.items():
-        with pytest.raises(evaluation.EvalError) as info:
+        with pytest.raises(eval_checkpoints.EvalError) as info:
             _run(runs, ensemble=spec)
         assert message in str(info.value) and '\n' not in str(info.value), spec
-    with pytest.raises(evaluation.EvalError, match='takes no --step'):
+    with pytest.raises(eval_checkpoints.EvalError, match='takes no --step'):
         _run(runs, ensemble='1,1', step=1)
     # A member's own architecture comes from its checkpoint, how to run it from --config.
     config = _config(runs['root'], dtype='bfloat16')

@@ -14,6 +14,7 @@ import sacrebleu
 from configs import tiny
 from t2t import data, optim, sharding, train_lib
 from t2t.eval import bleu, evaluation
+from t2t.eval import checkpoints as eval_checkpoints
 from t2t.run import checkpoint, checkpoint_read
 from tests import toy_corpus
 
@@ -126,7 +127,7 @@ def test_average_last_two_equals_their_mean_and_is_written(run_dir):
 
     table, report = _run(run_dir, all_steps=True)
     assert list(table) == ['step-1', 'step-2'] and 'checkpoint' in report
-    with pytest.raises(evaluation.EvalError, match='--average_last=3 but .* only 2'):
+    with pytest.raises(eval_checkpoints.EvalError, match='--average_last=3 but .* only 2'):
         _run(run_dir, average_last=3)
 
 
@@ -160,10 +161,11 @@ def test_errors_are_one_line_and_name_the_thing(run_dir, tmp_path):
         assert '\n' not in str(info.value)
         return str(info.value)
 
-    assert 'does not exist' in error(evaluation.EvalError, tmp_path / 'missing')
+    assert 'does not exist' in error(eval_checkpoints.EvalError, tmp_path / 'missing')
     (tmp_path / 'empty' / 'checkpoints').mkdir(parents=True)
-    assert 'no checkpoint in' in error(evaluation.EvalError, tmp_path / 'empty')
-    assert 'no checkpoint for step 7' in error(evaluation.EvalError, run_dir['workdir'], step=7)
+    assert 'no checkpoint in' in error(eval_checkpoints.EvalError, tmp_path / 'empty')
+    assert 'no checkpoint for step 7' in error(eval_checkpoints.EvalError, run_dir['workdir'],
+                                               step=7)
 
     # A flipped byte in the stored arrays: caught by the checkpoint's checksums.
     corrupt = tmp_path / 'corrupt'
@@ -181,13 +183,13 @@ def test_errors_are_one_line_and_name_the_thing(run_dir, tmp_path):
     assert 'corrupt' in error(checkpoint.CheckpointError, corrupt)
 
     other_vocab = _config(run_dir['root'], vocab_size=450)
-    assert 'never trains a vocabulary' in error(evaluation.EvalError, run_dir['workdir'],
+    assert 'never trains a vocabulary' in error(eval_checkpoints.EvalError, run_dir['workdir'],
                                                 config=other_vocab)
     data.get_tokenizer(other_vocab)  # prepared: then the sizes disagree
-    message = error(evaluation.EvalError, run_dir['workdir'], config=other_vocab)
+    message = error(eval_checkpoints.EvalError, run_dir['workdir'], config=other_vocab)
     assert 'embedding of 400 rows' in message and 'tokenizer' in message
     bigger = _config(run_dir['root'], d_model=64)
-    assert 'does not fit the model of --config' in error(evaluation.EvalError,
+    assert 'does not fit the model of --config' in error(eval_checkpoints.EvalError,
                                                           run_dir['workdir'], config=bigger)
 
 

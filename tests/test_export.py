@@ -23,6 +23,7 @@ from flax.core import meta
 
 from t2t import decode, export, inference
 from t2t.data.tokenizer import train_tokenizer
+from t2t.eval import checkpoints as eval_checkpoints
 from t2t.eval import evaluation
 from t2t.export import ct2 as export_ct2
 from t2t.export import weights
@@ -236,7 +237,7 @@ def trained(tmp_path_factory):
     x = np.array([r + [PAD_ID] * (width - len(r)) for r in ids], np.int32)
     return dict(cfg=TransformerConfig.from_config(config).replace(deterministic=True),
                 max_decode_len=config.max_decode_len, alpha=config.length_penalty_alpha,
-                params=evaluation.load_params(workdir, [TRAIN_STEPS], scan_layers=False),
+                params=eval_checkpoints.load_params(workdir, [TRAIN_STEPS], scan_layers=False),
                 tokenizer=tokenizer, sources=sources, x=x, **outs)
 
 
@@ -254,9 +255,10 @@ def _translate_three_ways(m, beam_size, alpha, their_penalty=0.0):
     from transformers import MarianMTModel
 
     x, tokenizer = m['x'], m['tokenizer']
-    predict = inference.make_predict_fn(
-        m['cfg'], beam_size=beam_size, alpha=alpha, greedy=beam_size == 1, max_decode_len=LIMIT,
-        max_decode_extra=LIMIT, num_valid_ids=tokenizer.vocab_size)
+    decoding = inference.DecodeConfig(
+        decode_strategy='greedy' if beam_size == 1 else 'beam', beam_size=beam_size,
+        length_penalty_alpha=alpha, max_decode_len=LIMIT, max_decode_extra=LIMIT)
+    predict = inference.make_predict_fn(m['cfg'], decoding, num_valid_ids=tokenizer.vocab_size)
     prediction = predict(m['params'], x)
     assert not np.asarray(prediction.hit_limit_B).any()
     t2t = [_content(r) for r in np.asarray(prediction.ids_BL)]

@@ -1,5 +1,10 @@
 """predict agrees with full-forward rollouts, respects per-example limits, and keeps order."""
 
+import dataclasses
+import importlib
+import re
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +23,9 @@ pytestmark = pytest.mark.xdist_group(__name__)
 CFG = TransformerConfig(vocab_size=48, d_model=32, d_ff=64, num_heads=4, num_encoder_layers=2,
                         num_decoder_layers=2, max_position=64, deterministic=True)
 # One decode setting for every compiled test, so the cached predict functions are shared.
-SETTINGS = dict(alpha=0.6, max_decode_len=10, max_decode_extra=3)
+BEAM = inference.DecodeConfig(beam_size=1, length_penalty_alpha=0.6, max_decode_len=10,
+                              max_decode_extra=3)
+GREEDY = BEAM.replace(decode_strategy='greedy')
 SRC_LENS = (8, 2, 5, 3)  # EOS included; bucket 8; the first one's limit 8 + 3 is capped at 10
 
 
@@ -73,15 +80,15 @@ def _scores(params, inputs_BS, ids_BL, alpha):
 
 
 def _limits():
-    return [min(n + SETTINGS['max_decode_extra'], SETTINGS['max_decode_len']) for n in SRC_LENS]
+    return [min(n + BEAM.max_decode_extra, BEAM.max_decode_len) for n in SRC_LENS]
 
 
 def test_greedy_equals_argmax_rollout_of_full_forward_passes(params, inputs_BS):
     params = _suppress(params, [PAD_ID])  # a PAD mid-sentence would be masked by teacher forcing
-    predict = inference.make_predict_fn(CFG, beam_size=1, greedy=True, **SETTINGS)
+    predict = inference.make_predict_fn(CFG, GREEDY)
     got = jax.device_get(predict(params, inputs_BS))
 
-    B, L = inputs_BS.shape[0], SETTINGS['max_decode_len']
+    B, L = inputs_BS.shape[0], GREEDY.max_decode_len
     want_BL = np.zeros((B, L), np.int32)
     done_B = np.zeros(B, bool)
     for t in range(L):
@@ -98,11 +105,11 @@ def test_greedy_equals_argmax_rollout_of_full_forward_passes(params, inputs_BS):
 
 def test_beam_of_one_scores_at_least_greedy(params, inputs_BS):
     params = _suppress(params, [PAD_ID])
-    greedy = inference.make_predict_fn(CFG, beam_size=1, greedy=True, **SETTINGS)
-    beam = inference.make_predict_fn(CFG, beam_size=1, **SETTINGS)
+    greedy = inference.make_predict_fn(CFG, GREEDY)
+    beam = inference.make_predict_fn(CFG, BEAM)
     greedy_ids = np.asarray(greedy(params, inputs_BS).ids_BL)
     beam_ids = np.asarray(beam(params, inputs_BS).ids_BL)
-    alpha = SETTINGS['alpha']
+    alpha = BEAM.length_penalty_alpha
     beam_scores = _scores(params, inputs_BS, beam_ids, alpha)
     greedy_scores = _scores(params, inputs_BS, greedy_ids, alpha)
     assert np.all(beam_scores >= greedy_scores - 1e-4), (beam_scores, greedy_scores)
@@ -111,7 +118,7 @@ def test_beam_of_one_scores_at_least_greedy(params, inputs_BS):
 @pytest.mark.parametrize('greedy', [True, False])
 def test_each_example_stops_at_source_length_plus_extra(params, inputs_BS, greedy):
     params = _suppress(params, [PAD_ID, EOS_ID])  # never ends by itself: every limit is reached
-    predict = inference.make_predict_fn(CFG, beam_size=1, greedy=greedy, **SETTINGS)
+    predict = inference.make_predict_fn(CFG, GREEDY if greedy else BEAM)
     got = jax.device_get(predict(params, inputs_BS))
     lengths = (got.ids_BL != PAD_ID).sum(1)
     np.testing.assert_array_equal(lengths, _limits())
@@ -130,11 +137,11 @@ def test_compaction_short_cache_and_padding_rows_decode_like_one_plain_search(
     params = _suppress(params, [PAD_ID, EOS_ID])
     padded_BS = np.zeros((8, inputs_BS.shape[1]), np.int32)
     padded_BS[::2] = inputs_BS
-    settings = dict(alpha=0.6, max_decode_len=40, max_decode_extra=32, beam_size=2)
-    staged = jax.device_get(inference.make_predict_fn(CFG, shrink_floor=1, **settings)(
-        params, padded_BS))
+    plain_search = BEAM.replace(max_decode_len=40, max_decode_extra=32, beam_size=2)
+    staged = jax.device_get(inference.make_predict_fn(
+        CFG, plain_search.replace(beam_shrink_floor=1))(params, padded_BS))
     monkeypatch.setattr(inference, 'SHORT_CACHE_OVER_SOURCE', 100)  # no short cache
-    plain = jax.device_get(inference.make_predict_fn(CFG, **settings)(params, padded_BS))
+    plain = jax.device_get(inference.make_predict_fn(CFG, plain_search)(params, padded_BS))
     np.testing.assert_array_equal(staged.ids_BL, plain.ids_BL)
     np.testing.assert_allclose(staged.score_B, plain.score_B, rtol=1e-5)
     np.testing.assert_array_equal(staged.hit_limit_B, plain.hit_limit_B)
@@ -149,13 +156,39 @@ def test_compaction_short_cache_and_padding_rows_decode_like_one_plain_search(
 
 def test_config_decoding_keys_reach_the_predict_function(monkeypatch):
     config = tiny.get_config()
-    config.unlock()
     config.update(beam_stop='k_finished', beam_shrink_floor=2, beam_unfinished='compete')
-    seen = {}
-    monkeypatch.setattr(inference, 'make_predict_fn', lambda cfg, **kwargs: seen.update(kwargs))
+    seen = []
+    monkeypatch.setattr(inference, 'make_predict_fn',
+                        lambda cfg, decoding, **kwargs: seen.append((decoding, kwargs)))
     inference.config_predict_fn(config, CFG, num_valid_ids=48)
-    assert seen['beam_stop'] == 'k_finished' and seen['shrink_floor'] == 2
-    assert seen['beam_unfinished'] == 'compete' and seen['beam_size'] == config.beam_size
+    (decoding, kwargs), = seen
+    assert decoding == inference.DecodeConfig.from_config(config)
+    assert decoding.beam_stop == 'k_finished' and decoding.beam_shrink_floor == 2
+    assert decoding.beam_unfinished == 'compete' and decoding.beam_size == config.beam_size
+    assert kwargs == {'num_valid_ids': 48, 'mesh': None}
+
+
+def _decoding_block_keys() -> list[str]:
+    """The keys configs/common.py's base_config sets under its '# --- decoding' heading."""
+    text = (Path(__file__).resolve().parents[1] / 'configs' / 'common.py').read_text()
+    block = text.split('# --- decoding\n', 1)[1].split('# ---', 1)[0]
+    return re.findall(r'^    c\.(\w+) =', block, re.M)
+
+
+@pytest.mark.parametrize('name', ['wmt14_ende_base', 'wmt14_ende_big', 'wmt14_enfr_big'])
+def test_decode_config_holds_every_decoding_key_of_the_paper_configs(name):
+    config = importlib.import_module(f'configs.{name}').get_config()
+    decoding = inference.DecodeConfig.from_config(config)
+    keys = _decoding_block_keys()
+    assert {'decode_strategy', 'beam_size', 'top_p', 'max_decode_len'} <= set(keys)  # parsed
+    fields = {f.name for f in dataclasses.fields(inference.DecodeConfig)}
+    assert fields == {*keys, 'nbest', 'eos_id'}  # a new decoding key is a field, and back
+    assert {key: getattr(decoding, key) for key in keys} == {key: config[key] for key in keys}
+    assert decoding.nbest == 1 and decoding.eos_id == EOS_ID
+    assert (decoding.beam_size, decoding.length_penalty_alpha, decoding.max_decode_extra) == (
+        4, 0.6, 50)  # the paper's decoding
+    assert decoding.describe() == 'beam 4, alpha 0.6' and decoding.sampling is None
+    hash(decoding)  # make_predict_fn's cache key
 
 
 def test_sharded_params_decode_like_unsharded(inputs_BS):
@@ -163,7 +196,7 @@ def test_sharded_params_decode_like_unsharded(inputs_BS):
     sharded, _ = sharding.init_sharded(_init_boxed, mesh, jax.random.key(0))
     assert len(sharded['embedder']['embedding'].sharding.device_set) == 8
     host = jax.device_get(sharded)
-    predict = inference.make_predict_fn(CFG, beam_size=1, greedy=True, **SETTINGS)
+    predict = inference.make_predict_fn(CFG, GREEDY)
     np.testing.assert_array_equal(predict(sharded, inputs_BS).ids_BL,
                                   predict(host, inputs_BS).ids_BL)
 

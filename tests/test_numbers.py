@@ -289,8 +289,8 @@ def test_dropout_is_on_in_training_and_off_in_evaluation_and_decoding(small_mode
     assert _eval_sums(params, batch, config) == _eval_sums(params, batch, no_dropout)
     # Decoding: the same output as the model without dropout.
     inputs = batch['inputs'][:4]
+    greedy = inference.DecodeConfig(decode_strategy='greedy', max_decode_len=6, max_decode_extra=2)
     outputs = [jax.device_get(inference.make_predict_fn(
-        TransformerConfig.from_config(tiny_config(dropout_rate=rate)), beam_size=1, alpha=0.6,
-        max_decode_len=6, max_decode_extra=2, greedy=True)(nn.unbox(params), inputs).ids_BL)
-        for rate in (0.9, 0.0)]
+        TransformerConfig.from_config(tiny_config(dropout_rate=rate)), greedy)(
+            nn.unbox(params), inputs).ids_BL) for rate in (0.9, 0.0)]
     np.testing.assert_array_equal(outputs[0], outputs[1])

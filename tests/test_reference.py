@@ -179,8 +179,9 @@ def _sources(seed, rows=4):
 def test_wide_beam_search_equals_exhaustive_search_of_the_reference():
     alpha = 0.6  # other alphas: tests/test_settings.py
     cfg = TransformerConfig.from_config(tiny_config(**DECODE))
-    predict = inference.make_predict_fn(cfg, beam_size=BEAM, alpha=alpha, max_decode_len=MAX_LEN,
-                                        max_decode_extra=EXTRA, num_valid_ids=NUM_VALID)
+    decoding = inference.DecodeConfig(beam_size=BEAM, length_penalty_alpha=alpha,
+                                      max_decode_len=MAX_LEN, max_decode_extra=EXTRA)
+    predict = inference.make_predict_fn(cfg, decoding, num_valid_ids=NUM_VALID)
     spec = spec_of(cfg)
     for seed in (0, 1, 2):
         params = random_params(cfg, seed=10 + seed)

@@ -10,6 +10,7 @@ from flax import linen as nn
 from configs import tiny
 from t2t import decode, inference, sharding
 from t2t.eval import evaluation, scoring
+from t2t.eval.checkpoints import EvalError
 from t2t.ids import EOS_ID
 from t2t.model import Transformer
 from t2t.run import cli
@@ -20,7 +21,9 @@ from tests.test_inference import CFG  # a random tiny model's config
 pytestmark = pytest.mark.xdist_group(__name__)
 
 EOS_LIFT = 0.06  # the tied EOS row's value in recall_run (0 leaves hypotheses cut at the limit)
-SETTINGS = dict(beam_size=3, alpha=0.6, max_decode_len=24, max_decode_extra=16)
+DECODING = inference.DecodeConfig(beam_size=3, length_penalty_alpha=0.6, max_decode_len=24,
+                                  max_decode_extra=16)
+GREEDY = DECODING.replace(decode_strategy='greedy')
 
 
 @pytest.fixture(scope='module')
@@ -39,22 +42,23 @@ def _sources(n, seed):
     return inputs
 
 
-def _sample(params, inputs, sampling, seed=0, mesh=None):
-    predict = inference.make_predict_fn(CFG, sampling=sampling, seed=seed, mesh=mesh, **SETTINGS)
+def _sample(params, inputs, sampling: dict, seed=0, mesh=None):
+    sample = DECODING.replace(decode_strategy='sample', decode_seed=seed, **sampling)
+    predict = inference.make_predict_fn(CFG, sample, mesh=mesh)
     return np.asarray(predict(params, inference.feed(inputs, mesh)).ids_BL)
 
 
 def test_top_k_one_is_greedy(params):
     inputs = _sources(8, seed=1)
-    greedy = inference.make_predict_fn(CFG, greedy=True, **SETTINGS)
+    greedy = inference.make_predict_fn(CFG, GREEDY)
     want = np.asarray(greedy(params, inputs).ids_BL)
-    got = _sample(params, inputs, decode.Sampling(temperature=0.7, top_k=1), seed=5)
+    got = _sample(params, inputs, dict(temperature=0.7, top_k=1), seed=5)
     np.testing.assert_array_equal(got, want)
     assert len({tuple(row) for row in want}) > 4  # the rows differ: a real comparison
 
 
 def test_a_seed_reproduces_a_sentence_whatever_its_batch_and_devices(params):
-    sampling = decode.Sampling(temperature=1.5, top_p=0.95)
+    sampling = dict(temperature=1.5, top_p=0.95)
     inputs = _sources(8, seed=2)
     first = _sample(params, inputs, sampling)
     np.testing.assert_array_equal(_sample(params, inputs, sampling), first)
@@ -67,8 +71,7 @@ def test_a_seed_reproduces_a_sentence_whatever_its_batch_and_devices(params):
     np.testing.assert_array_equal(_sample(params, inputs, sampling, mesh=mesh), first)
     other_seed = _sample(params, inputs, sampling, seed=1)
     assert (other_seed != first).any(axis=1).sum() >= 4  # most sentences change
-    greedy = np.asarray(inference.make_predict_fn(CFG, greedy=True, **SETTINGS)(
-        params, inputs).ids_BL)
+    greedy = np.asarray(inference.make_predict_fn(CFG, GREEDY)(params, inputs).ids_BL)
     assert (first != greedy).any()  # sampling at temperature 1.5 is not the argmax
 
 
@@ -172,14 +175,15 @@ def test_bad_values_are_one_line_before_any_compile():
         with pytest.raises(SystemExit) as info:
             cli.check_values(config, 'evaluate.py')
         assert str(info.value.code) == f'evaluate.py: {line}'
-    with pytest.raises(ValueError, match='top_p=0'):
-        decode.Sampling(top_p=0.0)
-    with pytest.raises(ValueError, match='nbest=4 needs beam search'):
-        inference.make_predict_fn(CFG, nbest=4, **SETTINGS)
+    with pytest.raises(ValueError, match=r'^nbest=4 must be in \[1, beam_size=3\]$'):
+        DECODING.replace(nbest=4)
+    with pytest.raises(ValueError, match="^nbest=2 needs decode_strategy=beam"):
+        GREEDY.replace(nbest=2)
+    with pytest.raises(EvalError, match='^--nbest=2 needs --translate$'):
+        evaluation.run(tiny.get_config(), '/nonexistent', nbest=2)
     # The command line: one line, exit 1, from a run that reads no checkpoint and compiles nothing.
     for flags, line in [(['--config.top_p=0'], BAD[0][2]),
-                        (['--translate', '--nbest=3'], '--nbest=3 needs --translate, '
-                         'decode_strategy=beam and 1 <= nbest <= beam_size=2')]:
+                        (['--translate', '--nbest=3'], 'nbest=3 must be in [1, beam_size=2]')]:
         proc = run_script('evaluate.py', '--config=configs/tiny.py', '--workdir=/nonexistent',
                           *flags, timeout=120)
         assert proc.returncode == 1 and 'Traceback' not in proc.stderr, proc.stderr
@@ -189,14 +193,15 @@ def test_bad_values_are_one_line_before_any_compile():
 def test_config_keys_reach_the_predict_function(monkeypatch):
     config = tiny.get_config()
     config.update(decode_strategy='sample', temperature=0.5, top_k=7, top_p=0.9, decode_seed=3)
-    seen = {}
-    monkeypatch.setattr(inference, 'make_predict_fn', lambda cfg, **kwargs: seen.update(kwargs))
+    seen = []
+    monkeypatch.setattr(inference, 'make_predict_fn',
+                        lambda cfg, decoding, **kwargs: seen.append(decoding))
     inference.config_predict_fn(config, CFG, num_valid_ids=48)
-    assert seen['sampling'] == decode.Sampling(temperature=0.5, top_k=7, top_p=0.9)
-    assert seen['seed'] == 3 and not seen['greedy'] and seen['nbest'] == 1
+    assert seen[-1].sampling == decode.Sampling(temperature=0.5, top_k=7, top_p=0.9)
+    assert seen[-1].decode_seed == 3 and seen[-1].nbest == 1
     config.decode_strategy = 'greedy'
     inference.config_predict_fn(config, CFG, num_valid_ids=48, nbest=1)
-    assert seen['greedy'] and seen['sampling'] is None
+    assert seen[-1].decode_strategy == 'greedy' and seen[-1].sampling is None
     config.decode_strategy = 'beam'
     inference.config_predict_fn(config, CFG, num_valid_ids=48, nbest=2)
-    assert not seen['greedy'] and seen['sampling'] is None and seen['nbest'] == 2
+    assert seen[-1].sampling is None and seen[-1].nbest == 2

@@ -34,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from t2t import inference
-from t2t.eval import evaluation
+from t2t.eval import checkpoints as eval_checkpoints
+from t2t.eval.checkpoints import EvalError
 from t2t.ids import EOS_ID, PAD_ID
 from t2t.infra import workdir as wd
 from t2t.model import Transformer, TransformerConfig
@@ -79,15 +80,15 @@ def _restore(config, workdir, step):
     """(label, params, tokenizer, model config), checked against each other as evaluate.py does."""
     from t2t import data
 
-    label, steps = evaluation.select(workdir, step=step)[0]
+    label, steps = eval_checkpoints.select(workdir, step=step)[0]
     try:
         tokenizer = data.get_tokenizer(config)
     except (ValueError, OSError) as e:
-        raise evaluation.EvalError(f'cannot load the tokenizer: {e}') from e
+        raise EvalError(f'cannot load the tokenizer: {e}') from e
     # Unrolled layers whatever the config trains with: one sown entry per layer.
-    params = evaluation.load_params(workdir, steps, scan_layers=False)
+    params = eval_checkpoints.load_params(workdir, steps, scan_layers=False)
     model_config = TransformerConfig.from_config(config, scan_layers=False)
-    evaluation.check_params(params, model_config, tokenizer, label)
+    eval_checkpoints.check_params(params, model_config, tokenizer, label)
     return label, params, tokenizer, model_config
 
 
@@ -112,8 +113,8 @@ def sentence_maps(config, workdir, sentence: str, *, step: int | None = None) ->
     label, params, tokenizer, model_config = _restore(config, workdir, step)
     source = tokenizer.encode(sentence) + [EOS_ID]
     if not sentence.strip() or len(source) > config.max_eval_len:
-        raise evaluation.EvalError(f'--sentence has {len(source)} tokens (EOS included); it must '
-                                   f'be non-empty and at most max_eval_len={config.max_eval_len}')
+        raise EvalError(f'--sentence has {len(source)} tokens (EOS included); it must '
+                        f'be non-empty and at most max_eval_len={config.max_eval_len}')
     predict = inference.config_predict_fn(config, model_config,
                                          num_valid_ids=tokenizer.vocab_size)
     ids = np.asarray(jax.device_get(predict(params, np.asarray([source], np.int32)).ids_BL))[0]
@@ -247,14 +248,12 @@ def recall_report(config, workdir, *, split: str = '', step: int | None = None) 
     from t2t import data
 
     if config.dataset != 'recall':
-        raise evaluation.EvalError(f'--recall_report needs dataset=recall, not {config.dataset!r}')
+        raise EvalError(f'--recall_report needs dataset=recall, not {config.dataset!r}')
     label, params, tokenizer, model_config = _restore(config, workdir, step)
     split = split or config.test_split
     eval_split = data.eval_split(config, tokenizer, split)
-    predict = inference.make_predict_fn(
-        model_config, beam_size=1, alpha=0.0, max_decode_len=config.max_decode_len,
-        max_decode_extra=config.max_decode_extra, greedy=True,
-        num_valid_ids=tokenizer.vocab_size)
+    greedy = inference.DecodeConfig.from_config(config).replace(decode_strategy='greedy')
+    predict = inference.make_predict_fn(model_config, greedy, num_valid_ids=tokenizer.vocab_size)
     n = len(eval_split.sources)
     result = inference.translate_batches(predict, params, eval_split.batches(
         config.eval_batch_size), tokenizer, n, progress=False)
@@ -302,7 +301,7 @@ def main(argv):
         output = f.output or default_output(f.workdir)
         plot(maps, output)
         print(f'{maps.label}: {f.sentence!r} -> {maps.translation!r}\nattention maps -> {output}')
-    except (evaluation.EvalError, checkpoint.CheckpointError) as e:
+    except (EvalError, checkpoint.CheckpointError) as e:
         sys.exit(f't2t.eval.attention_maps: {e}')
 
 

@@ -35,14 +35,7 @@ from absl import logging
 
 from t2t import inference, sharding
 from t2t.eval import bleu
-from t2t.eval.checkpoints import (  # noqa: F401 (evaluation.EvalError etc.: evaluate.py's names)
-    EvalError,
-    check_params,
-    list_steps,
-    load_params,
-    select,
-    weights_label,
-)
+from t2t.eval.checkpoints import EvalError, check_params, load_params, select, weights_label
 from t2t.infra import workdir as wd
 from t2t.model import TransformerConfig
 from t2t.run import checkpoint, checkpoint_read, startup
@@ -136,8 +129,9 @@ def evaluate_params(config, params, tokenizer, eval_split, *, split: str, label:
         'hypotheses_file': str(hyp_path),
     }
 
-    echo(f'== {label} on {eval_split.name} ({n} sentences, {inference.describe_decoding(config)}'
-         f', {result.sentences_per_s:.1f} sentences/s)')
+    decoding = inference.DecodeConfig.from_config(config).describe()
+    echo(f'== {label} on {eval_split.name} ({n} sentences, {decoding}, '
+         f'{result.sentences_per_s:.1f} sentences/s)')
     echo(bleu.format_report(scores))
     echo(f'skipped (longer than max_eval_len={config.max_eval_len}, scored as empty): '
          f'{len(eval_split.skipped)}; ended at the length limit without EOS: '
@@ -231,10 +225,12 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
         raise EvalError('--write_averaged needs --average_last=N')
     if translate and all_steps:
         raise EvalError('--translate takes one checkpoint: --step, --average_last or the latest')
-    if nbest != 1 and not (translate and config.decode_strategy == 'beam'
-                           and 1 <= nbest <= config.beam_size):
-        raise EvalError(f'--nbest={nbest} needs --translate, decode_strategy=beam and '
-                        f'1 <= nbest <= beam_size={config.beam_size}')
+    if nbest != 1 and not translate:
+        raise EvalError(f'--nbest={nbest} needs --translate')
+    try:
+        inference.DecodeConfig.from_config(config, nbest=nbest)  # --nbest against the beam
+    except ValueError as e:
+        raise EvalError(str(e)) from e
     if translate and input_path == '-' and jax.process_count() > 1:
         raise EvalError('with several processes --translate reads --input=FILE, not stdin')
     if ensemble:

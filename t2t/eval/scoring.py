@@ -174,29 +174,30 @@ def run(config, workdir, *, input_path: str, references_path: str, output_path: 
         devices=None) -> Scores:
     """evaluate.py --score: one checkpoint (--step, --average_last or the latest) scores the
     pairs of two line-aligned files; the TSV goes to output_path ('-': stdout), from process 0."""
+    from t2t.eval import checkpoints as eval_checkpoints
     from t2t.eval import evaluation
     from t2t.infra import workdir as wd
     from t2t.run import startup
 
     startup.check_lengths(config)
     if not workdir:
-        raise evaluation.EvalError('--workdir is required')
+        raise eval_checkpoints.EvalError('--workdir is required')
     if not input_path or input_path == '-' or not references_path:
-        raise evaluation.EvalError('--score needs --input=FILE and --references=FILE')
+        raise eval_checkpoints.EvalError('--score needs --input=FILE and --references=FILE')
     try:
         sources, targets = _read_lines(input_path), _read_lines(references_path)
     except (OSError, UnicodeDecodeError) as e:
-        raise evaluation.EvalError(f'--score: {e}') from e
+        raise eval_checkpoints.EvalError(f'--score: {e}') from e
     if len(sources) != len(targets):
-        raise evaluation.EvalError(f'--input {input_path} has {len(sources)} lines but '
-                                   f'--references {references_path} has {len(targets)}')
-    ((label, steps),) = evaluation.select(workdir, step=step, average_last=average_last)
+        raise eval_checkpoints.EvalError(f'--input {input_path} has {len(sources)} lines but '
+                                         f'--references {references_path} has {len(targets)}')
+    ((label, steps),) = eval_checkpoints.select(workdir, step=step, average_last=average_last)
     tokenizer = evaluation.workdir_tokenizer(config, workdir)
     evaluation.check_vocabulary(workdir, steps, tokenizer, label)
     model_config = TransformerConfig.from_config(config)
     mesh = sharding.make_mesh((-1, 1, 1), devices)
-    params = evaluation.load_params(workdir, steps, scan_layers=config.scan_layers)
-    evaluation.check_params(params, model_config, tokenizer, label)
+    params = eval_checkpoints.load_params(workdir, steps, scan_layers=config.scan_layers)
+    eval_checkpoints.check_params(params, model_config, tokenizer, label)
     params = sharding.put_global(params, sharding.replicated(mesh))
     score = make_score_fn(model_config, num_valid_ids=tokenizer.vocab_size, mesh=mesh)
     scores = score_pairs(score, params, tokenizer, sources, targets, max_len=config.max_position,

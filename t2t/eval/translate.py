@@ -99,7 +99,7 @@ def window_batches(ids: list[list[int]], *, max_len: int, token_budget: int,
     TAIL_HALVINGS smaller ones (fewer rows of padding to decode).
 
     Padding rows are empty (all PAD): the search decodes nothing for them and drops them from
-    the batch at its first compaction (inference.make_predict_fn's shrink_floor). Rows are
+    the batch at its first compaction (inference.DecodeConfig's beam_shrink_floor). Rows are
     independent, so the real rows' outputs do not change."""
     todo = sorted((i for i, row in enumerate(ids) if row), key=lambda i: len(ids[i]))
     for length, group in itertools.groupby(todo, key=lambda i: bucket_length(len(ids[i]),

@@ -30,6 +30,7 @@ from collections.abc import Callable
 import jax
 
 from t2t import sharding
+from t2t.eval import checkpoints as eval_checkpoints
 from t2t.eval import evaluation
 from t2t.infra import distributed, metrics
 from t2t.infra import workdir as wd
@@ -51,7 +52,7 @@ def run(config, workdir, *, split: str = '', timeout_s: float = 3600.0, poll_s: 
 
     startup.check_lengths(config)
     if not workdir:
-        raise evaluation.EvalError('--workdir is required')
+        raise eval_checkpoints.EvalError('--workdir is required')
     split = split or config.test_split
     tag = evaluation._split_tag(split)
     logdir = wd.path(workdir, f'watch-{tag}')
@@ -86,8 +87,8 @@ def run(config, workdir, *, split: str = '', timeout_s: float = 3600.0, poll_s: 
                 try:
                     evaluation.check_vocabulary(workdir, [step], tokenizer, label)
                     used = checkpoint_read.choose_weights(workdir, step, weights)
-                    params = evaluation.load_params(workdir, [step],
-                                                    scan_layers=config.scan_layers, weights=used)
+                    params = eval_checkpoints.load_params(
+                        workdir, [step], scan_layers=config.scan_layers, weights=used)
                     params = sharding.put_global(params, sharding.replicated(mesh))
                 except checkpoint_read.CheckpointError as e:
                     gone = step not in checkpoint_read.finished_steps(workdir)
@@ -95,7 +96,7 @@ def run(config, workdir, *, split: str = '', timeout_s: float = 3600.0, poll_s: 
                                             'was read' if gone else f'corrupt: {e}'))
                     skipped.add(step)
                     continue
-                label = evaluation.weights_label(label, used)
+                label = eval_checkpoints.weights_label(label, used)
                 record = evaluation.evaluate_params(
                     config, params, tokenizer, eval_split, split=split, label=label,
                     steps=[step], workdir=workdir, progress=progress, echo=echo, mesh=mesh,

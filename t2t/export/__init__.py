@@ -116,6 +116,7 @@ def export(config, workdir: str, *, fmt: str, output: str, step: int | None = No
     """Exports checkpoint `step` (default: the latest) or the mean of the last `average_last`
     checkpoints of `workdir`, trained with experiment `config`; returns the output directory.
     weights: 'ema', 'raw' or 'auto' (the EMA when the checkpoints hold one; evaluation.py)."""
+    from t2t.eval import checkpoints as eval_checkpoints
     from t2t.eval import evaluation
     from t2t.model import TransformerConfig
     from t2t.run import checkpoint_read
@@ -135,14 +136,14 @@ def export(config, workdir: str, *, fmt: str, output: str, step: int | None = No
         except ValueError as e:
             raise ExportError(str(e)) from e
     try:
-        (label, steps), = evaluation.select(workdir, step=step, average_last=average_last)
+        (label, steps), = eval_checkpoints.select(workdir, step=step, average_last=average_last)
         tokenizer = evaluation.workdir_tokenizer(config, workdir)  # the run's pinned copy
         evaluation.check_vocabulary(workdir, steps, tokenizer, label)
         used = checkpoint_read.choose_weights(workdir, steps[-1], weights)
-        params = evaluation.load_params(workdir, steps, scan_layers=False, weights=used)
-        evaluation.check_params(params, model_config.replace(scan_layers=False), tokenizer,
-                                label)
-    except evaluation.EvalError as e:
+        params = eval_checkpoints.load_params(workdir, steps, scan_layers=False, weights=used)
+        eval_checkpoints.check_params(params, model_config.replace(scan_layers=False), tokenizer,
+                                      label)
+    except eval_checkpoints.EvalError as e:
         raise ExportError(str(e)) from e
     return write(fmt, output, params, model_config, tokenizer, beam_size=config.beam_size,
                  alpha=config.length_penalty_alpha, max_decode_len=config.max_decode_len,

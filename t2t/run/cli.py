@@ -131,19 +131,13 @@ def exit_storage_error(prog: str, error: BaseException) -> NoReturn:
 def check_values(config, prog: str) -> None:
     """The config's values a run can be built from; one line and exit 1 if not.
 
-    The first rule of t2t/run/config_checks.py's table that the config breaks, then what the model's
-    and the train step's dataclasses (TransformerConfig, StepConfig) still refuse: before any
-    data or compile. Whether the mesh fits the devices is known once they are: startup.make_mesh.
+    The first rule of t2t/run/config_checks.py's table that the config breaks, then what the core's
+    dataclasses (DecodeConfig, StepConfig with TransformerConfig) refuse: before any data or
+    compile. Whether the mesh fits the devices is known once they are: startup.make_mesh.
     """
-    from t2t import train_lib
     from t2t.run import config_checks
 
     line = config_checks.problem(config)
-    if line is None:
-        try:
-            train_lib.StepConfig.from_config(config)  # and TransformerConfig inside it
-        except ValueError as e:
-            line = str(e).splitlines()[0]
     if line:
         sys.exit(f'{prog}: {line}')
 

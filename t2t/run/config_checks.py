@@ -7,11 +7,14 @@ is one line naming the key, its value and what it needs:
     max_len=300 exceeds max_position=256 (--config.max_len or --config.max_position)
 
 `cli.check_values` prints it for every entry point (train.py, evaluate.py, sweep.py, t2t.data,
-t2t.export); `startup.check_lengths` raises it for the library's own callers. The library keeps
-its own checks for callers that build its objects directly (TransformerConfig, StepConfig,
-decode.beam_search, inference.make_predict_fn, sharding.resolve_mesh_shape): the choices they
-accept are read from them here, and the table answers first, so no entry point rewords their
-messages. Whether the mesh fits the devices needs the devices: startup.make_mesh, before data.
+t2t.export); `startup.check_lengths` raises it for the library's own callers. After the table,
+`problem` makes the core's dataclasses of the config once, whose own checks hold the rules of
+their keys: inference.DecodeConfig (every decoding key) and train_lib.StepConfig (with
+TransformerConfig); their ValueError is already the one line. The library keeps checks for
+callers that build its objects directly (decode.beam_search, sharding.resolve_mesh_shape): the
+choices they accept are read from them here, and the table answers first, so no entry point
+rewords their messages. Whether the mesh fits the devices needs the devices: startup.make_mesh,
+before data.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from t2t import decode, loss, model, sharding, train_lib
+from t2t import inference, loss, model, sharding, train_lib
 from t2t.data import mixture, sources
 from t2t.data.tokenizer import MIN_VOCAB_SIZE
 from t2t.run import best
@@ -111,7 +114,8 @@ def _rules() -> tuple[Rule, ...]:
              'must be -1 (sample among every segmentation) or >= 2 (among the n best)'),
         # model
         Rule('max_position', _at_least(1), ge1),
-        *(Rule(key, _at_least(1), ge1) for key in LENGTH_KEYS),
+        # (max_decode_len >= 1: inference.DecodeConfig)
+        *(Rule(key, _at_least(1), ge1) for key in ('max_len', 'max_eval_len')),
         # Longer sequences would read positions beyond the table (the model refuses them at
         # trace time too: model.Embedder); checked for rotary positions as well, so that a
         # config is valid or not whatever its position_embedding.
@@ -184,18 +188,7 @@ def _rules() -> tuple[Rule, ...]:
         Rule('straggler_min_s', _at_least(0), ge0),
         Rule('slow_save_s', _at_least(0), 'must be >= 0 (0: off)'),
         Rule('storage_outage_limit_s', _at_least(0), 'must be >= 0 (0: not retried)'),
-        # decoding
-        Rule('decode_strategy', *_one_of(decode.STRATEGIES)),
-        Rule('temperature', lambda v, c: v > 0, "must be > 0 (1: the model's distribution)"),
-        Rule('top_k', _at_least(0), 'must be >= 0 (0: every token)'),
-        Rule('top_p', lambda v, c: 0 < v <= 1, 'must be in (0, 1] (1: every token)'),
-        Rule('decode_seed', _at_least(0), ge0),
-        Rule('beam_size', _at_least(1), ge1),
-        Rule('length_penalty_alpha', _at_least(0), ge0),
-        Rule('beam_unfinished', *_one_of(decode.UNFINISHED_RULES)),
-        Rule('beam_stop', *_one_of(decode.STOP_RULES)),
-        Rule('max_decode_extra', _at_least(0), ge0),
-        Rule('beam_shrink_floor', _at_least(0), 'must be >= 0 (0: no compaction)'),
+        # decoding: inference.DecodeConfig's own check (`problem`)
         # devices
         Rule('mesh_shape', lambda v, c: _mesh(v, c, allow_rest=True),
              f'must be {len(sharding.MESH_AXES)} sizes ({axes}), each >= 1 or one -1 (the devices '
@@ -213,10 +206,16 @@ CHECKED_KEYS = tuple(dict.fromkeys(rule.key for rule in RULES))
 
 def problem(config, keys=None) -> str | None:
     """The first rule (of those on `keys`, default all) that config breaks, as one line; None
-    when it breaks none."""
+    when it breaks none. With every key: then what the core's dataclasses of the config refuse."""
     for rule in RULES:
         if keys is None or rule.key in keys:
             line = rule.problem(config)
             if line:
                 return line
+    if keys is None:
+        for make in (inference.DecodeConfig.from_config, train_lib.StepConfig.from_config):
+            try:
+                make(config)
+            except ValueError as e:
+                return str(e).splitlines()[0]
     return None

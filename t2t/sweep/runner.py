@@ -325,11 +325,11 @@ EVAL_KEEP = ('sacrebleu', 'chrf', 'tok_bleu_compound_split', 'sentences', 'skipp
 
 
 def _eval_label(point_dir: str, average_last: int) -> str | None:
-    from t2t.eval import evaluation
+    from t2t.eval import checkpoints as eval_checkpoints
 
     try:
-        return evaluation.select(point_dir, average_last=average_last)[0][0]
-    except evaluation.EvalError:
+        return eval_checkpoints.select(point_dir, average_last=average_last)[0][0]
+    except eval_checkpoints.EvalError:
         return None
 
 
@@ -341,13 +341,14 @@ def evaluate_point(config, point_dir: str, split: str, average_last: int,
     by its cluster launcher, the scores read back from the eval-<split>.json that evaluate.py
     writes in the point's directory. Either way its output is appended to evaluate.log.
     """
+    from t2t.eval import checkpoints as eval_checkpoints
     from t2t.eval import evaluation
     from t2t.run import checkpoint
 
     resolved = split or config.test_split
     log_path = os.path.join(point_dir, 'evaluate.log')
     try:
-        label = evaluation.select(point_dir, average_last=average_last)[0][0]
+        label = eval_checkpoints.select(point_dir, average_last=average_last)[0][0]
         if command is None:
             lines = []
             record = evaluation.run(config, point_dir, average_last=average_last, split=split,
@@ -356,7 +357,7 @@ def evaluate_point(config, point_dir: str, split: str, average_last: int,
                 f.write('\n'.join(lines) + '\n')
         else:
             record = _evaluate_with_launcher(command, point_dir, resolved, label, stop)
-    except (evaluation.EvalError, checkpoint.CheckpointError, SweepError) as e:
+    except (eval_checkpoints.EvalError, checkpoint.CheckpointError, SweepError) as e:
         return {'error': f'evaluation: {str(e).splitlines()[0][:400]}', 'split': resolved}
     except Exception as e:  # e.g. out of memory: recorded, and the sweep goes on
         first = (str(e).splitlines() or [''])[0][:400]
