@@ -8,7 +8,7 @@
   python evaluate.py --config=... --workdir=DIR --watch [--split=...] [--timeout=3600] [--poll=5]
   any of them with --weights=ema|raw (default auto: the EMA of a run with ema_decay > 0, else raw)
   python evaluate.py --config=... --workdir=DIR --ensemble=DIR_OR_STEP,DIR_OR_STEP[,...]
-      [--split=test | --translate ...]   # the members decode together (t2t/eval/ensemble.py)
+      [--split=test | --translate ... | --score ...]   # the members together (t2t/eval/ensemble.py)
 
 Several processes: the same command on each, with --coordinator_address/--num_processes/
 --process_id or --distributed as for train.py; they split the sentences, process 0 writes.
@@ -85,9 +85,9 @@ def main(argv):
 
     workdir.quiet_transient_failures()
 
-    if _ENSEMBLE.value and (_SCORE.value or _WATCH.value):
-        sys.exit('evaluate.py: --ensemble decodes the test split or --translate; not with '
-                 '--score or --watch')
+    if _ENSEMBLE.value and _WATCH.value:
+        sys.exit('evaluate.py: --watch with --ensemble is not supported: --watch evaluates the '
+                 'checkpoints of one run (--workdir) as they come')
     try:
         step = _STEP.value
         if _BEST.value:
@@ -96,7 +96,8 @@ def main(argv):
             scoring.run(_CONFIG.value, _WORKDIR.value, input_path=_INPUT.value,
                         references_path=_REFERENCES.value, output_path=_OUTPUT.value,
                         step=step, average_last=_AVERAGE_LAST.value,
-                        echo=lambda line: print(line, file=sys.stderr))
+                        echo=lambda line: print(line, file=sys.stderr),
+                        weights=_WEIGHTS.value, ensemble=_ENSEMBLE.value)
             return
         if _WATCH.value:
             watch.run(_CONFIG.value, _WORKDIR.value, split=_SPLIT.value, timeout_s=_TIMEOUT.value,

@@ -3,6 +3,8 @@ ranking, the checkpoints kept beside keep_checkpoints' newest, the stop, and kil
 
 import json
 import signal
+import subprocess
+import sys
 
 import ml_collections
 import numpy as np
@@ -13,6 +15,8 @@ from t2t.run import best, checkpoint, checkpoint_read, config_checks, run_record
 from t2t.run.checkpoint_read import CheckpointError
 from t2t.train import loop
 from tests import toy_corpus
+from tests.conftest import ROOT, one_device_env
+from tests.test_bucket_eval import _config_flags
 from tests.test_resume import _drive
 
 pytestmark = pytest.mark.xdist_group(__name__)
@@ -131,3 +135,21 @@ def test_evaluate_best_without_a_best_is_one_line(corpus, tmp_path):
         best.best_step(workdir)
     assert str(error.value) == (f'no best checkpoint in {workdir}/checkpoints (newest checkpoint '
                                 '7): the run kept none (keep_best=0)')
+
+
+def test_evaluate_py_best_scores_the_best_checkpoint_not_the_newest(reference):
+    """The public entry point: evaluate.py --best reads the ranking the run saved (best step 1,
+    newest 4) and decodes the test split with step 1."""
+    workdir = reference['workdir']
+    proc = subprocess.run(
+        [sys.executable, 'evaluate.py', *_config_flags(reference['config']), f'--workdir={workdir}',
+         '--best', '--config.beam_size=1', '--config.max_decode_extra=2'],
+        cwd=ROOT, env=one_device_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    best_loss = reference['record']['top'][0][0]
+    assert f'the best checkpoint: step 1 (eval_loss {best_loss:.4g})' in proc.stderr
+    assert '== step-1 on ' in proc.stdout and 'step-4' not in proc.stdout
+    scores = json.loads((workdir / 'eval-test.json').read_text(encoding='utf-8'))
+    assert list(scores) == ['step-1'] and scores['step-1']['steps'] == [1]
+    hypotheses = (workdir / 'hypotheses-test-step-1.txt').read_text(encoding='utf-8')
+    assert len(hypotheses.splitlines()) == scores['step-1']['sentences'] == 21

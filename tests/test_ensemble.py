@@ -136,7 +136,8 @@ def runs(tmp_path_factory):
         checkpoint.save(manager, step, states.get(name, states['a']),
                         extra_metadata={identity.DATA_KEY: {'vocab_sha256': vocab}})
         checkpoint.close(manager)
-    return {'root': root, 'config': config, **{k: str(root / k) for k in 'abc'}}
+    return {'root': root, 'config': config, 'b_config': b_config,
+            **{k: str(root / k) for k in 'abc'}}
 
 
 def _run(runs, **kwargs):
@@ -189,3 +190,43 @@ def test_member_errors_are_one_line_before_anything_is_restored(runs, monkeypatc
     got = ensemble.member_model_config(config, meta_config)
     assert (got.d_model, got.num_encoder_layers, got.dtype) == (16, 1, jnp.bfloat16)
     assert os.path.exists(os.path.join(runs['b'], identity.VOCAB_NAME))
+
+
+def test_score_with_an_ensemble_is_the_mean_of_its_members_and_takes_an_average(runs, tmp_path):
+    """evaluate.py --score --ensemble: each pair's log_prob is the mean of the members' (a sum
+    over tokens of per-token means); an average written by --write_averaged is a member (its
+    recorded vocabulary is checked)."""
+    from t2t.eval import scoring
+
+    config, devices = runs['config'], jax.devices()[:1]
+    pairs = [line.split('\t') for line in _read_lines(runs['root'] / 'validation.tsv')]
+    source, reference = tmp_path / 'src.txt', tmp_path / 'ref.txt'
+    source.write_text(''.join(s + '\n' for s, _ in pairs), encoding='utf-8')
+    reference.write_text(''.join(t + '\n' for _, t in pairs), encoding='utf-8')
+    # Two checkpoints of b's params in workdir d, their average (b's params) written to avg.
+    params = eval_checkpoints.load_params(runs['b'], [4])
+    digest = identity.vocab_digest(data.get_tokenizer(config))
+    for step in (1, 2):
+        checkpoint.write_averaged(str(tmp_path / 'd'), params, step, runs['b_config'],
+                                  {identity.DATA_KEY: {'vocab_sha256': digest}})
+    evaluation._params_for(runs['b_config'], str(tmp_path / 'd'), 'avg2-1-2', [1, 2],
+                           str(tmp_path / 'avg'), sharding.make_mesh((-1, 1, 1), devices), 'raw')
+    assert not os.path.exists(tmp_path / 'avg' / identity.VOCAB_NAME)  # the digest is recorded
+
+    def score(**kwargs):
+        lines = []
+        got = scoring.run(config, runs['a'], input_path=str(source),
+                          references_path=str(reference), output_path=str(tmp_path / 'out.tsv'),
+                          echo=lines.append, devices=devices, **kwargs)
+        assert got.scored == len(pairs) == 8
+        return np.array(got.log_probs), lines[-1]
+
+    alone, line = score()
+    assert line.startswith('== step-1: scored 8 of 8 pairs')
+    b_twice, line = score(ensemble=f'{tmp_path / "avg"},{tmp_path / "avg"}')
+    assert line.startswith('== ens-avg-step-2+avg-step-2: scored 8 of 8 pairs')
+    both, _ = score(ensemble=f'1,{runs["b"]}')
+    assert np.abs(alone - b_twice).min() > 0.1  # two different models
+    np.testing.assert_allclose(both, (alone + b_twice) / 2, rtol=0, atol=1e-4)
+    with pytest.raises(eval_checkpoints.EvalError, match='takes no --step'):
+        score(ensemble=f'1,{runs["b"]}', step=1)

@@ -84,3 +84,14 @@ def test_watch_gives_up_after_the_timeout_without_checkpoints(tmp_path):
                        sleep=lambda s: now.__setitem__(0, now[0] + s))
     assert result == {} and now[0] == pytest.approx(40)
     assert 'no new checkpoint for 30 s' in lines[-1]
+
+
+def test_watch_with_an_ensemble_is_one_line_before_any_compile():
+    proc = subprocess.run(
+        [sys.executable, 'evaluate.py', '--config=configs/tiny.py', '--workdir=/nonexistent',
+         '--watch', '--ensemble=1,2'], cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+    assert proc.returncode == 1 and 'Traceback' not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        'evaluate.py: --watch with --ensemble is not supported: --watch evaluates the '
+        'checkpoints of one run (--workdir) as they come']

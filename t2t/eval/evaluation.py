@@ -34,6 +34,7 @@ import jax
 from absl import logging
 
 from t2t import inference, sharding
+from t2t.data import identity
 from t2t.eval import bleu
 from t2t.eval.checkpoints import EvalError, check_params, load_params, select, weights_label
 from t2t.infra import workdir as wd
@@ -321,9 +322,12 @@ def _params_for(config, workdir, label, steps, write_averaged, mesh, weights='au
     used = checkpoint_read.choose_weights(workdir, steps[-1], weights)
     params = load_params(workdir, steps, scan_layers=config.scan_layers, weights=used)
     if write_averaged and len(steps) > 1:
+        # The run's vocabulary digest goes along: the average is then an --ensemble member.
+        data_identity = checkpoint_read.read_metadata(workdir, steps[-1]).get(identity.DATA_KEY)
         out = checkpoint.write_averaged(
             write_averaged, params, steps[-1], config=config,
-            extra_metadata={'averaged': steps, 'source': workdir, 'weights': used})
+            extra_metadata={'averaged': steps, 'source': workdir, 'weights': used,
+                            **({identity.DATA_KEY: data_identity} if data_identity else {})})
         logging.info('averaged checkpoint %s -> %s', weights_label(label, used), out)
     return sharding.put_global(params, sharding.replicated(mesh)), used
 

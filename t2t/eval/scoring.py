@@ -54,20 +54,30 @@ class Scores:
         return len(self.log_probs) - len(self.too_long)
 
 
-def make_score_fn(model_config: TransformerConfig, *, num_valid_ids: int | None = None,
-                  mesh=None) -> Callable:
+def make_score_fn(model_config: TransformerConfig | tuple[TransformerConfig, ...], *,
+                  num_valid_ids: int | None = None, mesh=None) -> Callable:
     """A jitted score(params, inputs_BS, targets_BT) -> float32[B], each row's log_prob (targets
     end in EOS, then PAD). With a mesh, each device scores its own rows (as inference's predict);
-    rows must divide by mesh.size."""
-    config = model_config.replace(deterministic=True, decode=False)
+    rows must divide by mesh.size. An ensemble (evaluate.py --score --ensemble): model_config a
+    tuple of its members' configs, params the tuple of theirs; each token's log-probability is
+    the mean of the members' (over the vocabulary rows all have), as its beam search reads it."""
+    configs = model_config if isinstance(model_config, tuple) else (model_config,)
+    configs = tuple(c.replace(deterministic=True, decode=False) for c in configs)
 
-    def score(params, inputs_BS, targets_BT):
+    def member_log_probs(config, params, inputs_BS, targets_BT):
         logits_BTV = Transformer(config).apply({'params': params}, inputs_BS, targets_BT)
         logits_BTV = logits_BTV.astype(jnp.float32)
         if num_valid_ids is not None and num_valid_ids < logits_BTV.shape[-1]:
             valid_V = jnp.arange(logits_BTV.shape[-1]) < num_valid_ids  # as predict masks them
             logits_BTV = jnp.where(valid_V, logits_BTV, -1e9)
-        log_probs_BTV = jax.nn.log_softmax(logits_BTV)
+        return jax.nn.log_softmax(logits_BTV)
+
+    def score(params, inputs_BS, targets_BT):
+        members = params if isinstance(model_config, tuple) else (params,)
+        log_probs = [member_log_probs(c, p, inputs_BS, targets_BT)
+                     for c, p in zip(configs, members, strict=True)]
+        V = min(lp.shape[-1] for lp in log_probs)
+        log_probs_BTV = jnp.mean(jnp.stack([lp[..., :V] for lp in log_probs]), axis=0)
         token_BT = jnp.take_along_axis(log_probs_BTV, targets_BT[..., None], axis=-1)[..., 0]
         return jnp.sum(jnp.where(targets_BT != PAD_ID, token_BT, 0.0), axis=1)
 
@@ -171,38 +181,54 @@ def _read_lines(path: str) -> list[str]:
 
 def run(config, workdir, *, input_path: str, references_path: str, output_path: str = '-',
         step: int | None = None, average_last: int = 0, echo: Callable[[str], None] = print,
-        devices=None) -> Scores:
-    """evaluate.py --score: one checkpoint (--step, --average_last or the latest) scores the
-    pairs of two line-aligned files; the TSV goes to output_path ('-': stdout), from process 0."""
+        devices=None, weights: str = 'auto', ensemble: str = '') -> Scores:
+    """evaluate.py --score: one checkpoint (--step, --average_last or the latest; its EMA or raw
+    weights as evaluation's), or an ensemble's members ('DIR_OR_STEP,...', t2t/eval/ensemble.py),
+    scores the pairs of two line-aligned files; the TSV goes to output_path ('-': stdout), from
+    process 0."""
     from t2t.eval import checkpoints as eval_checkpoints
+    from t2t.eval import ensemble as ensembles
     from t2t.eval import evaluation
     from t2t.infra import workdir as wd
-    from t2t.run import startup
+    from t2t.run import checkpoint_read, startup
 
     startup.check_lengths(config)
     if not workdir:
         raise eval_checkpoints.EvalError('--workdir is required')
     if not input_path or input_path == '-' or not references_path:
         raise eval_checkpoints.EvalError('--score needs --input=FILE and --references=FILE')
+    if ensemble and (step is not None or average_last):
+        raise eval_checkpoints.EvalError('--ensemble names its members: it takes no --step or '
+                                   '--average_last')
     try:
         sources, targets = _read_lines(input_path), _read_lines(references_path)
     except (OSError, UnicodeDecodeError) as e:
         raise eval_checkpoints.EvalError(f'--score: {e}') from e
     if len(sources) != len(targets):
         raise eval_checkpoints.EvalError(f'--input {input_path} has {len(sources)} lines but '
-                                         f'--references {references_path} has {len(targets)}')
-    ((label, steps),) = eval_checkpoints.select(workdir, step=step, average_last=average_last)
+                                   f'--references {references_path} has {len(targets)}')
     tokenizer = evaluation.workdir_tokenizer(config, workdir)
-    evaluation.check_vocabulary(workdir, steps, tokenizer, label)
-    model_config = TransformerConfig.from_config(config)
     mesh = sharding.make_mesh((-1, 1, 1), devices)
-    params = eval_checkpoints.load_params(workdir, steps, scan_layers=config.scan_layers)
-    eval_checkpoints.check_params(params, model_config, tokenizer, label)
-    params = sharding.put_global(params, sharding.replicated(mesh))
+    if ensemble:
+        members = ensembles.resolve(config, workdir, ensemble, tokenizer, weights)
+        label = ensembles.label(members)
+        model_config = ensembles.model_configs(members)
+        max_len = min(c.max_position for c in model_config)  # every member's table holds it
+        params = ensembles.load_params(config, members, tokenizer, mesh)
+    else:
+        ((label, steps),) = eval_checkpoints.select(workdir, step=step, average_last=average_last)
+        evaluation.check_vocabulary(workdir, steps, tokenizer, label)
+        model_config = TransformerConfig.from_config(config)
+        max_len = config.max_position
+        used = checkpoint_read.choose_weights(workdir, steps[-1], weights)
+        label = eval_checkpoints.weights_label(label, used)
+        params = eval_checkpoints.load_params(workdir, steps, scan_layers=config.scan_layers,
+                                        weights=used)
+        eval_checkpoints.check_params(params, model_config, tokenizer, label)
+        params = sharding.put_global(params, sharding.replicated(mesh))
     score = make_score_fn(model_config, num_valid_ids=tokenizer.vocab_size, mesh=mesh)
-    scores = score_pairs(score, params, tokenizer, sources, targets, max_len=config.max_position,
-                         token_budget=max(translate.DEFAULT_TOKEN_BUDGET, config.max_position),
-                         mesh=mesh)
+    scores = score_pairs(score, params, tokenizer, sources, targets, max_len=max_len,
+                         token_budget=max(translate.DEFAULT_TOKEN_BUDGET, max_len), mesh=mesh)
     if jax.process_index() == 0:
         text = tsv(scores)
         if output_path == '-':
@@ -210,5 +236,5 @@ def run(config, workdir, *, input_path: str, references_path: str, output_path: 
             sys.stdout.flush()
         else:
             wd.write_atomic(wd.path(output_path), text)
-        echo(f'== {label}: {report(scores, config.max_position)}')
+        echo(f'== {label}: {report(scores, max_len)}')
     return scores
