@@ -179,7 +179,6 @@ def workdir_tokenizer(config, workdir):
     """The vocabulary WORKDIR was trained with (its vocab.model, written by its first run); for a
     workdir from before t2t kept that copy, the config's prepared vocabulary. Never trains one."""
     from t2t import data
-    from t2t.data import identity
 
     try:
         if config.dataset == 'recall':  # fixed symbols: nothing trained, nothing to pin
@@ -198,8 +197,6 @@ def workdir_tokenizer(config, workdir):
 
 def check_vocabulary(workdir, steps: list[int], tokenizer, label: str) -> None:
     """The tokenizer is the one checkpoint `steps[-1]` was trained with (when it recorded it)."""
-    from t2t.data import identity
-
     saved = checkpoint_read.read_metadata(workdir, steps[-1]).get(identity.DATA_KEY)
     if saved and saved['vocab_sha256'] != identity.vocab_digest(tokenizer):
         raise EvalError(
