@@ -185,6 +185,15 @@ def test_loop_extra_puts_back_what_a_once_counted_loop_body_leaves_out():
     assert estimate.seconds == 3e-3 and estimate.scale == pytest.approx(1.5)
     # MFU it implies: model FLOPs / time / (devices x 197 TFLOP/s).
     assert estimate.mfu(1e12, 4) == pytest.approx(1e12 / 3e-3 / (4 * 197e12))
+    # XLA's number is not always a time (negative for base and big on v5e): no estimate, said.
+    roofline = cost.Roofline('v5e', 1e9, 1e6, 1e5)
+    bad = aot.Compiled(None, 0.0, 1.0, roofline=roofline, xla_optimal_seconds=-47.0)
+    assert cost.estimate_lines(bad, 4, 1e12) == [
+        '  XLA ESTIMATE of the step time: none (its cost_analysis gave optimal_seconds -47, '
+        'not a time)']
+    good = aot.Compiled(None, 0.0, 1.0, roofline=roofline, xla_optimal_seconds=2e-3,
+                        estimate=estimate)
+    assert cost.estimate_lines(good, 4)[0].endswith('= 3 ms')
 
 
 def test_token_values_of_multi_slice_programs_hold_no_bytes():

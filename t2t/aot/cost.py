@@ -23,6 +23,7 @@ estimate is XLA's number.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 from t2t.aot import hlo
@@ -169,6 +170,11 @@ def estimate_lines(compiled, devices: int, model_flops: float | None = None,
     the MFU it implies and the MFU the roofline bound allows (none without an estimate)."""
     e = compiled.estimate
     if e is None:
+        opt = getattr(compiled, 'xla_optimal_seconds', math.nan)
+        if compiled.roofline is not None and math.isfinite(opt):
+            # Seen for base and big on v5e: a negative sum, some op's cost not a time.
+            return [f'  XLA ESTIMATE of the {run} time: none (its cost_analysis gave '
+                    f'optimal_seconds {opt:.4g}, not a time)']
         return []
     line = (f'  XLA ESTIMATE of the {run} time (its cost model, not a measurement): '
             f'optimal_seconds {_ms(e.optimal_seconds)} (each loop body once) + loops\' other '
