@@ -3,13 +3,10 @@
     .venv/bin/python bench/cpu_vs_flax.py                      # all three comparisons
     .venv/bin/python bench/cpu_vs_flax.py --what train --rounds 7
 
-The peer is google/flax examples/wmt (models.py, decode.py) kept verbatim in .peer/flax_wmt/
-(git-ignored: peer code is never committed; flax's source distribution on PyPI ships it:
-`pip download flax==<version> --no-deps --no-binary :all:`, then examples/wmt/). Its train step
-is train.py's train_step as bench/peers_gpu.py runs it (jit instead of pmap, loss as
-compute_weighted_cross_entropy with label smoothing 0.1, Adam(0.9, 0.98, 1e-9), dropout 0.1 and
-attention dropout 0.1 as in its config); its beam search is train.py's predict_step (encoder once,
-beams expanded, decode.beam_search with EOS disabled).
+The peer is google/flax examples/wmt (models.py, decode.py) kept verbatim in .peer/flax_wmt/, its
+train step and beam search as bench/benchlib.py writes them for every benchmark (bench/peers_gpu.py
+too): train.py's train_step (jit instead of pmap, label smoothing 0.1, Adam(0.9, 0.98, 1e-9),
+dropout and attention dropout 0.1 as in its config) and predict_step (EOS disabled).
 
 Same dims and batch for both (the CPU comparison shape): d_model 256, 4 heads, d_ff 1024, 3+3
 layers, vocab 8000, float32, 64 sentence pairs x 64 tokens with padding (train_speed.make_batch,
@@ -30,7 +27,6 @@ machine for the record.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -44,112 +40,41 @@ sys.path.insert(0, os.path.join(ROOT, 'bench'))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
+from benchlib import (  # noqa: E402
+    emit,
+    flax_peer_config,
+    flax_peer_params,
+    flax_peer_predict,
+    flax_peer_state,
+    flax_peer_train_step,
+    load_flax_peer,
+    time_calls,
+)
 from decode_speed import NO_EOS, build_predict, decode_src  # noqa: E402
 from train_speed import MODELS, build_train_step, make_batch, versions  # noqa: E402
 
-PEER_DIR = os.path.join(ROOT, '.peer', 'flax_wmt')
 SHAPE = MODELS['CPU']
 
 
-def load_peer():
-    if not os.path.isfile(os.path.join(PEER_DIR, 'models.py')):
-        raise SystemExit(f'{PEER_DIR}/models.py is missing: put flax examples/wmt there '
-                         '(models.py, decode.py; see this file\'s docstring)')
-    sys.path.insert(0, PEER_DIR)
-    import decode as peer_decode
-    import models as peer_models
-    return peer_models, peer_decode
-
-
-def peer_config(models, shape, vocab, **kw):
-    d, h, ff, layers = shape
-    return models.TransformerConfig(
-        vocab_size=vocab, output_vocab_size=vocab, share_embeddings=True,
-        logits_via_embedding=True, dtype=jnp.float32, emb_dim=d, num_heads=h,
-        num_layers=layers, qkv_dim=d, mlp_dim=ff, max_len=512, dropout_rate=0.1,
-        attention_dropout_rate=0.1, **kw)
-
-
 def peer_train_step(models, shape, vocab, batch):
-    """(jitted step, state, key): flax examples/wmt train.train_step as peers_gpu.py runs it."""
-    from flax import linen as nn
-    from flax.training import common_utils, train_state
-
-    config = peer_config(models, shape, vocab, deterministic=False, decode=False)
-    init_config = config.replace(deterministic=True)
-    ones = jnp.ones((2, batch['inputs'].shape[1]), jnp.float32)
-    params = jax.jit(models.Transformer(init_config).init)(jax.random.key(0), ones, ones)['params']
-
-    def xent(logits, targets, weights, label_smoothing):  # train.compute_weighted_cross_entropy
-        v = logits.shape[-1]
-        conf, low = 1.0 - label_smoothing, label_smoothing / (v - 1)
-        norm = -(conf * jnp.log(conf) + (v - 1) * low * jnp.log(low + 1e-20))
-        soft = common_utils.onehot(targets, v, on_value=conf, off_value=low)
-        loss = -jnp.sum(soft * nn.log_softmax(logits), axis=-1) - norm
-        return (loss * weights).sum() / weights.sum()
-
-    def train_step(state, batch, dropout_rng):
-        inputs, targets = batch['inputs'], batch['targets']
-        weights = jnp.where(targets > 0, 1, 0).astype(jnp.float32)
-        dropout_rng = jax.random.fold_in(dropout_rng, state.step)
-
-        def loss_fn(params):
-            logits = models.Transformer(config).apply({'params': params}, inputs, targets,
-                                                      rngs={'dropout': dropout_rng})
-            return xent(logits, targets, weights, 0.1)
-
-        loss, grads = jax.value_and_grad(loss_fn)(state.params)
-        return state.apply_gradients(grads=grads), loss
-
-    state = train_state.TrainState.create(
-        apply_fn=models.Transformer(config).apply, params=params,
-        tx=optax.adam(1e-3, b1=0.9, b2=0.98, eps=1e-9))
-    return jax.jit(train_step, donate_argnums=(0,)), state, jax.random.key(1)
+    """(jitted step, state, key): flax examples/wmt's train.train_step (bench/benchlib.py)."""
+    config = flax_peer_config(models, shape, vocab, 'float32', deterministic=False, decode=False)
+    length = batch['inputs'].shape[1]
+    state = flax_peer_state(models, config, flax_peer_params(models, config, length, length))
+    return (jax.jit(flax_peer_train_step(models, config), donate_argnums=(0,)), state,
+            jax.random.key(1))
 
 
 def peer_predict(models, decode, args):
     """(jitted predict(inputs, params, cache), params, inputs, init_cache): train.predict_step."""
-    config = peer_config(models, SHAPE, args.vocab, deterministic=True, decode=True)
-    beams, max_decode_len = args.beams, args.new_tokens + 1  # slot 0 holds the start token
+    config = flax_peer_config(models, SHAPE, args.vocab, 'float32', deterministic=True,
+                              decode=True)
+    max_decode_len = args.new_tokens + 1  # slot 0 holds the start token
     inputs = jnp.asarray(decode_src(args.batch, args.src_len, args.vocab), jnp.int32)
-    init_m = models.Transformer(config.replace(decode=False))
-    ones = lambda n: jnp.ones((2, n), jnp.float32)
-    params = jax.jit(init_m.init)(jax.random.key(0), ones(inputs.shape[1]),
-                                  ones(max_decode_len))['params']
-
-    def initialize_cache(inputs):  # train.initialize_cache
-        target_shape = (inputs.shape[0], max_decode_len) + inputs.shape[2:]
-        return models.Transformer(config).init(jax.random.key(0),
-                                               jnp.ones(inputs.shape, config.dtype),
-                                               jnp.ones(target_shape, config.dtype))['cache']
-
-    def predict_step(inputs, params, cache):  # train.predict_step, EOS disabled
-        encoded = decode.flat_batch_beam_expand(models.Transformer(config).apply(
-            {'params': params}, inputs, method=models.Transformer.encode), beams)
-        raw_inputs = decode.flat_batch_beam_expand(inputs, beams)
-
-        def tokens_ids_to_logits(flat_ids, flat_cache):
-            flat_logits, new_vars = models.Transformer(config).apply(
-                {'params': params, 'cache': flat_cache}, encoded, raw_inputs, flat_ids,
-                mutable=['cache'], method=models.Transformer.decode)
-            return flat_logits.squeeze(axis=1), new_vars['cache']
-
-        seqs, _ = decode.beam_search(inputs, cache, tokens_ids_to_logits, beam_size=beams,
-                                     alpha=0.6, eos_id=NO_EOS, max_decode_len=max_decode_len)
-        return seqs[:, -1, 1:]
-
-    return jax.jit(predict_step), params, inputs, jax.jit(initialize_cache)
-
-
-def timed(fn, n):
-    """[(wall s, process CPU s)] of n synced calls."""
-    ts = []
-    for _ in range(n):
-        t0, c0 = time.perf_counter(), time.process_time()
-        fn()
-        ts.append((time.perf_counter() - t0, time.process_time() - c0))
-    return ts
+    params = flax_peer_params(models, config, inputs.shape[1], max_decode_len)
+    predict, initialize_cache = flax_peer_predict(models, decode, config, args.beams,
+                                                  max_decode_len, NO_EOS)
+    return jax.jit(predict), params, inputs, jax.jit(initialize_cache)
 
 
 def alternate(runs: dict, rounds: int, steps: int) -> dict:
@@ -159,7 +84,7 @@ def alternate(runs: dict, rounds: int, steps: int) -> dict:
     per_round = {n: [] for n in names}
     for r in range(rounds):
         for n in (names if r % 2 == 0 else names[::-1]):
-            ts = timed(runs[n], steps)
+            ts = time_calls(runs[n], steps, cpu=True)
             times[n] += ts
             per_round[n].append(statistics.median(t for t, _ in ts))
     return times, per_round
@@ -180,8 +105,7 @@ def report(kind: str, times, per_round, extra: dict) -> dict:
                cpu_time_ratio=round(cpu_t2t / cpu_peer, 3),
                n_each=len(times['t2t']), loadavg=[round(x, 2) for x in os.getloadavg()],
                **extra)
-    print('RESULT ' + json.dumps(rec), flush=True)
-    return rec
+    return emit('cpu_vs_flax', kind, **rec)
 
 
 def compare_train(models, args):
@@ -300,7 +224,7 @@ def main(argv=None) -> int:
     ap.add_argument('--loss_chunk_len', type=int, default=32)
     ap.add_argument('--rng_impl', default='threefry')
     args = ap.parse_args(argv)
-    models, decode = load_peer()
+    models, decode = load_flax_peer()
     print(f'# cpu_vs_flax: {versions()}, {jax.devices()}, loadavg {os.getloadavg()}',
           flush=True)
     what = args.what.split(',')

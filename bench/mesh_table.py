@@ -27,7 +27,16 @@ total (t2t.aot.tpu.Memory.total) in GiB and whether the total fits the chip's HB
 t2t.aot.tpu.HBM_MARGIN; the collectives' operand bytes (t2t/aot/hlo.py, loops by trip count; of them
 in loops); the roofline LOWER BOUND's terms (t2t.aot.tpu.Roofline: matmul FLOPs / bf16 peak, HBM
 bytes / HBM bandwidth, collective bytes / ICI bandwidth) and the bound; and the resulting
-upper bound of throughput, target tokens per step / bound / chips. Bounds, not measurements.
+upper bound of throughput, target tokens per step / bound / chips, with the MFU the bound
+allows (t2t/flops.py's FLOPs / bound / peak of the chips: an upper bound). Then XLA's ESTIMATE
+(t2t/aot/cost.py: the TPU compiler's cost model, cost_analysis' optimal_seconds with each loop
+body once, plus the loops' other trips; loop_scale = the estimate / XLA's number), the MFU it
+implies and the tokens/s per chip it implies. Bounds and estimates, not measurements. On the
+DCN rows the estimate is XLA's model of the per-device program as compiled, whatever it makes
+of the DCN sends.
+
+--breakdown FILE.hlo.gz (a row's HLO kept with --hlo_dir): where that step's bytes go, HBM and
+collective bytes per traced operation (t2t.aot.cost.breakdown), the largest groups as a table.
 
 --tiny: configs/tiny.py on v5e:2x2 with two meshes, for the test that keeps this script working;
 --tiny_dcn: the same on two v5e:2x2 slices over DCN.
@@ -54,7 +63,8 @@ COLUMNS = ('config', 'slice', 'chips', 'mesh_name', 'mesh', 'rows', 'target_toke
            'status', 'argument_gib', 'temp_gib', 'total_gib', 'hbm_gib', 'fits',
            'collective_gb', 'collective_gb_in_loops', 'collective_kinds',
            'compute_ms', 'memory_ms', 'collective_ms', 'bound_ms',
-           'tokens_per_s_per_chip_bound', 'compile_s')
+           'tokens_per_s_per_chip_bound', 'xla_estimate_ms', 'loop_scale', 'mfu_estimate_pct',
+           'mfu_bound_pct', 'tokens_per_s_per_chip_estimate', 'compile_s')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +111,59 @@ def full_plan() -> list[Row]:
     return out
 
 
+FLAX_PEER = 'flax_wmt'  # a config name prefix: flax examples/wmt's model at that config's dims
+
+
+def peer_plan(slice_name: str = 'v5e-16') -> list[Row]:
+    """t2t and flax examples/wmt (its data-parallel train step: parameters replicated, the batch
+    split, as its pmap does) at the paper's ~25k target tokens, base and big, on one slice: t2t
+    on the same data-parallel mesh and on fsdp x tensor."""
+    chips = aot_chips(slice_name)
+    out = []
+    for config in ('wmt14_ende_base', 'wmt14_ende_big'):
+        out += [Row(f'{FLAX_PEER}:{config}', slice_name, 'data (flax example)', (chips, 1, 1),
+                    PAPER_TOKENS),
+                Row(config, slice_name, 'data', (chips, 1, 1), PAPER_TOKENS),
+                Row(config, slice_name, 'fsdp x tensor', (1, chips // 4, 4), PAPER_TOKENS)]
+    return out
+
+
+def aot_chips(slice_name: str) -> int:
+    sys.path.insert(0, ROOT)
+    from t2t.aot import tpu as aot
+
+    return aot.parse_slice(slice_name).chips
+
+
+def compile_flax_peer(config, mesh):
+    """flax examples/wmt's train step (bench/benchlib.py) at config's dims, vocabulary and batch,
+    bf16 as its TPU runs: parameters and Adam state replicated, the batch split over the mesh's
+    data axis, the state donated; compiled and read as t2t's step is (t2t.aot.tpu.Compiled)."""
+    import benchlib
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from t2t.aot import tpu as aot
+
+    models, _ = benchlib.load_flax_peer()
+    shape = (config.d_model, config.num_heads, config.d_ff, config.num_encoder_layers)
+    peer = benchlib.flax_peer_config(models, shape, config.vocab_size, 'bfloat16',
+                                     deterministic=False, decode=False)
+    state = jax.eval_shape(lambda: benchlib.flax_peer_state(
+        models, peer, benchlib.flax_peer_params(models, peer, config.max_len, config.max_len)))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    split = NamedSharding(mesh, PartitionSpec('data'))
+    state = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), state)
+    batch = {k: jax.ShapeDtypeStruct((config.batch_size, config.max_len), 'int32', sharding=split)
+             for k in ('inputs', 'targets')}
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated)
+    step = jax.jit(benchlib.flax_peer_train_step(models, peer), donate_argnums=(0,),
+                   out_shardings=(jax.tree_util.tree_map(lambda x: x.sharding, state),
+                                  replicated))
+    return aot.with_roofline(aot.compile_jitted(step, state, batch, key), mesh)
+
+
 def tiny_plan(dcn: bool = False) -> list[Row]:
     if dcn:
         return [Row('tiny', 'v5e-4', 'dcn data x fsdp', (1, 4, 1), 512, (2, 1, 1))]
@@ -117,12 +180,14 @@ def measure(row: Row, hlo_dir: str = '') -> dict:
     import importlib
 
     sys.path.insert(0, ROOT)
-    from t2t import sharding
+    from t2t import flops, sharding
     from t2t.aot import tpu as aot
     from t2t.infra import platforms
     from t2t.run import startup
 
-    config = importlib.import_module(f'configs.{row.config}').get_config()
+    peer = row.config.startswith(FLAX_PEER + ':')
+    config = importlib.import_module(
+        f'configs.{row.config.split(":")[-1]}').get_config()
     slices = math.prod(row.dcn)
     dp = tuple(a * b for a, b in zip(row.mesh, row.dcn, strict=True))
     rows = rows_for(row.tokens, config.max_len, dp)
@@ -143,7 +208,7 @@ def measure(row: Row, hlo_dir: str = '') -> dict:
             chips_per_host_bounds=tpu.chips_per_host_bounds, num_slices=slices).devices
         mesh = sharding.make_mesh(row.mesh, devices=devices, dcn_mesh_shape=row.dcn)
         startup.check_training_config(config, mesh)
-    train = aot.compile_train_step(config, mesh)
+    train = compile_flax_peer(config, mesh) if peer else aot.compile_train_step(config, mesh)
     if hlo_dir:
         import gzip
 
@@ -161,8 +226,9 @@ def measure(row: Row, hlo_dir: str = '') -> dict:
     if train.memory is None:
         out.update(status='compiler out of memory', fits='no')
         return out
-    m, r = train.memory, train.roofline
+    m, r, e = train.memory, train.roofline, train.estimate
     bound = r.seconds
+    model_flops = flops.config_flops_per_step(config)
     kinds = {k: _sig((c.bytes + c.in_loops_bytes) / 1e9)
              for k, c in train.collectives.items() if c.count or c.in_loops_count}
     if slices > 1:
@@ -177,7 +243,12 @@ def measure(row: Row, hlo_dir: str = '') -> dict:
         collective_kinds=' '.join(f'{k}={v}' for k, v in sorted(kinds.items())),
         compute_ms=_sig(r.compute_s * 1e3), memory_ms=_sig(r.memory_s * 1e3),
         collective_ms=_sig(r.collective_s * 1e3), bound_ms=_sig(bound * 1e3),
-        tokens_per_s_per_chip_bound=round(rows * config.max_len / bound / chips))
+        tokens_per_s_per_chip_bound=round(rows * config.max_len / bound / chips),
+        mfu_bound_pct=_sig(100 * r.mfu(model_flops, chips)))
+    if e is not None:
+        out.update(xla_estimate_ms=_sig(e.seconds * 1e3), loop_scale=_sig(e.scale),
+                   mfu_estimate_pct=_sig(100 * e.mfu(model_flops, chips)),
+                   tokens_per_s_per_chip_estimate=round(rows * config.max_len / e.seconds / chips))
     return out
 
 
@@ -194,6 +265,31 @@ def dcn_send_bytes(text: str) -> float:
             if i.opcode == 'send' and 'megascale' in i.attributes:
                 total += times * (hlo.shape_bytes(i.shape) - 4)
     return total
+
+
+def breakdown_table(path: str, top: int) -> str:
+    """A markdown table of the largest byte groups of a kept HLO (t2t.aot.cost.breakdown), with
+    the totals (which the groups sum to) and the share of each."""
+    import gzip
+
+    sys.path.insert(0, ROOT)
+    from t2t.aot import cost
+
+    with gzip.open(path, 'rt') if path.endswith('.gz') else open(path) as f:
+        shares = cost.breakdown(f.read())
+    memory = sum(s.memory_bytes for s in shares)
+    collective = sum(s.collective_bytes for s in shares)
+    lines = [f'{os.path.basename(path)}: per device per step, HBM {memory / 1e9:.4g} GB, '
+             f'collectives {collective / 1e9:.4g} GB (loops by trip count)', '',
+             '| ops | HBM GB | % of HBM | collective GB | % of collectives | of it in loops GB | '
+             'opcode and traced operation |', '|---|---|---|---|---|---|---|']
+    for s in shares[:top]:
+        lines.append(f'| {s.ops} | {s.memory_bytes / 1e9:.4g} | '
+                     f'{100 * s.memory_bytes / max(memory, 1):.1f} | '
+                     f'{s.collective_bytes / 1e9:.4g} | '
+                     f'{100 * s.collective_bytes / max(collective, 1):.1f} | '
+                     f'{s.in_loops_bytes / 1e9:.4g} | `{s.key[:160]}` |')
+    return '\n'.join(lines)
 
 
 def _sig(x: float) -> float:
@@ -267,11 +363,27 @@ def main(argv=None) -> int:
     ap.add_argument('--timeout', type=int, default=3600, help='seconds per compile')
     ap.add_argument('--nice', type=int, default=19)
     ap.add_argument('--hlo_dir', default='', help='keep each compiled HLO text here (gzip)')
+    ap.add_argument('--peer', action='store_true',
+                    help='t2t against flax examples/wmt on v5e-16 (needs .peer/flax_wmt/)')
+    ap.add_argument('--paper_only', action='store_true',
+                    help='only the rows at the paper\'s ~25k target tokens a step')
+    ap.add_argument('--mesh_name', default='', help='only the rows of this mesh (e.g. fsdp)')
+    ap.add_argument('--breakdown', default='', help='no compile: where the bytes of a kept HLO '
+                    'go (see above)')
+    ap.add_argument('--top', type=int, default=15, help='with --breakdown: groups shown')
     ap.add_argument('--child', default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         return child_main(args.child)
-    plan = tiny_plan(args.tiny_dcn) if args.tiny or args.tiny_dcn else full_plan()
+    if args.breakdown:
+        print(breakdown_table(args.breakdown, args.top))
+        return 0
+    plan = (tiny_plan(args.tiny_dcn) if args.tiny or args.tiny_dcn else
+            peer_plan() if args.peer else full_plan())
+    if args.paper_only:
+        plan = [r for r in plan if r.tokens == PAPER_TOKENS]
+    if args.mesh_name:
+        plan = [r for r in plan if r.mesh_name == args.mesh_name]
     done = done_keys(args.out + '.csv')
     todo = [r for r in plan if (r.config, r.slice, r.mesh_label, str(r.tokens)) not in done]
     if args.only:

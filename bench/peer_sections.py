@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 
+import benchlib
 from peers_common import (
     NO_EOS,
     decode_metrics,
@@ -28,7 +29,6 @@ from peers_common import (
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PEER_DIR = os.path.join(ROOT, '.peer', 'flax_wmt')  # as bench/cpu_vs_flax.py
 
 
 # hw
@@ -294,20 +294,16 @@ def section_jax(cfg, tiny):
     import jax.numpy as jnp
     import numpy as np
     import optax
-    from flax import linen as nn
-    from flax.training import common_utils, train_state
 
-    if not os.path.isfile(os.path.join(PEER_DIR, 'models.py')):
+    if not os.path.isfile(os.path.join(benchlib.PEER_DIR, 'models.py')):
         emit(
             'jax',
             'peer_files',
             status='error',
-            error=f'missing {PEER_DIR}/models.py, decode.py (bench/README.md)',
+            error=f'missing {benchlib.PEER_DIR}/models.py, decode.py (bench/README.md)',
         )
         return
-    sys.path.insert(0, PEER_DIR)
-    import decode
-    import models  # google/flax examples/wmt, verbatim
+    models, decode = benchlib.load_flax_peer()  # google/flax examples/wmt, verbatim
 
     V, B, S = cfg['vocab'], cfg['batch'], cfg['seq']
     version = f'jax {jax.__version__} flax {flax.__version__} optax {optax.__version__}'
@@ -326,78 +322,21 @@ def section_jax(cfg, tiny):
         )
         return
 
-    def model_cfg(
-        name, **kw
-    ):  # as train.py builds it, but bf16 (the example picks fp16 + loss scaling on GPU)
-        d, h, ff, layers = cfg['models'][name]
-        return models.TransformerConfig(
-            vocab_size=V,
-            output_vocab_size=V,
-            share_embeddings=True,
-            logits_via_embedding=True,
-            dtype=jnp.bfloat16,
-            emb_dim=d,
-            num_heads=h,
-            num_layers=layers,
-            qkv_dim=d,
-            mlp_dim=ff,
-            max_len=512,
-            dropout_rate=0.1,
-            attention_dropout_rate=0.1,
-            **kw,
-        )
-
-    def init_params(
-        config, src_len, tgt_len
-    ):  # as train.py: jit(m.init) with the eval config (batch 2 suffices)
-        m = models.Transformer(config.replace(deterministic=True, decode=False))
-        ones = lambda n: jnp.ones((2, n), jnp.float32)
-        return jax.jit(m.init)(jax.random.key(0), ones(src_len), ones(tgt_len))['params']
-
-    def xent(
-        logits, targets, weights, label_smoothing
-    ):  # train.compute_weighted_cross_entropy, as a mean
-        vocab = logits.shape[-1]
-        conf, low = 1.0 - label_smoothing, label_smoothing / (vocab - 1)
-        norm = -(conf * jnp.log(conf) + (vocab - 1) * low * jnp.log(low + 1e-20))
-        soft = common_utils.onehot(targets, vocab, on_value=conf, off_value=low)
-        loss = -jnp.sum(soft * nn.log_softmax(logits), axis=-1) - norm
-        return (loss * weights).sum() / weights.sum()
-
-    def train_step(
-        state, batch, dropout_rng, config
-    ):  # train.train_step under jit (no pmap, no metrics)
-        inputs, targets = batch['inputs'], batch['targets']
-        weights = jnp.where(targets > 0, 1, 0).astype(jnp.float32)
-        dropout_rng = jax.random.fold_in(dropout_rng, state.step)
-
-        def loss_fn(params):
-            logits = models.Transformer(config).apply(
-                {'params': params}, inputs, targets, rngs={'dropout': dropout_rng}
-            )
-            return xent(logits, targets, weights, 0.1)
-
-        loss, grads = jax.value_and_grad(loss_fn)(state.params)
-        return state.apply_gradients(grads=grads), loss
-
     def train(name):
         gc.collect()
         d, h, ff, layers = cfg['models'][name]
-        config = model_cfg(name, deterministic=False, decode=False)
-        params = init_params(config, S, S)
+        config = benchlib.flax_peer_config(models, cfg['models'][name], V, 'bfloat16',
+                                           deterministic=False, decode=False)
+        params = benchlib.flax_peer_params(models, config, S, S)
         n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
-        state = train_state.TrainState.create(
-            apply_fn=models.Transformer(config).apply,
-            params=params,
-            tx=optax.adam(1e-3, b1=0.9, b2=0.98, eps=1e-9),
-        )
+        state = benchlib.flax_peer_state(models, config, params)
         rng = np.random.default_rng(0)
         batch = {
             k: jnp.asarray(rng.integers(3, V, (B, S), dtype=np.int32))
             for k in ('inputs', 'targets')
         }
         key, t0 = jax.random.key(1), time.time()
-        step_fn = jax.jit(functools.partial(train_step, config=config), donate_argnums=(0,))
+        step_fn = jax.jit(benchlib.flax_peer_train_step(models, config), donate_argnums=(0,))
         compiled = step_fn.lower(state, batch, key).compile()
         compile_s, box = time.time() - t0, {'state': state}
         del state, params
@@ -422,49 +361,13 @@ def section_jax(cfg, tiny):
 
     def beam():
         gc.collect()
-        config = model_cfg('BASE', deterministic=True, decode=True)
-        beams, max_decode_len = cfg['beams'], cfg['dec_new'] + 1  # slot 0 holds the start token
+        config = benchlib.flax_peer_config(models, cfg['models']['BASE'], V, 'bfloat16',
+                                           deterministic=True, decode=True)
+        max_decode_len = cfg['dec_new'] + 1  # slot 0 holds the start token
         inputs = jnp.asarray(decode_src(cfg), jnp.int32)
-        params = init_params(config, inputs.shape[1], max_decode_len)
-
-        def initialize_cache(inputs):  # train.initialize_cache
-            target_shape = (inputs.shape[0], max_decode_len) + inputs.shape[2:]
-            return models.Transformer(config).init(
-                jax.random.key(0),
-                jnp.ones(inputs.shape, config.dtype),
-                jnp.ones(target_shape, config.dtype),
-            )['cache']
-
-        def predict_step(inputs, params, cache):  # train.predict_step under jit, eos disabled
-            encoded = decode.flat_batch_beam_expand(
-                models.Transformer(config).apply(
-                    {'params': params}, inputs, method=models.Transformer.encode
-                ),
-                beams,
-            )
-            raw_inputs = decode.flat_batch_beam_expand(inputs, beams)
-
-            def tokens_ids_to_logits(flat_ids, flat_cache):
-                flat_logits, new_vars = models.Transformer(config).apply(
-                    {'params': params, 'cache': flat_cache},
-                    encoded,
-                    raw_inputs,
-                    flat_ids,
-                    mutable=['cache'],
-                    method=models.Transformer.decode,
-                )
-                return flat_logits.squeeze(axis=1), new_vars['cache']
-
-            seqs, _ = decode.beam_search(
-                inputs,
-                cache,
-                tokens_ids_to_logits,
-                beam_size=beams,
-                alpha=0.6,
-                eos_id=NO_EOS,
-                max_decode_len=max_decode_len,
-            )
-            return seqs[:, -1, 1:]
+        params = benchlib.flax_peer_params(models, config, inputs.shape[1], max_decode_len)
+        predict_step, initialize_cache = benchlib.flax_peer_predict(
+            models, decode, config, cfg['beams'], max_decode_len, NO_EOS)
 
         init_cache, t0 = jax.jit(initialize_cache), time.time()
         cache = jax.block_until_ready(init_cache(inputs))

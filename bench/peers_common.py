@@ -1,16 +1,22 @@
 """Shapes, FLOP count, budget, timing and RESULT lines shared by the peer benchmarks.
 
 bench/peers_gpu.py runs the sections of bench/peer_sections.py with these helpers; the FLOPs formula
-(`train_flops_per_step`) is the one t2t/flops.py counts, so t2t's MFU compares with the peers'.
+is t2t/flops.py's `train_flops_per_step`, so t2t's MFU compares with the peers'. RESULT lines and
+the timing loop are bench/benchlib.py's.
 """
 
-import json
 import math
 import os
 import signal
 import statistics
+import sys
 import time
 import traceback
+
+import benchlib
+
+sys.path.insert(0, benchlib.ROOT)
+from t2t.flops import train_flops_per_step  # noqa: E402  (the one FLOPs formula)
 
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16 tensor-core peak, FLOP/s
 NO_EOS = -1  # a token id no model can emit: every beam search runs to its maximum length
@@ -50,54 +56,13 @@ TINY = dict(
 )
 
 
-def train_flops_per_step(batch, src_len, tgt_len, d, ff, n_enc, n_dec, vocab, causal_half=True):
-    """Analytic model FLOPs of ONE training step (forward + backward) of an encoder-decoder
-    Transformer.
-
-    Matmuls: a weight with P entries applied to N tokens costs 2PN FLOPs forward, 4PN backward
-    (gradients w.r.t. input and weight): 6PN per step.
-      encoder layer : self q,k,v,o (4 d^2) + FFN (2 d ff)                     x source tokens
-      decoder layer : self q,k,v,o (4 d^2) + cross q,o (2 d^2) + FFN (2 d ff) x target tokens
-                      cross k,v (2 d^2), projected from the encoder output     x source tokens
-      output proj.  : d x vocab (tied with the embedding)                     x target tokens
-    Not counted: embedding lookups, biases, LayerNorm, softmax, dropout, loss, optimizer.
-    Attention: per query token and layer, QK^T and AV cost 2Ld + 2Ld = 4Ld FLOPs forward for L
-    attended keys, x3 for forward+backward = 12Ld (the usual 12 * layers * seq * d_model per token):
-      encoder self-attn L = src_len;  decoder cross-attn L = src_len
-      decoder self-attn L = (tgt_len+1)/2 on average: causal, only the unmasked half is counted
-                        (causal_half=False gives the PaLM-style L = tgt_len)
-    Returns (total FLOPs, attention-only FLOPs).
-    """
-    src_tok, tgt_tok = batch * src_len, batch * tgt_len
-    params_x_tokens = (
-        n_enc * (4 * d * d + 2 * d * ff) * src_tok
-        + n_dec * (6 * d * d + 2 * d * ff) * tgt_tok
-        + n_dec * 2 * d * d * src_tok
-        + d * vocab * tgt_tok
-    )
-    dec_self_len = (tgt_len + 1) / 2 if causal_half else tgt_len
-    attn = 12 * d * (n_enc * src_len * src_tok + n_dec * (dec_self_len + src_len) * tgt_tok)
-    return 6 * params_x_tokens + attn, attn
-
-
 # reporting, budget, timing
 def emit(section, name, **fields):
-    rec = {
-        'section': section,
-        'name': name,
-        **{
-            k: float(f'{v:.4g}') if isinstance(v, float) and math.isfinite(v) else v
-            for k, v in fields.items()
-        },
-    }
-    line = json.dumps(rec, default=str)
-    print('RESULT ' + line, flush=True)
+    """benchlib.emit, the line appended to $ANCHOR_RESULTS and $OUT/anchors.jsonl when set."""
     out = os.environ.get('OUT')
-    for path in (os.environ.get('ANCHOR_RESULTS'), out and os.path.join(out, 'anchors.jsonl')):
-        if path:
-            with open(path, 'a') as f:
-                f.write(line + '\n')
-    return rec
+    return benchlib.emit(section, name, files=(os.environ.get('ANCHOR_RESULTS'),
+                                               out and os.path.join(out, 'anchors.jsonl')),
+                         **fields)
 
 
 def left():
@@ -145,15 +110,8 @@ def measure(section, name, need_s, fn):
 
 def time_runs(run, n, min_n=3):
     """Wall time of up to n calls of run() (which must end with a device sync); fewer near the
-    deadline."""
-    ts = []
-    for i in range(n):
-        if i >= min_n and left() < 10:
-            break
-        t0 = time.perf_counter()
-        run()
-        ts.append(time.perf_counter() - t0)
-    return ts
+    deadline (after min_n)."""
+    return benchlib.time_calls(run, n, stop=lambda i: i >= min_n and left() < 10)
 
 
 def train_metrics(ts, cfg, d, ff, layers):

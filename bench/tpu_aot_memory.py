@@ -1,49 +1,88 @@
 """Per-device memory of t2t's train step on a TPU slice, by ahead-of-time compile on this CPU.
 
-    flock /tmp/t2t-libtpu.lock timeout 900 .venv/bin/python bench/tpu_aot_memory.py \
-        --model big --per_chip 128 --len 256 --topology v5e:2x2 --model_kw remat=full
+    flock /tmp/t2t-libtpu.lock timeout 3600 .venv/bin/python bench/tpu_aot_memory.py \
+        --model big --per_chip 128 --len 256 --topology v5e:2x2 --set remat=full
 
-The train step (t2t.train_lib.train_step: label smoothing 0.1, Adam, bf16 compute, dropout) is
-lowered and compiled for the topology with XLA's TPU compiler from libtpu (no TPU needed, see
-docs/aot.md) on a (data=1, fsdp=chips, tensor=1) mesh, the state sharded as t2t derives
-it and donated. Prints one `RESULT {json}` line with the compiled memory analysis (per device:
-arguments, outputs, aliased, temporaries), XLA's cost_analysis FLOPs per device (each loop body
-once), the HLO's matmul FLOPs per device with loops counted (t2t/aot/hlo.py) and the compile time.
+The train step is the dry run's (t2t/aot/tpu.py: `aot.plan` and `aot.compile_train_step`, as
+`train.py --dry_run --topology` compiles it: the config's step, state sharded and donated),
+compiled with XLA's TPU compiler from libtpu (no TPU needed, see docs/aot.md). By default the
+config is configs/wmt14_ende_<model>.py with vocab 37000, --per_chip sentence pairs x --len
+tokens per chip on a (data=1, fsdp=chips, tensor=1) mesh; --config FILE takes a config file as
+it is (its mesh and batch) instead, and --set key=value (Python literals) changes config keys
+in either case (the levers: remat, scan_layers, loss_chunk_len, ...).
 
---code DIR imports t2t from another checkout (e.g. an older commit unpacked with `git archive`),
-so that the same script measures before and after a change. --model_kw / --step_kw pass extra
-TransformerConfig / StepConfig fields (key=value, Python literals) where the checkout has them.
-Compiling big takes minutes on 2 cores; run one at a time: libtpu allows one process.
+Prints one `RESULT {json}` line: the compiled memory analysis per device (arguments, outputs,
+aliased, temporaries, total), the compile time, and from the compiled HLO (read by this
+checkout's t2t/aot: the same reading before and after a change) XLA's cost_analysis FLOPs (each
+loop body once), the matmul FLOPs with loops counted, t2t/flops.py's count, each kind of
+collective, the HBM traffic, the roofline bound's terms and XLA's estimated step time with loops
+counted (t2t/aot/cost.py).
 
---config FILE --slice NAME measures instead the dry run's own train step (t2t/aot/tpu.py, as
-`train.py --dry_run --topology` compiles it: the config's mesh, batch_size and every other key)
-for a slice name such as v5e-16 or v4-8; --set key=value changes config keys. Besides the memory,
-the RESULT line then carries XLA's cost_analysis FLOPs, the HLO's matmul FLOPs with loops counted
-by trip count (t2t/aot/hlo.py) and t2t/flops.py's count, all per step, and per device: each kind of
-collective (outside and inside loops, times the trip counts), the HBM traffic, the roofline
-bound's terms (t2t/aot/tpu.py), XLA's bytes accessed and the rng-bit-generator ops' result types and
-bytes; --hlo_dir DIR keeps the compiled HLO text (gzip) for a later look at where the
-temporaries go. --hlo FILE --slice NAME prints the HLO numbers of a kept file without compiling
-(read by this checkout's t2t/aot/hlo.py: a before/after pair is read the same way).
-
-    flock /tmp/t2t-libtpu.lock timeout 900 .venv/bin/python bench/tpu_aot_memory.py \
-        --config configs/wmt14_ende_big.py --slice v5e-16 --set batch_size=128 scan_layers=False
+--code DIR compiles with another checkout's t2t and configs (e.g. an older commit unpacked with
+`git archive`), in a child process, so that the same script measures before and after a change.
+--hlo_dir DIR keeps the compiled HLO text (gzip); --hlo FILE --topology NAME prints the HLO
+numbers of a kept file without compiling. Compiling big takes minutes on 2 cores; run one at a
+time: libtpu allows one process.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
-import dataclasses
+import gzip
 import json
 import os
+import subprocess
 import sys
-import time
+import tempfile
 
-MODELS = {'base': (512, 8, 2048, 6), 'big': (1024, 16, 4096, 6)}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GIB = 1 << 30
+
+# The child: compiles with the checkout on its sys.path, writes the HLO text, prints its numbers.
+_CHILD = r'''
+import importlib.util, json, os, sys
+spec = json.loads(sys.argv[1])
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+os.environ.setdefault('TPU_SKIP_MDS_QUERY', '1')
+sys.path.insert(0, spec['code'])
+import jax
+try:
+    from t2t.aot import tpu as aot
+except ImportError:  # a checkout from before t2t/aot/
+    from t2t import aot
+from t2t import flops
+if spec['fast']:
+    jax.config.update('jax_exec_time_optimization_effort', -1.0)
+loader = importlib.util.spec_from_file_location('bench_config', spec['config'])
+module = importlib.util.module_from_spec(loader)
+loader.loader.exec_module(module)
+config = module.get_config()
+with config.unlocked():
+    for key, value in spec['set'].items():
+        config[key] = value
+    if spec['per_chip']:
+        config.batch_size = spec['per_chip'] * aot.parse_slice(spec['topology']).chips
+plan = aot.plan(config, spec['topology'])
+train = aot.compile_train_step(config, plan.mesh)
+m = train.memory
+with open(spec['hlo'], 'w') as f:
+    f.write(getattr(train, 'hlo_text', '') if m else '')
+print('CHILD ' + json.dumps(dict(
+    jax=jax.__version__, slice=plan.tpu.name, topology=plan.tpu.topology,
+    devices=plan.mesh.size, mesh=dict(plan.mesh.shape), batch_size=config.batch_size,
+    max_len=config.max_len, scan_layers=config.get('scan_layers'), remat=config.get('remat'),
+    compile_s=round(train.seconds, 1), out_of_memory=train.out_of_memory or None,
+    memory=m and dict(arguments=m.arguments, outputs=m.outputs, aliased=m.aliased,
+                      temporaries=m.temporaries, total=m.total),
+    xla_flops_per_device=train.flops_per_device,
+    xla_bytes_accessed=getattr(train, 'xla_bytes_accessed', None),
+    xla_optimal_seconds=getattr(train, 'xla_optimal_seconds', None),
+    t2t_flops=flops.config_flops_per_step(config))), flush=True)
+'''
 
 
-def parse_kw(items):
+def parse_kw(items) -> dict:
     out = {}
     for item in items:
         key, _, value = item.partition('=')
@@ -54,238 +93,130 @@ def parse_kw(items):
     return out
 
 
+def hlo_numbers(text: str, generation: str, optimal_seconds: float | None = None,
+                xla_bytes: float | None = None) -> dict:
+    """Per device per step, from the compiled HLO by this checkout's t2t/aot: the matmul FLOPs
+    with loops counted, the collectives (outside / inside loops, x trip counts), the HBM traffic,
+    the roofline bound's terms and, given XLA's optimal_seconds, its estimate with the loops
+    counted."""
+    import dataclasses
+
+    sys.path.insert(0, ROOT)
+    from t2t.aot import cost, hlo
+    from t2t.aot import memory as hlo_memory
+    from t2t.aot import tpu as aot
+
+    module = hlo.parse(text)
+    collectives = hlo.collectives(module)
+    coll = sum(c.bytes + c.in_loops_bytes for c in collectives.values())
+    chip = aot.CHIPS[generation].spec.name
+    r = cost.Roofline(chip, hlo.matmul_flops(module), hlo_memory.memory_bytes(module), coll)
+    out = dict(hlo_matmul_flops_per_device=r.flops,
+               collectives={k: dataclasses.asdict(c) for k, c in collectives.items()
+                            if c.count or c.in_loops_count},
+               collective_bytes=coll,
+               collective_bytes_in_loops=sum(c.in_loops_bytes for c in collectives.values()),
+               memory_bytes=r.memory_bytes,
+               roofline=dict(compute_ms=r.compute_s * 1e3, memory_ms=r.memory_s * 1e3,
+                             collective_ms=r.collective_s * 1e3, bound_ms=r.seconds * 1e3),
+               unknown_loops=sum(n is None for n in hlo.while_trip_counts(module).values()))
+    if optimal_seconds and optimal_seconds > 0:  # negative: not a time (base, big on v5e)
+        e = cost.estimate(module, chip, optimal_seconds, xla_bytes or 0.0)
+        out.update(xla_optimal_ms=optimal_seconds * 1e3, loop_scale=e.scale,
+                   xla_estimate_ms=e.seconds * 1e3)
+    return out
+
+
+def _with_mfu(result: dict) -> dict:
+    """result with the MFU the roofline bound allows and the one XLA's estimate implies
+    (t2t/flops.py's FLOPs / time / peak of the devices)."""
+    flops, devices = result.get('t2t_flops'), result.get('devices')
+    if not (flops and devices):
+        return result
+    peak = {'bound_ms': result.get('roofline', {}).get('bound_ms'),
+            'xla_estimate_ms': result.get('xla_estimate_ms')}
+    sys.path.insert(0, ROOT)
+    from t2t.aot import tpu as aot
+
+    chip = aot.parse_slice(result['topology']).chip.spec
+    for key, ms in peak.items():
+        if ms:
+            result[f'mfu_{key[:-3]}_pct'] = 100 * flops / (ms / 1e3) / (
+                devices * chip.peak_bf16_flops)
+    return result
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument('--model', default='big', choices=tuple(MODELS))
+    ap.add_argument('--model', default='big', choices=('base', 'big'))
     ap.add_argument('--per_chip', type=int, default=128, help='sentence pairs per chip')
     ap.add_argument('--len', type=int, default=256, help='tokens per side')
     ap.add_argument('--vocab', type=int, default=37000)
-    ap.add_argument('--topology', default='v5e:2x2')
-    ap.add_argument('--chips_per_host', default='2,2,1')
-    ap.add_argument('--chip_config', default='default')
-    ap.add_argument('--dtype', default='bfloat16')
-    ap.add_argument('--model_kw', nargs='*', default=[], help='TransformerConfig fields k=v')
-    ap.add_argument('--step_kw', nargs='*', default=[], help='StepConfig fields k=v')
-    ap.add_argument('--code', default=None, help='import t2t from this directory')
+    ap.add_argument('--topology', default='v5e:2x2', help='a slice name or topology')
+    ap.add_argument('--config', default=None,
+                    help='a config file taken as it is (mesh, batch) instead of --model')
+    ap.add_argument('--set', nargs='*', default=[], help='config keys k=v')
+    ap.add_argument('--code', default=ROOT, help='compile with this checkout\'s t2t')
     ap.add_argument('--label', default='')
     ap.add_argument('--fast', action='store_true',
                     help='lower optimization effort (compiles faster, reports ~2x temporaries)')
-    ap.add_argument('--config', default=None, help='measure this config file\'s dry-run step')
-    ap.add_argument('--slice', default='v5e-16', help='with --config: the TPU slice name')
-    ap.add_argument('--set', nargs='*', default=[], help='with --config: config keys k=v')
-    ap.add_argument('--hlo_dir', default=None, help='with --config: keep the HLO text here')
+    ap.add_argument('--hlo_dir', default=None, help='keep the HLO text here (gzip)')
     ap.add_argument('--hlo', default=None,
-                    help='no compile: the HLO numbers of a kept HLO file (.hlo.gz) for --slice')
+                    help='no compile: the HLO numbers of a kept HLO file (.hlo.gz) for --topology')
     args = ap.parse_args(argv)
     if args.hlo:
-        return hlo_main(args)
-    if args.config:
-        return config_main(args)
+        sys.path.insert(0, ROOT)
+        from t2t.aot import tpu as aot
 
-    os.environ.setdefault('JAX_PLATFORMS', 'cpu')
-    os.environ.setdefault('TPU_SKIP_MDS_QUERY', '1')
-    root = args.code or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, os.path.abspath(root))
+        with gzip.open(args.hlo, 'rt') as f:
+            text = f.read()
+        tpu = aot.parse_slice(args.topology)
+        print('RESULT ' + json.dumps(dict(label=args.label, hlo=args.hlo, slice=tpu.name,
+                                          **hlo_numbers(text, tpu.generation))), flush=True)
+        return 0
 
-    import functools
-    from types import SimpleNamespace
-
-    import jax
-    import jax.numpy as jnp
-    from flax import linen as nn
-    from jax.experimental import topologies
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from t2t import optim, sharding, train_lib
-    from t2t.aot import hlo
-    from t2t.model import TransformerConfig
-
-    topo = topologies.get_topology_desc(
-        platform='tpu', topology_name=args.topology, chip_config_name=args.chip_config,
-        chips_per_host_bounds=tuple(int(x) for x in args.chips_per_host.split(',')),
-        num_slices=1)
-    devices = topo.devices
-    chips = len(devices)
-    mesh = sharding.make_mesh((1, chips, 1), devices=devices)
-
-    d, h, ff, layers = MODELS[args.model]
-    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
-    model_kw = parse_kw(args.model_kw)
-    unknown = sorted(set(model_kw) - fields)
-    if unknown:
-        raise SystemExit(f'TransformerConfig of {root} has no field(s) {unknown}')
-    mc = TransformerConfig(
-        vocab_size=args.vocab, d_model=d, d_ff=ff, num_heads=h, num_encoder_layers=layers,
-        num_decoder_layers=layers, dropout_rate=0.1,
-        dtype={'bfloat16': jnp.bfloat16, 'float32': jnp.float32}[args.dtype], **model_kw)
-    step_kw = {'loss_impl': 'fused', **parse_kw(args.step_kw)}  # the recorded numbers' loss
-    step_config = train_lib.StepConfig(model=mc, label_smoothing=0.1, **step_kw)
-    tx = optim.make_optimizer(SimpleNamespace(
-        d_model=d, warmup_steps=4000, learning_rate_scale=1.0, adam_b1=0.9, adam_b2=0.98,
-        adam_eps=1e-9, clip_grad_norm=0.0, weight_decay=0.0))
-
-    init = functools.partial(train_lib.init_state, model_config=mc, tx=tx,
-                             batch_shape=(1, args.len))
-    boxed = jax.eval_shape(init, jax.random.PRNGKey(0))
-    state_shardings = sharding.tree_shardings(boxed, mesh)
-    abstract_state = jax.tree_util.tree_map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), nn.unbox(boxed),
-        state_shardings)
-    batch_size = args.per_chip * chips
-    batch_sharding = sharding.batch_sharding(mesh)
-    abstract_batch = {k: jax.ShapeDtypeStruct((batch_size, args.len), jnp.int32,
-                                              sharding=batch_sharding)
-                      for k in train_lib.BATCH_KEYS}
-    step = functools.partial(train_lib.train_step, step_config=step_config, tx=tx)
-    jitted = jax.jit(step, in_shardings=(state_shardings, batch_sharding),
-                     out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())),
-                     donate_argnums=(0,))
-    options = {'exec_time_optimization_effort': -1.0} if args.fast else None
-    t0 = time.perf_counter()
-    with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.LOGICAL_AXIS_RULES):
-        lowered = jitted.lower(abstract_state, abstract_batch)
-    compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
-    compile_s = time.perf_counter() - t0
-    mem = compiled.memory_analysis()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list | tuple) else cost
-    gib = 2 ** 30
-    result = dict(
-        label=args.label, code=os.path.abspath(root), model=args.model, topology=args.topology,
-        chips=chips, device_kind=devices[0].device_kind, per_chip=args.per_chip, len=args.len,
-        vocab=args.vocab, dtype=args.dtype, model_kw=model_kw, step_kw=step_kw, fast=args.fast,
-        jax=jax.__version__, compile_s=round(compile_s, 1),
-        argument_gib=round(mem.argument_size_in_bytes / gib, 3),
-        output_gib=round(mem.output_size_in_bytes / gib, 3),
-        alias_gib=round(mem.alias_size_in_bytes / gib, 3),
-        temp_gib=round(mem.temp_size_in_bytes / gib, 3),
-        total_gib=round((mem.argument_size_in_bytes + mem.output_size_in_bytes
-                         - mem.alias_size_in_bytes + mem.temp_size_in_bytes) / gib, 3),
-        # cost_analysis counts each loop body once (scanned layers, the loss's chunks): too low
-        xla_tflop_per_device=round(float(cost.get('flops', 0.0)) / 1e12, 3) if cost else None,
-        hlo_matmul_tflop_per_device=round(hlo.matmul_flops(compiled.as_text()) / 1e12, 3))
-    print('RESULT ' + json.dumps(result), flush=True)
-    return 0
-
-
-def config_main(args) -> int:
-    """The dry run's train step of a config file on a slice (t2t.aot.tpu), one RESULT line."""
-    import gzip
-    import importlib.util
-
-    os.environ.setdefault('JAX_PLATFORMS', 'cpu')
-    os.environ.setdefault('TPU_SKIP_MDS_QUERY', '1')
-    root = args.code or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, os.path.abspath(root))
-    from t2t import flops
-    from t2t.aot import tpu as aot
-
-    spec = importlib.util.spec_from_file_location('bench_config', args.config)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config()
+    code = os.path.abspath(args.code)
     overrides = parse_kw(args.set)
-    for key, value in overrides.items():
-        config[key] = value
-    plan = aot.plan(config, args.slice)
-    train = aot.compile_train_step(config, plan.mesh)
-    if args.hlo_dir:
-        os.makedirs(args.hlo_dir, exist_ok=True)
-        name = args.label or f'{os.path.basename(args.config)[:-3]}-{args.slice}'
-        with gzip.open(os.path.join(args.hlo_dir, name + '.hlo.gz'), 'wt') as f:
-            f.write(train.hlo_text)
-    import jax
+    if args.config:
+        config_path, per_chip = os.path.abspath(args.config), 0
+    else:
+        config_path = os.path.join(code, 'configs', f'wmt14_ende_{args.model}.py')
+        per_chip = args.per_chip
+        overrides = {'vocab_size': args.vocab, 'max_len': args.len, 'mesh_shape': (1, -1, 1),
+                     **overrides}
+    with tempfile.TemporaryDirectory() as tmp:
+        hlo_path = os.path.join(tmp, 'step.hlo')
+        spec = dict(code=code, config=config_path, set=overrides, topology=args.topology,
+                    per_chip=per_chip, fast=args.fast, hlo=hlo_path)
+        env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'PYTHONPATH')}
+        proc = subprocess.run([sys.executable, '-c', _CHILD, json.dumps(spec)], cwd=code, env=env,
+                              capture_output=True, text=True)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('CHILD ')]
+        if proc.returncode or not lines:
+            sys.stderr.write(proc.stderr[-3000:])
+            return proc.returncode or 1
+        child = json.loads(lines[-1][len('CHILD '):])
+        with open(hlo_path) as f:
+            text = f.read()
+    result = dict(label=args.label, code=code, config=os.path.relpath(config_path, code),
+                  set=overrides, **{k: v for k, v in child.items() if k != 'memory'})
+    memory = child['memory']
+    if memory:
+        result.update({f'{k}_gib': round(v / GIB, 3) for k, v in memory.items()})
+    if memory and text:
+        sys.path.insert(0, ROOT)
+        from t2t.aot import tpu as aot
 
-    gib = 2 ** 30
-    m = train.memory
-    devices = plan.mesh.size
-    result = dict(
-        label=args.label, code=os.path.abspath(root), config=args.config, set=overrides,
-        slice=plan.tpu.name, topology=plan.tpu.topology, devices=devices,
-        mesh=dict(plan.mesh.shape), batch_size=config.batch_size, max_len=config.max_len,
-        scan_layers=config.scan_layers, remat=config.remat, jax=jax.__version__,
-        compile_s=round(train.seconds, 1),
-        out_of_memory=train.out_of_memory or None,
-        argument_gib=m and round(m.arguments / gib, 3), output_gib=m and round(m.outputs / gib, 3),
-        alias_gib=m and round(m.aliased / gib, 3), temp_gib=m and round(m.temporaries / gib, 3),
-        total_gib=m and round(m.total / gib, 3),
-        xla_cost_analysis_flops=train.flops_per_device * devices,
-        hlo_matmul_flops=train.matmul_flops_per_device * devices if m else None,
-        t2t_flops=flops.config_flops_per_step(config))
-    if m:
-        result.update(hlo_numbers(train.hlo_text, plan.tpu.generation),
-                      xla_bytes_accessed=getattr(train, 'xla_bytes_accessed', None))
-    print('RESULT ' + json.dumps(result), flush=True)
-    return 0
-
-
-def _this_checkout(module: str):
-    """A module of this script's own checkout (not --code's): the numbers are read the same way
-    before and after a change."""
-    import importlib.util
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location(f'bench_{module}',
-                                                  os.path.join(root, 't2t', f'{module}.py'))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def hlo_numbers(text: str, generation: str) -> dict:
-    """Per device per step, from the compiled HLO (this checkout's t2t/aot/hlo.py and
-    hlo_memory.py): the collectives (outside / inside loops, x trip counts), the memory traffic and
-    the roofline lower bound on the chip (the t2t/aot/tpu.py datasheet table)."""
-    hlo = _this_checkout('hlo')
-    module = hlo.parse(text)
-    collectives = hlo.collectives(module)
-    flops = hlo.matmul_flops(module)
-    memory = _this_checkout('hlo_memory').memory_bytes(text)
-    coll = sum(c.bytes + c.in_loops_bytes for c in collectives.values())
-    from t2t.aot import tpu as aot  # the chip table is the same in every checkout that has it
-
-    chip = getattr(aot, 'CHIPS', {}).get(generation)
-    roofline = {}
-    if chip is not None and hasattr(chip, 'peak_bf16_flops'):
-        compute_s, memory_s = flops / chip.peak_bf16_flops, memory / chip.hbm_bytes_per_s
-        collective_s = coll / chip.ici_bytes_per_s
-        roofline = dict(compute_ms=compute_s * 1e3, memory_ms=memory_s * 1e3,
-                        collective_ms=collective_s * 1e3,
-                        bound_ms=(max(compute_s, memory_s) + collective_s) * 1e3)
-    # Random bits of the rng-bit-generator ops (rbg, unsafe_rbg: result bytes x runs, per
-    # device, by result type); threefry's bits are computed inside fusions and do not appear.
-    runs = hlo.executions(module)
-    rng_ops, rng_bytes = {}, 0.0
-    for name, times in runs.items():
-        for i in module.computations.get(name, ()):
-            if i.opcode == 'rng-bit-generator':
-                rng_bytes += times * hlo.shape_bytes(i.shape)
-                rng_ops[i.shape] = rng_ops.get(i.shape, 0) + times
-    return dict(collectives={k: dataclasses.asdict(c) for k, c in collectives.items()
-                             if c.count or c.in_loops_count},
-                collective_bytes=coll,
-                collective_bytes_in_loops=sum(c.in_loops_bytes for c in collectives.values()),
-                memory_bytes=memory, roofline=roofline, rng_bit_generator_bytes=rng_bytes,
-                rng_bit_generator_shapes=rng_ops)
-
-
-def hlo_main(args) -> int:
-    """The HLO numbers of a kept HLO file, without compiling (e.g. one kept by an older checkout
-    with --code and --hlo_dir)."""
-    import gzip
-
-    os.environ.setdefault('JAX_PLATFORMS', 'cpu')
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from t2t.aot import tpu as aot
-
-    with gzip.open(args.hlo, 'rt') as f:
-        text = f.read()
-    tpu = aot.parse_slice(args.slice)
-    result = dict(label=args.label, hlo=args.hlo, slice=tpu.name,
-                  **hlo_numbers(text, tpu.generation))
-    print('RESULT ' + json.dumps(result), flush=True)
+        result.update(hlo_numbers(text, aot.parse_slice(args.topology).generation,
+                                  child.get('xla_optimal_seconds'),
+                                  child.get('xla_bytes_accessed')))
+        if args.hlo_dir:
+            os.makedirs(args.hlo_dir, exist_ok=True)
+            name = args.label or f'{os.path.basename(config_path)[:-3]}-{child["slice"]}'
+            with gzip.open(os.path.join(args.hlo_dir, name + '.hlo.gz'), 'wt') as f:
+                f.write(text)
+    print('RESULT ' + json.dumps(_with_mfu(result)), flush=True)
     return 0
 
 

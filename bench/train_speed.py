@@ -32,8 +32,6 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import json
-import math
 import os
 import statistics
 import sys
@@ -42,12 +40,14 @@ import traceback
 from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import benchlib  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from t2t import flops, optim, sharding, train_lib
+from t2t import flops, optim, sharding, train_lib  # noqa: E402
 from t2t.infra import metrics  # noqa: E402
 from t2t.model import TransformerConfig  # noqa: E402
 
@@ -74,21 +74,10 @@ def make_batch(rows: int, length: int, vocab: int, padded: bool, seed: int = 0) 
 
 
 def emit(section: str, name: str, **fields) -> dict:
-    """Prints `RESULT {json}` (floats to 4 significant digits, non-finite as null) like the peers,
-    and appends the line to $OUT/t2t_results.jsonl when OUT is set."""
-    def clean(v):
-        if isinstance(v, float):
-            return float(f'{v:.4g}') if math.isfinite(v) else None
-        return v
-    rec = {'section': section, 'name': name, **{k: clean(v) for k, v in fields.items()}}
-    line = json.dumps(rec, default=str)
-    print('RESULT ' + line, flush=True)
+    """benchlib.emit, the line appended to $OUT/t2t_results.jsonl when OUT is set."""
     out = os.environ.get('OUT')
-    if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, 't2t_results.jsonl'), 'a') as f:
-            f.write(line + '\n')
-    return rec
+    return benchlib.emit(section, name, files=(out and os.path.join(out, 't2t_results.jsonl'),),
+                         **fields)
 
 
 def versions() -> str:
@@ -117,15 +106,6 @@ def optimizer_config(d_model: int) -> SimpleNamespace:
     return SimpleNamespace(d_model=d_model, warmup_steps=4000, learning_rate_scale=1.0,
                            adam_b1=0.9, adam_b2=0.98, adam_eps=1e-9, clip_grad_norm=0.0,
                            weight_decay=0.0)
-
-
-def time_steps(run, n: int) -> list[float]:
-    ts = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        run()
-        ts.append(time.perf_counter() - t0)
-    return ts
 
 
 def levers(args) -> dict:
@@ -186,7 +166,7 @@ def bench_train(name: str, shape, attention: str, args) -> dict:
 
     for _ in range(args.warmup_steps):
         run()
-    ts = time_steps(run, args.steps)
+    ts = benchlib.time_calls(run, args.steps)
     sums = jax.device_get(box['metrics'])
     loss = float(sums['loss_sum']) / max(float(sums['tokens']), 1.0)
 

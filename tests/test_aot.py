@@ -238,6 +238,22 @@ def test_tiny_fits_a_v5e_2x2_and_a_huge_batch_does_not():
     # The roofline bound of each (its arithmetic: tests/test_pod_perf.py).
     assert out.stdout.count('  roofline LOWER BOUND of the step time (not a measurement; v5e') == 1
     assert out.stdout.count('  roofline LOWER BOUND of the batch time (not a measurement;') == 1
+    # XLA's estimate with loops counted, and the MFU it implies (scaling: test_hlo, below).
+    assert out.stdout.count('  XLA ESTIMATE of the batch time (its cost model, not a') == 1
+    number = r'([\d.]+(?:e[+-]\d+)?)'
+    estimate = re.search(
+        r'  XLA ESTIMATE of the step time \(its cost model, not a measurement\): optimal_seconds '
+        + number + r' ms \(each loop body once\) \+ loops\' other trips ' + number + r' ms = '
+        + number + r' ms; MFU it implies ' + number + r'% \(t2t/flops.py ' + number
+        + r' FLOP / 4 x 197 TFLOP/s\); the roofline bound allows at most ' + number + '%',
+        out.stdout)
+    assert estimate, out.stdout
+    optimal_ms, extra_ms, estimate_ms, mfu, model_flops, bound_mfu = map(float, estimate.groups())
+    assert extra_ms >= 0  # tiny's default loss: one chunk, no loop
+    assert estimate_ms == pytest.approx(optimal_ms + extra_ms, rel=0.01)
+    assert model_flops == pytest.approx(ours, rel=1e-3)
+    assert mfu == pytest.approx(100 * ours / (estimate_ms / 1e3) / (4 * 197e12), rel=0.02)
+    assert 0 < mfu < 100 and 0 < bound_mfu
 
     # 65536 rows per device: the TPU compiler itself finds no room for the temporaries.
     huge = _train_py('--topology=v5e:2x2', '--config.batch_size=262144')
@@ -291,15 +307,18 @@ for scan in (False, True):
     compiled = aot.compile_train_step(config, plan.mesh)
     out[scan] = dict(matmul=compiled.matmul_flops_per_device * plan.mesh.size,
                      xla=compiled.flops_per_device * plan.mesh.size,
-                     unknown=compiled.unknown_loops, analytic=flops.config_flops_per_step(config))
+                     unknown=compiled.unknown_loops, analytic=flops.config_flops_per_step(config),
+                     optimal=compiled.xla_optimal_seconds, scale=compiled.estimate.scale,
+                     estimate=compiled.estimate.seconds)
 print('FLOPS ' + json.dumps(out))
 """
 
 
-def test_tiny_tpu_flops_count_loops_scanned_or_not():
+def test_tiny_tpu_flops_and_estimate_count_loops_scanned_or_not():
     """The TPU compiler's train step, scanned and unrolled (the loss's 4 chunks a loop in both):
     the matmul FLOPs, loops counted by trip count, agree with each other and t2t/flops.py; XLA's
-    cost_analysis (one body per loop) is far below with scanned layers."""
+    cost_analysis (one body per loop) is far below with scanned layers. So is its
+    optimal_seconds; scaled by the loops' trip counts (t2t/aot/cost.py) the two estimates agree."""
     with libtpu_lock():
         out = subprocess.run([sys.executable, '-c', _FLOPS_SCRIPT], cwd=ROOT, env=_env(),
                              capture_output=True, text=True, timeout=300)
@@ -319,6 +338,11 @@ def test_tiny_tpu_flops_count_loops_scanned_or_not():
         assert c['matmul'] == pytest.approx(analytic + causal_rest, rel=0.02), c
     assert scanned['matmul'] == pytest.approx(unrolled['matmul'], rel=1e-3)
     assert scanned['xla'] < 0.7 * analytic  # the old count: each layer stack's body once
+    # XLA's estimate: its raw number counts the scanned stacks' bodies once; the layers' other
+    # trips added (more than the loss loop's alone, which both have), the two programs agree.
+    extra = {k: c['estimate'] - c['optimal'] for k, c in counts.items()}
+    assert extra['true'] > 2 * extra['false'] > 0, counts
+    assert scanned['estimate'] == pytest.approx(unrolled['estimate'], rel=0.10), counts
 
 
 def test_mesh_table_tiny_rows_are_consistent_and_resumable(tmp_path):
@@ -342,7 +366,7 @@ def test_mesh_table_tiny_rows_are_consistent_and_resumable(tmp_path):
                                         ('compute_ms', 'memory_ms', 'collective_ms', 'bound_ms'))
         assert bound == pytest.approx(max(compute, memory) + coll, rel=2e-3), r
         assert float(r['collective_ms']) == pytest.approx(
-            float(r['collective_gb']) * 1e9 / aot.CHIPS['v5e'].ici_bytes_per_s * 1e3, rel=2e-3)
+            float(r['collective_gb']) * 1e9 / aot.CHIPS['v5e'].spec.ici_bytes_per_s * 1e3, rel=2e-3)
         assert float(r['tokens_per_s_per_chip_bound']) == pytest.approx(
             512 / (bound / 1e3) / 4, rel=2e-3), r
         assert float(r['total_gib']) >= float(r['argument_gib']) + float(r['temp_gib']) - 1e-3

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from t2t import flops, sharding
-from t2t.aot import hlo
+from t2t.aot import cost, hlo
 from t2t.aot import memory as hlo_memory
 from t2t.aot import tpu as aot
 from tests.conftest import tiny_config
@@ -95,6 +95,15 @@ def test_train_step_flops_match_the_analytic_count(scan_layers):
     assert matmul == pytest.approx(analytic + causal_rest, rel=0.02)
     if scan_layers:
         assert compiled.flops_per_device * mesh.size < 0.6 * analytic
+    # Where the bytes go: the groups of the breakdown sum to the totals the roofline uses.
+    shares = cost.breakdown(compiled.hlo_text)
+    assert len({s.key for s in shares}) == len(shares) > 10
+    assert sum(s.memory_bytes for s in shares) == pytest.approx(
+        compiled.memory_bytes_per_device, rel=1e-9)
+    assert sum(s.collective_bytes for s in shares) == pytest.approx(
+        compiled.collective_bytes, rel=1e-9) and compiled.collective_bytes > 0
+    assert sum(s.in_loops_bytes for s in shares) > 0  # the loss's chunk loop at least
+    assert all(s.memory_bytes >= 0 and s.collective_bytes >= 0 for s in shares)
 
 
 def test_collectives_counted_per_kind_inside_and_outside_loops():
@@ -153,6 +162,38 @@ def test_memory_bytes_match_xla_without_loops_and_count_loop_bodies_by_trip_coun
     assert per_step == pytest.approx(4 * (3 * 64 * 64 + 4 * 32 * 64), rel=0.01)
     assert xla[9] == pytest.approx(xla[5], rel=1e-3)  # XLA: one body whatever the trip count
     assert ours[5] - xla[5] == pytest.approx(4 * per_step, rel=0.01)
+
+
+def test_loop_extra_puts_back_what_a_once_counted_loop_body_leaves_out():
+    """cost.loop_extra_seconds: the cost model's shape summed op by op with loops by trip count
+    less the same with each body once (XLA's optimal_seconds counts a body once): n - 1 bodies,
+    so from 5 to 9 steps it doubles; no loop, nothing added."""
+    x = jnp.ones((32, 64))
+    extra = {}
+    for steps in (5, 9):
+        text = _compiled_text(_scan_matmuls, jnp.ones((steps, 64, 64)), x)
+        once = cost.op_seconds(text, 'v5e', loops=False)
+        extra[steps] = cost.loop_extra_seconds(text, 'v5e')
+        assert extra[steps] == pytest.approx(cost.op_seconds(text, 'v5e') - once, rel=1e-9)
+        assert extra[steps] > once  # 4 (8) more bodies, each most of the program
+    assert extra[9] == pytest.approx(2 * extra[5], rel=1e-3)  # the condition's compare aside
+    # Bytes costed at a given rate: half the rate, twice the time (these ops are memory-bound).
+    assert cost.loop_extra_seconds(text, 'v5e', 409.5e9) == pytest.approx(2 * extra[9], rel=1e-3)
+    flat = _compiled_text(lambda a, b: jnp.tanh(a @ b), x, jnp.ones((64, 64)))
+    assert cost.loop_extra_seconds(flat, 'v5e') == 0.0
+    estimate = cost.Estimate('v5e', optimal_seconds=2e-3, loop_extra_seconds=1e-3)
+    assert estimate.seconds == 3e-3 and estimate.scale == pytest.approx(1.5)
+    # MFU it implies: model FLOPs / time / (devices x 197 TFLOP/s).
+    assert estimate.mfu(1e12, 4) == pytest.approx(1e12 / 3e-3 / (4 * 197e12))
+    # XLA's number is not always a time (negative for base and big on v5e): no estimate, said.
+    roofline = cost.Roofline('v5e', 1e9, 1e6, 1e5)
+    bad = aot.Compiled(None, 0.0, 1.0, roofline=roofline, xla_optimal_seconds=-47.0)
+    assert cost.estimate_lines(bad, 4, 1e12) == [
+        '  XLA ESTIMATE of the step time: none (its cost_analysis gave optimal_seconds -47, '
+        'not a time)']
+    good = aot.Compiled(None, 0.0, 1.0, roofline=roofline, xla_optimal_seconds=2e-3,
+                        estimate=estimate)
+    assert cost.estimate_lines(good, 4)[0].endswith('= 3 ms')
 
 
 def test_token_values_of_multi_slice_programs_hold_no_bytes():

@@ -142,7 +142,7 @@ def test_tpu_no_collective_on_the_loss_dw_inside_the_chunk_loop(tpu_tiny):
 
 
 def test_tpu_roofline_is_made_of_the_numbers_it_names(tpu_tiny):
-    chip = aot.CHIPS['v5e']
+    chip = aot.CHIPS['v5e'].spec
     for result in tpu_tiny.values():
         r = result['roofline']
         assert r['chip'] == 'v5e'
@@ -163,11 +163,17 @@ def test_tpu_roofline_is_made_of_the_numbers_it_names(tpu_tiny):
         197e12, 819e9, 400e9)
 
 
-def test_chip_table_agrees_with_the_mfu_peaks():
-    kinds = {kind: chip for kind, chip in aot.DEVICE_KINDS.items()}
-    for kind, chip in kinds.items():
-        assert metrics.peak_flops_per_device(kind) == aot.CHIPS[chip].peak_bf16_flops, kind
+def test_one_chip_table_for_the_roofline_the_estimate_and_mfu():
+    """The slices' generations read their peak and bandwidths from metrics.CHIPS (the table the
+    training loop's MFU reads), and each TPU device kind jax reports finds its generation."""
+    kinds = {'TPU v4': 'v4', 'TPU v5 lite': 'v5e', 'TPU v5e': 'v5e', 'TPU v5': 'v5p',
+             'TPU v5p': 'v5p', 'TPU v6 lite': 'v6e', 'TPU v6e': 'v6e'}
+    for kind, generation in kinds.items():
+        assert metrics.chip(kind) is metrics.CHIPS[generation] is aot.CHIPS[generation].spec
+        assert metrics.peak_flops_per_device(kind) == aot.CHIPS[generation].spec.peak_bf16_flops
     assert set(kinds.values()) == set(aot.CHIPS)
+    for chip in aot.CHIPS.values():
+        assert chip.spec.hbm_bytes_per_s > 0 and chip.spec.ici_bytes_per_s > 0
 
 
 @pytest.mark.parametrize('copies', [False, True])

@@ -263,10 +263,11 @@ def while_trip_counts(hlo) -> dict[str, int | None]:
             for i in body if i.opcode == 'while'}
 
 
-def executions(hlo) -> dict[str, float]:
+def executions(hlo, loops: bool = True) -> dict[str, float]:
     """{computation: times it runs per run of the entry}; an unknown trip count counts once.
 
-    Computations called only through `to_apply` (scalar reducers) are left out.
+    Computations called only through `to_apply` (scalar reducers) are left out. loops=False:
+    every loop body and condition once, as XLA's cost_analysis counts them.
     """
     module = _module(hlo)
     runs: dict[str, float] = {}
@@ -275,7 +276,7 @@ def executions(hlo) -> dict[str, float]:
         runs[name] = runs.get(name, 0.0) + times
         for instruction in module.computations.get(name, ()):
             loop = (trip_count(instruction, module, name) if instruction.opcode == 'while'
-                    else None)
+                    and loops else None)
             for role, callee in instruction.called:
                 if role == 'body':
                     visit(callee, times * (1 if loop is None else loop))

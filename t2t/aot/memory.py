@@ -2,7 +2,8 @@
 HBM per run, loops counted by their trip counts (t2t/aot/hlo.py parses the text and counts the
 runs).
 
-    hlo_memory.memory_bytes(compiled.as_text())   # per device, for the roofline (t2t/aot/tpu.py)
+    hlo_memory.memory_bytes(compiled.as_text())   # per device, for the roofline (t2t/aot/cost.py)
+    hlo_memory.op_traffic(compiled.as_text())     # the same, op by op: what carries the bytes
 
 XLA's cost_analysis() reports 'bytes accessed' with each loop body counted once and every memory
 space together; this counts what the roofline's HBM term needs.
@@ -10,6 +11,7 @@ space together; this counts what the roofline's HBM term needs.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from t2t.aot.hlo import Instruction, Module, _module, executions, shape_bytes
@@ -48,10 +50,43 @@ def _users(body) -> dict[str, list[Instruction]]:
     return users
 
 
-def _read_bytes(name: str, full: int, body, users) -> int:
+def _elements(shape: str) -> list[str]:
+    """The top-level element types of a tuple type ('(f32[2]{0}, (s32[], f32[3]))'), or [shape]."""
+    if not shape.startswith('('):
+        return [shape]
+    out, depth, start = [], 0, 1
+    for k, c in enumerate(shape):
+        if c in '([{':
+            depth += 1
+        elif c in ')]}':
+            depth -= 1
+        if (c == ',' and depth == 1) or (c == ')' and depth == 0):
+            out.append(shape[start:k].strip())
+            start = k + 1
+    return [e for e in out if e]
+
+
+def _in_place(body) -> dict[str, int]:
+    """{dynamic-update-slice: index of the fusion result it is}: the updates a fusion writes in
+    place, its root or an element of its root tuple (through bitcasts)."""
+    by_name = {i.name: i for i in body}
+    root = body[-1]
+    outputs = list(root.operands) if root.opcode == 'tuple' else [root.name]
+    found = {}
+    for k, name in enumerate(outputs):
+        i = by_name.get(name)
+        while i is not None and i.opcode == 'bitcast':
+            i = by_name.get(i.operands[0])
+        if i is not None and i.opcode == 'dynamic-update-slice':
+            found[i.name] = k
+    return found
+
+
+def _read_bytes(name: str, full: int, body, users, module: Module, in_place=()) -> int:
     """Bytes of value `name` (a fused parameter) an op reads: only the slices taken, when every
-    use (through bitcasts) is a slice; nothing when it is the buffer a root dynamic-update-slice
-    writes in place; else all of it."""
+    use (through bitcasts, and into nested fusions) is a slice; nothing when it is the buffer a
+    dynamic-update-slice writes in place (in_place: those of the fusion's results); else all of
+    it."""
     frontier, taken = [name], 0
     while frontier:
         value = frontier.pop()
@@ -60,17 +95,28 @@ def _read_bytes(name: str, full: int, body, users) -> int:
                 frontier.append(u.name)
             elif u.opcode in _SLICING and u.operands[0] == value:
                 taken += shape_bytes(u.shape)
-            elif (u.opcode == 'dynamic-update-slice' and u is body[-1]
+            elif (u.opcode == 'dynamic-update-slice' and u.name in in_place
                   and u.operands[0] == value):
                 continue  # in place: the update is counted as the result
+            elif u.opcode == 'fusion' and u.called:  # what the nested fusion's parameter reads
+                inner = module.computations.get(u.called[0][1], ())
+                params = {int(p.arguments): p.name for p in inner if p.opcode == 'parameter'}
+                for k, operand in enumerate(u.operands):
+                    if operand == value:
+                        if k not in params:
+                            return full
+                        taken += _read_bytes(params[k], full, inner, _users(inner), module)
+                        if taken >= full:
+                            return full
             else:
                 return full
-    return taken
+    return min(taken, full)
 
 
-def _op_traffic(i: Instruction, shapes: dict[str, str], module: Module) -> int:
+def _op_traffic(i: Instruction, shapes: dict[str, str], module: Module, size=hbm_bytes) -> int:
     """Bytes one top-level op reads and writes; slices and in-place updates count what they
-    touch (XLA's cost analysis does the same), not the whole buffer."""
+    touch (XLA's cost analysis does the same), not the whole buffer. size: the bytes of a type
+    that count (hbm_bytes: those in HBM; shape_bytes: every memory space, as XLA counts)."""
     if i.opcode in _ASYNC_MOVES:  # an async copy between HBM and on-chip memory: once
         arrays = _arrays(i.shape)
         k = _ASYNC_MOVES[i.opcode]
@@ -78,27 +124,67 @@ def _op_traffic(i: Instruction, shapes: dict[str, str], module: Module) -> int:
     if i.opcode == 'custom-call' and 'AsyncCollective' in i.attributes:
         return 0  # the collective it wraps counts
     if i.opcode in _SLICING:
-        return 2 * hbm_bytes(i.shape)
+        return 2 * size(i.shape)
     if i.opcode == 'dynamic-update-slice':
-        return 2 * hbm_bytes(shapes[i.operands[1]])
-    result = hbm_bytes(i.shape)
-    operand_bytes = [hbm_bytes(shapes[o]) if o in shapes else 0 for o in i.operands]
-    if i.opcode != 'fusion' or not i.called:
-        return result + sum(operand_bytes)
-    body = module.computations.get(i.called[0][1], ())
+        return 2 * size(shapes[i.operands[1]])
+    operand_bytes = [size(shapes[o]) if o in shapes else 0 for o in i.operands]
+    body = module.computations.get(i.called[0][1], ()) if i.opcode == 'fusion' and i.called \
+        else ()
     if not body:
-        return result + sum(operand_bytes)
+        return size(i.shape) + sum(operand_bytes)
     users = _users(body)
     params = {int(p.arguments): p.name for p in body if p.opcode == 'parameter'}
-    root = body[-1]
-    if root.opcode == 'dynamic-update-slice':
-        update = {p.name: p.shape for p in body}.get(root.operands[1])
-        result = min(result, shape_bytes(update)) if update else result
-    return result + sum(_read_bytes(params[k], size, body, users) if k in params and size
-                        else size for k, size in enumerate(operand_bytes))
+    in_place = _in_place(body)
+    # The result: each element written whole, but an in-place update only its update's bytes.
+    elements = _elements(i.shape)
+    written = {k: shape_bytes({p.name: p.shape for p in body}[u.operands[1]])
+               for u in body if u.name in in_place for k in [in_place[u.name]]}
+    result = sum(min(size(e), written[k]) if k in written else size(e)
+                 for k, e in enumerate(elements))
+    return result + sum(_read_bytes(params[k], n, body, users, module, in_place)
+                        if k in params and n else n for k, n in enumerate(operand_bytes))
 
 
-def memory_bytes(hlo) -> float:
+@dataclasses.dataclass(frozen=True)
+class OpTraffic:
+    """One top-level op's memory traffic: bytes per run of the op, and how often it runs."""
+
+    computation: str  # the computation holding it (the entry, a loop body, ...)
+    name: str
+    opcode: str
+    op_name: str  # jax's op_name metadata: the traced operation it came from ('' if none)
+    bytes: int  # read + written per run of the op
+    times: float  # runs per run of the module (loops by trip count)
+
+    @property
+    def total(self) -> float:
+        return self.times * self.bytes
+
+
+def op_traffic(hlo, all_spaces: bool = False, loops: bool = True) -> list[OpTraffic]:
+    """Every top-level op that moves data, with its bytes (see memory_bytes) and runs.
+
+    all_spaces: count arrays in on-chip memory too (XLA's 'bytes accessed'); loops=False: each
+    loop body once, as XLA's cost_analysis does."""
+    module = _module(hlo)
+    fused = {callee for body in module.computations.values() for i in body
+             if i.opcode == 'fusion' for _, callee in i.called}
+    size = shape_bytes if all_spaces else hbm_bytes
+    ops = []
+    for name, times in executions(module, loops).items():
+        if name in fused:
+            continue
+        body = module.computations.get(name, ())
+        shapes = {i.name: i.shape for i in body}
+        for i in body:
+            if i.opcode not in _NO_TRAFFIC:
+                op_name = re.search(r'op_name="([^"]*)"', i.attributes)
+                ops.append(OpTraffic(name, i.name, i.opcode, op_name.group(1) if op_name else '',
+                                     _op_traffic(i, shapes, module, size), times))
+    return ops
+
+
+def memory_bytes(hlo, all_spaces: bool = False, loops: bool = True) -> float:
     """Bytes the top-level ops of one run read and write (operands + results), loops counted by
     trip count: the memory traffic in the sense of XLA's cost analysis ('bytes accessed': a fusion
     reads its operands and writes its result once, what happens inside it stays on chip; a
@@ -106,17 +192,6 @@ def memory_bytes(hlo) -> float:
     each loop body once. HBM only: arrays the TPU compiler placed in on-chip memory (a memory
     space S(n) in their layout) count nothing, an async copy between the two (copy-start,
     slice-start) counts its bytes once. Computations run by fusions and scalar reducers are not
-    walked; ops that move no data (tuples, parameters, control flow) count nothing."""
-    module = _module(hlo)
-    fused = {callee for body in module.computations.values() for i in body
-             if i.opcode == 'fusion' for _, callee in i.called}
-    total = 0.0
-    for name, times in executions(module).items():
-        if name in fused:
-            continue
-        body = module.computations.get(name, ())
-        shapes = {i.name: i.shape for i in body}
-        traffic = sum(_op_traffic(i, shapes, module) for i in body
-                      if i.opcode not in _NO_TRAFFIC)
-        total += times * traffic
-    return total
+    walked; ops that move no data (tuples, parameters, control flow) count nothing. The sum of
+    op_traffic (its flags the same)."""
+    return sum(op.total for op in op_traffic(hlo, all_spaces, loops))

@@ -2,7 +2,8 @@
 
 The compiles and the numbers come from t2t/aot/tpu.py; this module prints them: the slice and mesh,
 memory per device against the chip's HBM, matmul FLOPs with loops counted, collectives, the
-roofline lower bound, and the largest batch that fits (--find_max_batch).
+roofline lower bound, XLA's estimated time and the MFU it implies, and the largest batch that
+fits (--find_max_batch).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import jax
 
 from t2t import flops
+from t2t.aot import cost
 from t2t.aot import tpu as aot
 
 
@@ -173,7 +175,8 @@ def tpu_dry_run(config, plan, *, find_max_batch: bool = False, max_tries: int = 
         out(line)
     if train.memory is not None:
         for line in (flops_lines(train, mesh.size, config_flops) + collective_lines(train)
-                     + aot.roofline_lines(train)):
+                     + aot.roofline_lines(train)
+                     + cost.estimate_lines(train, mesh.size, config_flops)):
             out(line)
     if not train.fits(hbm, margin):
         out('predict: not compiled (the train step does not fit)')
@@ -187,7 +190,8 @@ def tpu_dry_run(config, plan, *, find_max_batch: bool = False, max_tries: int = 
         out(line)
     if predict.memory is None:
         return 1
-    for line in collective_lines(predict, run='batch') + aot.roofline_lines(predict, run='batch'):
+    for line in (collective_lines(predict, run='batch') + aot.roofline_lines(predict, run='batch')
+                 + cost.estimate_lines(predict, mesh.size, run='batch')):
         out(line)
     # In-training BLEU decodes while the training state (the train step's arguments) is resident.
     p = predict.memory

@@ -6,6 +6,7 @@
     train.memory.total <= plan.tpu.hbm_bytes         # what the step keeps resident per device
     predict = aot.compile_predict(config, plan.mesh)    # beam search on an eval batch
     train.roofline.seconds                           # lower bound of the step on the chips
+    train.estimate.seconds                           # XLA's cost model, loops by trip count
 
 XLA's TPU compiler ships in libtpu and runs without TPU hardware: jax.experimental.topologies
 describes the devices of a slice, the real train step (train_lib.jit_train_step on
@@ -15,7 +16,9 @@ from the compiled HLO (t2t/aot/hlo.py: dots and convolutions, each loop body tim
 XLA's own cost_analysis() counts a loop body once, so it undercounts scanned layers and the
 loss's chunk loop, and is kept only as what it is. The roofline (Roofline) bounds the step time
 from below with those FLOPs, the HBM traffic and the collectives of the compiled HLO and the
-chip's datasheet numbers (CHIPS). The process itself runs on the CPU backend (platforms.py).
+chip's datasheet numbers (t2t/infra/metrics.py's CHIPS); the estimate (Estimate) is XLA's cost
+model's time with the loops put back (t2t/aot/cost.py). The process itself runs on the CPU
+backend (platforms.py).
 
 What memory_analysis counts, per device: arguments (state and batch shards), outputs, aliased
 (outputs written into donated arguments, counted once), temporaries (XLA's scratch at its peak:
@@ -37,9 +40,10 @@ import jax
 import jax.numpy as jnp
 
 from t2t import inference, optim, sharding, train_lib
-from t2t.aot import hlo
+from t2t.aot import cost, hlo
 from t2t.aot import memory as hlo_memory
-from t2t.infra import platforms
+from t2t.aot.cost import Estimate, Roofline, roofline_lines  # noqa: F401 (aot.roofline_lines)
+from t2t.infra import metrics, platforms
 from t2t.model import TransformerConfig
 
 GIB = 1 << 30
@@ -48,36 +52,27 @@ HBM_MARGIN = 0.05  # of HBM kept free for what memory_analysis does not count
 
 @dataclasses.dataclass(frozen=True)
 class _Chip:
+    generation: str  # key of metrics.CHIPS: the datasheet numbers
     topology_prefix: str  # libtpu's topology names: 'v5e:4x4', 'v5:2x2x1' (v5p)
     cloud_prefix: str  # Cloud TPU accelerator types: 'v5litepod-16', 'v5p-8'
     cores_per_chip: int  # accelerator types count TensorCores: 2 per v4 / v5p chip
     chip_config: str  # 'megacore': one jax device per chip, its two TensorCores fused
-    hbm_gib: int
+    hbm_gib: int  # capacity, binary units (a v6e reports 33550237696 usable bytes, > 32e9)
     dims: int  # 2D or 3D torus
-    peak_bf16_flops: float  # dense bf16 FLOP/s per chip
-    hbm_bytes_per_s: float  # HBM bandwidth per chip
-    ici_bytes_per_s: float  # bidirectional inter-chip interconnect bandwidth per chip
+
+    @property
+    def spec(self) -> metrics.Chip:
+        """Peak FLOP/s, HBM and ICI bandwidth: t2t/infra/metrics.py's table (MFU's too)."""
+        return metrics.CHIPS[self.generation]
 
 
-# The chips' datasheet numbers, per chip (one jax device), from Google Cloud's TPU pages:
-#   v4:  https://cloud.google.com/tpu/docs/v4  (275 TFLOPs bf16; HBM2 32 GiB, 1200 GBps). The page
-#        gives no per-chip ICI bandwidth, only the pod's all-reduce bandwidth (1.1 PB/s over 4096
-#        chips); 2 x that / 4096 = 537 GBps, the relation the v5e and v6e pages' numbers obey
-#        (51.2 TB/s over 256 chips = 400 GBps / 2; 102.4 TB/s over 256 = 800 GBps / 2).
-#   v5e: https://cloud.google.com/tpu/docs/v5e  (197 TFLOPs; 16 GB, 819 GBps; ICI 400 GBps)
-#   v5p: https://cloud.google.com/tpu/docs/v5p  (459 TFLOPs; 95 GB, 2765 GBps; ICI 1200 GBps)
-#   v6e: https://cloud.google.com/tpu/docs/v6e  (918 TFLOPs; 32 GB, 1638 GBps; ICI 800 GBps)
-# HBM capacity in binary units (a v6e reports 33550237696 usable bytes, more than 32e9).
-# t2t/infra/metrics.py's MFU peaks must agree (tests/test_roofline.py checks it).
-CHIPS = {
-    'v4': _Chip('v4', 'v4', 2, 'megacore', 32, 3, 275e12, 1200e9, 2 * 1.1e15 / 4096),
-    'v5e': _Chip('v5e', 'v5litepod', 1, 'default', 16, 2, 197e12, 819e9, 400e9),
-    'v5p': _Chip('v5', 'v5p', 2, 'megacore', 95, 3, 459e12, 2765e9, 1200e9),
-    'v6e': _Chip('v6e', 'v6e', 1, 'default', 32, 2, 918e12, 1638e9, 800e9),
-}
-# jax's device_kind of each generation's devices
-DEVICE_KINDS = {'TPU v4': 'v4', 'TPU v5 lite': 'v5e', 'TPU v5e': 'v5e', 'TPU v5': 'v5p',
-                'TPU v5p': 'v5p', 'TPU v6 lite': 'v6e', 'TPU v6e': 'v6e'}
+# The slices' shapes and names (Google Cloud's TPU pages, MaxText's accelerator table).
+CHIPS = {c.generation: c for c in (
+    _Chip('v4', 'v4', 'v4', 2, 'megacore', 32, 3),
+    _Chip('v5e', 'v5e', 'v5litepod', 1, 'default', 16, 2),
+    _Chip('v5p', 'v5', 'v5p', 2, 'megacore', 95, 3),
+    _Chip('v6e', 'v6e', 'v6e', 1, 'default', 32, 2),
+)}
 _ALIASES = {'v5litepod': 'v5e', 'v5': 'v5p', 'v6': 'v6e'}
 # Slice shapes by chip count (MaxText's accelerator table, Cloud TPU docs).
 _SHAPES = {
@@ -278,6 +273,9 @@ class Compiled:
     # The same memory traffic from the HLO, loops counted by trip count (hlo_memory.memory_bytes)
     memory_bytes_per_device: float = math.nan
     roofline: Roofline | None = None  # the step-time lower bound on the slice's chips
+    # XLA cost_analysis 'optimal_seconds': its cost model's time, each loop body counted once
+    xla_optimal_seconds: float = math.nan
+    estimate: Estimate | None = None  # that time with loops by trip count (t2t/aot/cost.py)
 
     @property
     def collective_bytes(self) -> int:
@@ -311,7 +309,15 @@ def _compile(jitted, *abstract_args) -> Compiled:
                     matmul_flops_per_device=hlo.matmul_flops(module), unknown_loops=unknown,
                     hlo_text=text, collectives=hlo.collectives(module),
                     xla_bytes_accessed=float(costs.get('bytes accessed', math.nan)),
+                    xla_optimal_seconds=float(costs.get('optimal_seconds', math.nan)),
                     memory_bytes_per_device=hlo_memory.memory_bytes(module))
+
+
+def compile_jitted(jitted, *abstract_args) -> Compiled:
+    """Any jitted function (another model's train step, to compare) compiled for abstract
+    arguments sharded over a TPU mesh and read as the train step is; with_roofline(result, mesh)
+    adds the bound and XLA's estimate."""
+    return _compile(jitted, *abstract_args)
 
 
 def abstract_batch(config, mesh, rows: int | None = None) -> dict:
@@ -347,76 +353,19 @@ def compile_predict(config, mesh) -> Compiled:
     return with_roofline(_compile(predict, state.params, inputs), mesh)
 
 
-# ----------------------------------------------------------------------------------------------
-# The roofline: a lower bound of the step time from the compiled program and the datasheet
-
-
-@dataclasses.dataclass(frozen=True)
-class Roofline:
-    """max(FLOPs / peak, HBM bytes / HBM bandwidth) + collective bytes / ICI bandwidth, per device.
-
-    A lower bound, not a measurement: it assumes every matmul at the chip's bf16 peak, the memory
-    traffic at full HBM bandwidth overlapping the compute, and the collectives' operand bytes
-    moved at the chip's whole bidirectional ICI bandwidth (a ring all-reduce moves about twice
-    its operand; a device uses its links partly) without overlapping anything. Elementwise work
-    is in the memory term only. Real steps are slower by the efficiencies this leaves out."""
-
-    chip: str  # key of CHIPS
-    flops: float  # matmul FLOPs per device per run, loops by trip count (hlo.matmul_flops)
-    memory_bytes: float  # HBM bytes read and written per device (hlo_memory.memory_bytes)
-    collective_bytes: float  # collectives' operand bytes per device (hlo.collectives)
-
-    @property
-    def compute_s(self) -> float:
-        return self.flops / CHIPS[self.chip].peak_bf16_flops
-
-    @property
-    def memory_s(self) -> float:
-        return self.memory_bytes / CHIPS[self.chip].hbm_bytes_per_s
-
-    @property
-    def collective_s(self) -> float:
-        return self.collective_bytes / CHIPS[self.chip].ici_bytes_per_s
-
-    @property
-    def seconds(self) -> float:
-        return max(self.compute_s, self.memory_s) + self.collective_s
-
-
 def with_roofline(compiled: Compiled, mesh) -> Compiled:
-    """compiled with its Roofline for the mesh's TPU chip (unchanged on other devices, or when
-    the compiler ran out of memory)."""
-    chip = DEVICE_KINDS.get(mesh.devices.flat[0].device_kind)
-    if chip is None or compiled.memory is None:
+    """compiled with its Roofline and XLA's Estimate for the mesh's TPU chip (t2t/aot/cost.py;
+    unchanged on other devices, or when the compiler ran out of memory)."""
+    chip = metrics.chip(mesh.devices.flat[0].device_kind)
+    if chip is None or chip.name not in CHIPS or compiled.memory is None:
         return compiled
-    return dataclasses.replace(compiled, roofline=Roofline(
-        chip, compiled.matmul_flops_per_device, compiled.memory_bytes_per_device,
-        compiled.collective_bytes))
-
-
-def _ms(seconds: float) -> str:
-    return f'{seconds * 1e3:.3g} ms'
-
-
-def roofline_lines(compiled: Compiled, run: str = 'step') -> list[str]:
-    """The dry run's lines on memory traffic and the roofline bound of `compiled` (none without
-    a roofline)."""
-    r = compiled.roofline
-    if r is None:
-        return []
-    chip = CHIPS[r.chip]
-    return [
-        f'  memory traffic per device per {run}: {r.memory_bytes / 1e9:.4g} GB (compiled HLO, '
-        f'operands and results of each top-level op, loops counted by trip count); XLA '
-        f'cost_analysis bytes accessed {compiled.xla_bytes_accessed / 1e9:.4g} GB (each loop '
-        'body counted once)',
-        f'  roofline LOWER BOUND of the {run} time (not a measurement; {r.chip} datasheet: '
-        f'{chip.peak_bf16_flops / 1e12:.0f} TFLOP/s bf16, HBM {chip.hbm_bytes_per_s / 1e9:.0f} '
-        f'GB/s, ICI {chip.ici_bytes_per_s / 1e9:.0f} GB/s per chip): max(compute '
-        f'{r.flops:.4g} FLOP / peak = {_ms(r.compute_s)}, memory {r.memory_bytes:.4g} B / HBM = '
-        f'{_ms(r.memory_s)}) + collectives {r.collective_bytes:.4g} B / ICI = '
-        f'{_ms(r.collective_s)}; bound {_ms(r.seconds)}',
-    ]
+    roofline = Roofline(chip.name, compiled.matmul_flops_per_device,
+                        compiled.memory_bytes_per_device, compiled.collective_bytes)
+    estimate = None
+    if math.isfinite(compiled.xla_optimal_seconds) and compiled.xla_optimal_seconds > 0:
+        estimate = cost.estimate(compiled.hlo_text, chip.name, compiled.xla_optimal_seconds,
+                                 compiled.xla_bytes_accessed)
+    return dataclasses.replace(compiled, roofline=roofline, estimate=estimate)
 
 
 # ----------------------------------------------------------------------------------------------

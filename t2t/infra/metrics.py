@@ -27,6 +27,7 @@ until everything is up: the loop calls it before each checkpoint save, so the re
 saved step are never behind it; after limit_s it raises workdir.StorageError naming the object.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -275,32 +276,57 @@ def read_events(logdir) -> list[tuple[str, int, float]]:
 
 # --- model FLOPs utilization ----------------------------------------------------------------------
 
-# Dense bf16 peak FLOP/s per device from the vendors' datasheets (no sparsity), matched by
-# substring of jax's device_kind, most specific first. fp32 training cannot reach these peaks.
-_PEAK_FLOPS = (
-    ('h100 pcie', 756e12),
-    ('h100', 989e12),
-    ('h200', 989e12),
-    ('a100', 312e12),
-    ('tpu v4', 275e12),
-    ('tpu v5 lite', 197e12),  # v5e
-    ('tpu v5e', 197e12),
-    ('tpu v5p', 459e12),
-    ('tpu v5', 459e12),  # v5p reports itself as 'TPU v5'
-    ('tpu v6 lite', 918e12),  # v6e (Trillium)
-    ('tpu v6e', 918e12),
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """One accelerator's datasheet numbers, per jax device (a TPU chip, a GPU)."""
+
+    name: str
+    peak_bf16_flops: float  # dense bf16 FLOP/s (no sparsity); fp32 training cannot reach it
+    hbm_bytes_per_s: float | None = None  # HBM bandwidth (None: not used here, not recorded)
+    ici_bytes_per_s: float | None = None  # TPUs: bidirectional inter-chip interconnect
+
+
+# The one table of chips: MFU (here), the TPU roofline and XLA's estimate (t2t/aot) read it.
+# GPUs from NVIDIA's H100 / H200 / A100 datasheets (SXM unless named). TPUs from Google Cloud's
+# TPU pages, per chip:
+#   v4:  https://cloud.google.com/tpu/docs/v4  (275 TFLOPs bf16; HBM2 1200 GBps). The page gives
+#        no per-chip ICI bandwidth, only the pod's all-reduce bandwidth (1.1 PB/s over 4096
+#        chips); 2 x that / 4096 = 537 GBps, the relation the v5e and v6e pages' numbers obey
+#        (51.2 TB/s over 256 chips = 400 GBps / 2; 102.4 TB/s over 256 = 800 GBps / 2).
+#   v5e: https://cloud.google.com/tpu/docs/v5e  (197 TFLOPs; 819 GBps; ICI 400 GBps)
+#   v5p: https://cloud.google.com/tpu/docs/v5p  (459 TFLOPs; 2765 GBps; ICI 1200 GBps)
+#   v6e: https://cloud.google.com/tpu/docs/v6e  (918 TFLOPs; 1638 GBps; ICI 800 GBps)
+CHIPS = {c.name: c for c in (
+    Chip('h100 pcie', 756e12),
+    Chip('h100', 989e12),
+    Chip('h200', 989e12),
+    Chip('a100', 312e12),
+    Chip('v4', 275e12, 1200e9, 2 * 1.1e15 / 4096),
+    Chip('v5e', 197e12, 819e9, 400e9),
+    Chip('v5p', 459e12, 2765e9, 1200e9),
+    Chip('v6e', 918e12, 1638e9, 800e9),
+)}
+# jax's device_kind (lower case) to a chip, matched by substring, most specific first.
+_DEVICE_KINDS = (
+    ('h100 pcie', 'h100 pcie'), ('h100', 'h100'), ('h200', 'h200'), ('a100', 'a100'),
+    ('tpu v4', 'v4'), ('tpu v5 lite', 'v5e'), ('tpu v5e', 'v5e'), ('tpu v5p', 'v5p'),
+    ('tpu v5', 'v5p'),  # v5p reports itself as 'TPU v5'
+    ('tpu v6 lite', 'v6e'), ('tpu v6e', 'v6e'),  # v6e (Trillium)
 )
+
+
+def chip(device_kind: str | None = None) -> Chip | None:
+    """The chip of `device_kind` (default: the first jax device); None when unknown (CPU)."""
+    if device_kind is None:
+        device_kind = jax.devices()[0].device_kind
+    kind = device_kind.lower()
+    return next((CHIPS[name] for key, name in _DEVICE_KINDS if key in kind), None)
 
 
 def peak_flops_per_device(device_kind: str | None = None) -> float | None:
     """Datasheet peak of `device_kind` (default: the first jax device); None when unknown (CPU)."""
-    if device_kind is None:
-        device_kind = jax.devices()[0].device_kind
-    kind = device_kind.lower()
-    for name, flops in _PEAK_FLOPS:
-        if name in kind:
-            return flops
-    return None
+    found = chip(device_kind)
+    return found.peak_bf16_flops if found else None
 
 
 def mfu(
