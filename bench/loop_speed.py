@@ -10,6 +10,11 @@ out (it holds the compile), the t2t package that ran, and the load average befor
 over its steps (data, dispatch, the device and the metrics bookkeeping). To compare two versions
 of t2t, point PYTHONPATH at each in turn and alternate the runs.
 
+--profile_start=N traces steps N .. N + --profile_steps - 1 with jax.profiler
+(config.profile_start_step) and reports, beside the median of every interval, the median of the
+intervals that neither hold a traced step nor follow one (`outside_window_median_s`): the
+profiler's cost to the steps it does not trace. Compare against runs without it, alternating.
+
 --bookkeeping measures the loop's metrics bookkeeping alone instead: --steps iterations of a
 stand-in step (a jitted function of a device counter returning a train step's metric scalars)
 fed to the loop's interval (`_Interval.add` every step, `_log_train` every --log_every steps),
@@ -88,11 +93,26 @@ def _bookkeeping(config, steps: int, log_every: int) -> dict:
     return {'step_alone_us': alone / steps * 1e6, 'step_with_bookkeeping_us': booked / steps * 1e6}
 
 
+def _outside_window(logged: list[dict], args) -> dict:
+    """The intervals (ending at each record's step) clear of the traced steps and of the interval
+    after them (the trace's writing lands there)."""
+    first, last = args.profile_start, args.profile_start + args.profile_steps - 1
+    clear = [r['step_time_s'] for r in logged
+             if r['step'] < first or r['step'] - args.log_every + 1 > last + args.log_every]
+    if not clear:
+        sys.exit('loop_speed.py: no interval lies clear of the profile window; add --steps')
+    return {'profile_window': [first, last], 'outside_window_median_s': statistics.median(clear),
+            'outside_window_intervals': len(clear)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--config', default='configs/default.py')
     parser.add_argument('--steps', type=int, default=125)
     parser.add_argument('--log_every', type=int, default=25)
+    parser.add_argument('--profile_start', type=int, default=0,
+                        help='trace steps from this one (0: no profile)')
+    parser.add_argument('--profile_steps', type=int, default=3)
     parser.add_argument('--bookkeeping', action='store_true',
                         help='time the metrics bookkeeping with a stand-in step (see above)')
     args = parser.parse_args()
@@ -118,16 +138,20 @@ def main() -> None:
     config.eval_every_steps = config.checkpoint_every_steps = args.steps
     config.train_time_budget_s = 0.0
     config.num_eval_batches = 1
+    config.profile_start_step = args.profile_start
+    config.profile_num_steps = args.profile_steps
     load_before = _loadavg()
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix='t2t-loop-speed-') as workdir:
         loop.train_and_evaluate(config, workdir)
         records = metrics.read_jsonl(workdir)
     wall = time.perf_counter() - start
-    times = [r['step_time_s'] for r in records if 'step_time_s' in r][1:]
+    logged = [r for r in records if 'step_time_s' in r][1:]
+    times = [r['step_time_s'] for r in logged]
+    window = _outside_window(logged, args) if args.profile_start else {}
     print('RESULT ' + json.dumps({
         'config': args.config, 'steps': args.steps, 'log_every': args.log_every,
-        'median_step_time_s': statistics.median(times), 'step_time_s': times,
+        'median_step_time_s': statistics.median(times), 'step_time_s': times, **window,
         'wall_s': round(wall, 1), 't2t': os.path.dirname(t2t.__file__),
         'loadavg_before': load_before, 'loadavg_after': _loadavg()}), flush=True)
 

@@ -2,6 +2,8 @@
 
 import os
 import signal
+import threading
+import time
 
 import flax.struct
 import grain
@@ -264,4 +266,39 @@ def test_attention_biases_of_a_checkpoint_restore_with_the_flag_that_names_them(
     eval_checkpoints.check_params(params, TransformerConfig.from_config(written), tokenizer,
                                   'step-1')
     assert_bitwise_equal(params, jax.device_get(state.params))
+    ckpt.close(manager)
+
+
+def test_a_save_whose_directory_creation_failed_leaves_no_thread_waiting(tmp_path, monkeypatch):
+    """orbax leaves the writers of a save whose item directories could not be created waiting
+    five minutes for that signal, holding the process's exit (seen after a bucket outage);
+    `wait` raises the failure and releases them, and the next save works."""
+    from orbax.checkpoint._src.futures import future
+    from orbax.checkpoint._src.path import atomicity
+
+    manager = ckpt.make_manager(tmp_path, config())
+    assert ckpt.save(manager, 1, make_state(step=1))
+    ckpt.wait(manager)
+    create_paths = atomicity._create_paths
+
+    async def unavailable(*args, **kwargs):
+        raise ConnectionResetError('storage unavailable')
+
+    monkeypatch.setattr(atomicity, '_create_paths', unavailable)
+    ckpt.save(manager, 2, make_state(step=2))
+    with pytest.raises(checkpoint_read.CheckpointError, match='checkpoints/2 failed'):
+        ckpt.wait(manager)
+
+    def waiting():
+        return [t.name for t in threading.enumerate()
+                if isinstance(t, future._SignalingThread) and t.is_alive()]
+
+    deadline = time.monotonic() + 10  # released at once; orbax's own timeout is 300 s
+    while waiting() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert waiting() == []
+    monkeypatch.setattr(atomicity, '_create_paths', create_paths)
+    assert ckpt.save(manager, 3, make_state(step=3))
+    ckpt.wait(manager)
+    assert ckpt.all_steps(manager) == [1, 3]
     ckpt.close(manager)

@@ -7,13 +7,14 @@ is in test_multiprocess.py.
 """
 
 import os
+import time
 
 import pytest
 
 from t2t.infra import metrics
 from t2t.infra import workdir as wd
 from t2t.run import startup
-from tests import gcs_server
+from tests import fault_front, gcs_server
 
 
 @pytest.fixture(scope='module')
@@ -78,3 +79,34 @@ def test_check_writable_names_a_local_directory_it_cannot_create(tmp_path):
     blocker.write_text('x')
     with pytest.raises(startup.ConfigError, match='is not writable'):
         startup.check_writable(blocker / 'run')
+
+
+def test_bounded_appender_never_holds_its_caller_through_an_outage(bucket, monkeypatch):
+    """The goodput ledger's appender: writes go through a front that answers 503 for a while;
+    `append` returns within its wait (then at once while behind), the lines arrive in order."""
+    import gcsfs
+
+    front = fault_front.start(os.environ['STORAGE_EMULATOR_HOST'])
+    direct = wd._fs
+    through_front = gcsfs.GCSFileSystem(endpoint_url=front.url, token='anon',
+                                        skip_instance_cache=True)
+    monkeypatch.setattr(wd, '_fs', lambda p: through_front)
+    target = wd.path(bucket, 'bounded', 'attempt.jsonl')
+    try:
+        appender = wd.BoundedAppender(target, wait_s=0.5)
+        assert appender.append('one\n')  # a bucket that answers: written on return
+        assert direct(target).cat_file(os.fspath(target)) == b'one\n'
+        front.outage(4.0)
+        began = time.monotonic()
+        assert not appender.append('two\n')
+        held = time.monotonic() - began
+        assert 0.45 <= held < 1.5, held
+        began = time.monotonic()
+        assert not appender.append('three\n')  # behind: no wait at all
+        assert time.monotonic() - began < 0.1
+        assert direct(target).cat_file(os.fspath(target)) == b'one\n'
+        assert appender.close(wait_s=60)  # the outage passes; gcsfs's next try writes all
+        assert direct(target).cat_file(os.fspath(target)) == b'one\ntwo\nthree\n'
+        assert front.counts['outage_503'] >= 1
+    finally:
+        front.stop()

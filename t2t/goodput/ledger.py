@@ -36,6 +36,8 @@ _JAX_STAGES = {'/jax/core/compile/jaxpr_trace_duration': 'trace',
 _active = None  # the ledger of the attempt running in this process
 _opened = None  # the _Opened start record that train.py wrote before the process's Ledger
 LAUNCH_ENV = 'T2T_ATTEMPT'  # '<launch id>:<n>', set by a launcher that restarts (n from 0)
+# The longest a ledger write holds the loop while a bucket answers; while it does not, none.
+WRITE_WAIT_S = 5.0
 
 
 def _on_jax_duration(event: str, duration: float, **_) -> None:
@@ -104,7 +106,7 @@ def open_attempt(workdir, process_index: int | None, process_count: int = 1,
     start = _process_start()
     try:
         path = attempt_path(workdir, start, process_index)
-        appender = wd.Appender(path)
+        appender = wd.BoundedAppender(path, WRITE_WAIT_S)
         appender.append(json.dumps(_start_record(start, process_index, process_count)) + '\n')
     except Exception as e:  # noqa: BLE001 - the Ledger tries again; the run's own checks speak
         logging.warning('goodput: writing the start record failed (%s: %s)', type(e).__name__,
@@ -137,7 +139,9 @@ class Ledger:
 
     The loop calls `mark(phase)` where a phase starts, `next_step()` at the top of every step,
     `flush(at)` where a slice is due; `compiling(fn)` and `timed(phase)` wrap functions.
-    Writes never stop training: a failed one is logged once and retried with the next.
+    Writes never stop training: in a bucket one waits WRITE_WAIT_S at most and none waits while
+    the bucket fails (the records are kept and written when it answers again, t2t/infra/
+    workdir.py's BoundedAppender); a failed local write is logged once and retried with the next.
     """
 
     def __init__(self, workdir, process_index: int = 0, process_count: int = 1,
@@ -168,7 +172,7 @@ class Ledger:
             self._appender, self.path = opened.appender, opened.path
         elif enabled:
             self.path = attempt_path(workdir, self.start, process_index)
-            self._appender = wd.Appender(self.path)
+            self._appender = wd.BoundedAppender(self.path, WRITE_WAIT_S)
             self._write(_start_record(self.start, process_index, process_count))
         # The start-up so far as a slice: a kill from here on still leaves its time accounted.
         self.flush('ledger', startup={k: round(v, 6) for k, v in _startup.items()})
@@ -292,10 +296,7 @@ class Ledger:
             return
         with self._lock:
             try:
-                # Once failing, one try per write (the record is kept for the next one), so
-                # that a bucket outage does not hold training at every ledger slice.
-                self._appender.append(json.dumps(record) + '\n',
-                                      budget_s=0.0 if self._warned else wd.RETRY_BUDGET_S)
+                self._appender.append(json.dumps(record) + '\n')
             except Exception as e:  # noqa: BLE001 - the ledger never stops training
                 if not self._warned:
                     self._warned = True

@@ -33,6 +33,11 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+try:  # orbax's background-save threads, for `_release_stranded` (private: optional)
+    from orbax.checkpoint._src.futures import future as _orbax_future
+except ImportError:
+    _orbax_future = None
+
 from t2t.infra import distributed
 from t2t.model import attention_bias_mismatch, has_attention_bias
 from t2t.run.best import KeepSteps
@@ -159,11 +164,32 @@ def wait(manager: Manager) -> None:
     try:
         mgr.wait_until_finished()
     except Exception as e:  # orbax re-raises the background thread's error as it was
+        _release_stranded()
         raise _save_failed(step_dir, e) from e
     if step is not None and step not in steps_on_disk(manager.directory):
         raise CheckpointError(f'saving checkpoint {step_dir} failed: it is not on disk after the '
                               'save; the earlier checkpoints are intact')
     _empty_trash(manager)
+
+
+def _release_stranded() -> None:
+    """After a failed save: orbax (0.12) leaves the threads of that save that wait for a signal
+    of a failed one (the step directory's creation) waiting for its coordination timeout, five
+    minutes, and as they are not daemon threads the process cannot exit meanwhile. Each of this
+    process's is cancelled (it then returns without writing), then the signals it waits for are
+    set. Other processes' threads of the same save wake too and finish their writes into the
+    failed step's temporary directory, which the retry (t2t/run/outage.py) or the next start
+    removes; without this they would hold their processes' `wait` for those five minutes."""
+    try:
+        stranded = [t for t in threading.enumerate()
+                    if isinstance(t, _orbax_future._SignalingThread) and t.is_alive()]
+        for thread in stranded:
+            thread.cancel()
+        for thread in stranded:
+            _orbax_future.set_signals(thread._receive_signals,
+                                      operation_id=thread._operation_id)
+    except AttributeError as e:  # another orbax: its own timeout applies
+        logging.debug('releasing the failed save\'s threads: %s', e)
 
 
 def close(manager: Manager) -> None:
