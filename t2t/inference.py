@@ -107,8 +107,8 @@ def _grow_cache(cache, length: int):
 
 
 # Each stage of a compacting beam search is its own compiled loop: quarters rather than halves
-# compile half as many stages (on the demo model, 300 test lines: 16.6 s cold, 5.8 CPU s warm,
-# against 25.5 s and 5.6 s with halves).
+# compile half as many stages for about the same warm time (bench/RESULTS.md, "Bulk translation:
+# compaction, a short first cache and the stop rules").
 SHRINK_FACTOR = 4
 
 # Odd multiplier of the source hash that seeds a row's sampling key (any odd 32-bit number).
