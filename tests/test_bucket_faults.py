@@ -20,6 +20,7 @@ import time
 
 import pytest
 
+from t2t.goodput import report as goodput_report
 from t2t.infra import exits, metrics
 from tests import chaos_run, fault_front, gcs_server
 from tests.helpers import start_script
@@ -122,6 +123,11 @@ def test_faults_an_outage_and_one_past_the_limit(tmp_path):
             assert chaos_run.params_differ(str(tmp_path / 'reference'),
                                            workdirs['outage'], STEPS) == []
             _steps_once(workdirs['outage'])
+            # The metrics writes the outage held are no training and no straggling step.
+            assert 'watchdog:' not in err, err[-3000:]
+            ledger = goodput_report.report(workdirs['outage'])
+            assert ledger['seconds']['logging'] > RETRY_S, ledger['seconds']
+            assert ledger['per_attempt'][0]['findings'] == []
 
             # Past the limit: one line, exit 5, the last good checkpoint restores.
             status, out, err, _ = results['limit']

@@ -70,8 +70,8 @@ def test_report_splits_the_wall_time_and_finds_the_steps_trained_again(tmp_path)
     assert (r['attempts'], r['restarts'], r['wall_s'], r['steps']) == (2, 1, 30.0, [0, 10])
     assert r['seconds'] == {'productive': 7.0, 'initialization': 13.0, 'compile': 2.0,
                             'restore': 2.0, 'checkpoint': 1.0, 'evaluation': 0.0,
-                            'data_wait': 1.0, 'profiling': 0.0, 'lost_progress': 2.0,
-                            'idle': 2.0}
+                            'data_wait': 1.0, 'profiling': 0.0, 'logging': 0.0,
+                            'lost_progress': 2.0, 'idle': 2.0}
     assert r['unaccounted_s'] == 0.0 and r['goodput'] == 7.0 / 30.0 and r['lost_steps'] == 2
     first, second = r['per_attempt']
     assert first['cause'] == 'killed after a watchdog finding (step)'
@@ -84,7 +84,7 @@ def test_report_splits_the_wall_time_and_finds_the_steps_trained_again(tmp_path)
     assert (second['cause'], second['lost_steps'], second['goodput']) == ('finished', 0, 0.3)
     text = goodput_report.format_report(r)
     assert 'goodput of' in text and '23.3% of 30.0 s' in text
-    assert '(2 steps trained again)' in text.splitlines()[10]
+    assert '(2 steps trained again)' in text.splitlines()[11]
     assert goodput_report.report(tmp_path, process_index=1)['attempts'] == 1
 
 
@@ -126,6 +126,37 @@ def test_the_recorder_partitions_time_and_keeps_the_watchdogs_findings(tmp_path,
     assert a['step_times']['steps'] == 7
     assert a['step_times']['max_s'] == pytest.approx(0.61, abs=0.1)
     assert a['step_times']['median_s'] == pytest.approx(0.01, abs=0.01)
+
+
+def test_a_metrics_write_held_by_the_storage_is_logging_not_training_nor_a_straggler(
+        tmp_path, monkeypatch):
+    # The loop's metrics writes, as train_and_evaluate wraps them: one held 0.8 s (a bucket
+    # outage) inside step 7 of steps of 0.01 s.
+    monkeypatch.setattr(goodput.ledger, '_first_attempt_of_process', False)
+    ledger = goodput.Ledger(tmp_path)
+    ledger.begin(0)
+    out = io.StringIO()
+    dog = watchdog.Watchdog(straggler_factor=3, straggler_min_s=0.2, slow_save_s=0, poll_s=0.02,
+                            stream=out, on_finding=ledger.finding)
+    write = dog.paused(ledger.booked('logging')(lambda: time.sleep(0.8)))
+    for i in range(8):
+        ledger.next_step()
+        dog.mark('step', i + 1)
+        ledger.mark('train')
+        time.sleep(0.01)
+        if i == 6:
+            write()
+    ledger.next_step()
+    dog.close()
+    ledger.flush('log')
+    ledger.end('num_train_steps')
+
+    r = goodput_report.report(tmp_path)
+    (a,) = r['per_attempt']
+    assert r['seconds']['logging'] == pytest.approx(0.8, abs=0.1)
+    assert r['seconds']['productive'] < 0.3
+    assert a['findings'] == [] and out.getvalue() == ''  # no straggler, no stacks
+    assert a['step_times']['steps'] == 7 and a['step_times']['max_s'] < 0.2  # step 7 not one
 
 
 def test_the_start_record_before_jax_counts_every_attempt_the_launcher_started(tmp_path,

@@ -16,6 +16,8 @@ clock read at each switch, from the start of the process to the attempt's end:
              previous save) and the wait for the last save at the end
   eval       evaluation (eval loss and BLEU)
   profile    starting and writing a profile (t2t/run/profiling.py; the traced steps are 'train')
+  logging    writing metrics (the console, TensorBoard, metrics.jsonl): the loop's wait for the
+             workdir's storage, which a bucket outage makes long
 
 Records are JSON lines in WORKDIR/goodput/attempt-<UTC start>-p<process>.jsonl, appended through
 the workdir layer: a start record (train.py writes it before jax starts; with the launcher's count

@@ -19,7 +19,7 @@ from t2t.run import compile_cache
 
 DIRNAME = 'goodput'
 PHASES = ('startup', 'setup', 'data', 'restore', 'compile', 'train', 'data_wait', 'checkpoint',
-          'eval', 'profile')
+          'eval', 'profile', 'logging')
 _STEP_PHASES = ('train', 'data_wait')  # a step timed across other phases is not a step time
 BUCKET_RATIO = 1.02  # step-time histogram buckets: [1.02^k, 1.02^(k+1)) seconds
 _LOG_RATIO = math.log(BUCKET_RATIO)
@@ -250,6 +250,21 @@ class Ledger:
                     return fn(*args, **kwargs)
                 finally:
                     self.mark(previous, flush=phase)
+            return call
+        return wrap
+
+    def booked(self, phase: str):
+        """A decorator: the function's calls are `phase`, then back to the phase they were
+        called in (no slice of their own: the next one holds them)."""
+        def wrap(fn):
+            @functools.wraps(fn)
+            def call(*args, **kwargs):
+                previous = self._phase
+                self.mark(phase)
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self.mark(previous)
             return call
         return wrap
 

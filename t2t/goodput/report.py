@@ -30,11 +30,13 @@ CATEGORIES = {
     'evaluation': ('eval',),
     'data_wait': ('data_wait',),
     'profiling': ('profile',),
+    'logging': ('logging',),
     'lost_progress': (),
     'idle': (),
 }
 STAGES = ('trace', 'lower', 'xla', 'load', 'store')  # of compile (t2t/goodput/ledger.py)
 LABELS = {'productive': 'productive training', 'data_wait': 'data wait',
+          'logging': 'metrics writes',
           'lost_progress': 'lost progress', 'idle': 'idle between attempts'}
 
 
@@ -205,7 +207,7 @@ def format_report(r: dict) -> str:
     columns = [('train', 'productive'), ('init', 'initialization'), ('compile', 'compile'),
                ('xla', 'xla'), ('load', 'load'), ('restore', 'restore'), ('ckpt', 'checkpoint'),
                ('eval', 'evaluation'), ('data', 'data_wait'), ('prof', 'profiling'),
-               ('lost', 'lost_progress'), ('idle', 'idle')]
+               ('log', 'logging'), ('lost', 'lost_progress'), ('idle', 'idle')]
     lines.append('per attempt (seconds; xla: the part of compile that XLA compiled or loaded from '
                  "jax's cache; load: a stored executable's load; step times from 2% buckets):")
     lines.append('  #  start                 steps      ' + ''.join(f'{h:>8}' for h, _ in columns)

@@ -17,7 +17,8 @@ a supervisor restarts the job from its last checkpoint.
 A step is timed from one `step` mark to the next (the loop marks at the top of each iteration):
 that is fetching the batch, dispatching step s and waiting for step s-1 on the device (the host
 runs one step ahead), so in the steady state it measures one step of the device. Evaluation is
-marked `other`: not timed against the median, only against hang_timeout_s.
+marked `other`: not timed against the median, only against hang_timeout_s. The loop's metrics
+writes are `paused`: a step's clock stops while they wait for the workdir's storage.
 """
 
 from __future__ import annotations
@@ -73,6 +74,21 @@ class Watchdog:
         median = statistics.median(self._steps) if self._steps else None
         # One assignment, which the thread reads: it never touches _steps.
         self._current = (kind, step, now, self._limit(kind, median), median)
+
+    def paused(self, fn):
+        """fn, during whose calls a step's clock stops (the loop's metrics writes, which a bucket
+        outage holds: a storage wait, not a slow step); the call is watched as `other`."""
+        def call(*args, **kwargs):
+            current, since = self._current, time.perf_counter()
+            if current is None or current[0] != 'step':
+                return fn(*args, **kwargs)
+            self._current = ('other', current[1], since, None, None)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                kind, step, start, limit, median = current
+                self._current = (kind, step, start + time.perf_counter() - since, limit, median)
+        return call
 
     def _limit(self, kind: str, median: float | None) -> float | None:
         if kind == 'save':
