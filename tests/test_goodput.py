@@ -88,6 +88,19 @@ def test_report_splits_the_wall_time_and_finds_the_steps_trained_again(tmp_path)
     assert goodput_report.report(tmp_path, process_index=1)['attempts'] == 1
 
 
+def _run_steps(ledger, dog, body, n: int = 8) -> None:
+    """The loop's calls around n steps (body(i): step i + 1's work), then the attempt's end."""
+    for i in range(n):
+        ledger.next_step()
+        dog.mark('step', i + 1)
+        ledger.mark('train')
+        body(i)
+    ledger.next_step()
+    dog.close()
+    ledger.flush('log')
+    ledger.end('num_train_steps')
+
+
 def test_the_recorder_partitions_time_and_keeps_the_watchdogs_findings(tmp_path, monkeypatch):
     monkeypatch.setattr(goodput.ledger, '_first_attempt_of_process', False)  # starts now
     ledger = goodput.Ledger(tmp_path)
@@ -104,16 +117,12 @@ def test_the_recorder_partitions_time_and_keeps_the_watchdogs_findings(tmp_path,
         calls.append(1)
 
     step = ledger.compiling(train_step)
-    for i in range(8):
-        ledger.next_step()
-        dog.mark('step', i + 1)
-        ledger.mark('train')
+
+    def body(i):
         step()
         time.sleep(0.6 if i == 6 else 0.01)  # step 7 straggles
-    ledger.next_step()
-    dog.close()
-    ledger.flush('log')
-    ledger.end('num_train_steps')
+
+    _run_steps(ledger, dog, body)
 
     r = goodput_report.report(tmp_path)
     (a,) = r['per_attempt']
@@ -138,18 +147,14 @@ def test_a_metrics_write_held_by_the_storage_is_logging_not_training_nor_a_strag
     out = io.StringIO()
     dog = watchdog.Watchdog(straggler_factor=3, straggler_min_s=0.2, slow_save_s=0, poll_s=0.02,
                             stream=out, on_finding=ledger.finding)
-    write = dog.paused(ledger.booked('logging')(lambda: time.sleep(0.8)))
-    for i in range(8):
-        ledger.next_step()
-        dog.mark('step', i + 1)
-        ledger.mark('train')
+    write = dog.paused(ledger.timed('logging', slice_after=False)(lambda: time.sleep(0.8)))
+
+    def body(i):
         time.sleep(0.01)
         if i == 6:
             write()
-    ledger.next_step()
-    dog.close()
-    ledger.flush('log')
-    ledger.end('num_train_steps')
+
+    _run_steps(ledger, dog, body)
 
     r = goodput_report.report(tmp_path)
     (a,) = r['per_attempt']

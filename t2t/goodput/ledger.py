@@ -239,8 +239,9 @@ class Ledger:
 
         return call
 
-    def timed(self, phase: str):
-        """A decorator: the function's calls are `phase`, each followed by a slice."""
+    def timed(self, phase: str, slice_after: bool = True):
+        """A decorator: the function's calls are `phase`, then back to the phase they were called
+        in; each followed by a slice (slice_after=False: none, the next slice holds them)."""
         def wrap(fn):
             @functools.wraps(fn)
             def call(*args, **kwargs):
@@ -249,22 +250,7 @@ class Ledger:
                 try:
                     return fn(*args, **kwargs)
                 finally:
-                    self.mark(previous, flush=phase)
-            return call
-        return wrap
-
-    def booked(self, phase: str):
-        """A decorator: the function's calls are `phase`, then back to the phase they were
-        called in (no slice of their own: the next one holds them)."""
-        def wrap(fn):
-            @functools.wraps(fn)
-            def call(*args, **kwargs):
-                previous = self._phase
-                self.mark(phase)
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    self.mark(previous)
+                    self.mark(previous, flush=phase if slice_after else None)
             return call
         return wrap
 

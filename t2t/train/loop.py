@@ -333,7 +333,8 @@ def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> Tra
     dog = watchdog.Watchdog.from_config(config, jax.process_index(), ledger.finding)
     # A metrics write waits for the workdir's storage (long in a bucket outage): the ledger books
     # it as 'logging', not training, and the watchdog does not take it for a slow step.
-    writer.write_scalars = dog.paused(ledger.booked('logging')(writer.write_scalars))
+    writer.write_scalars = dog.paused(
+        ledger.timed('logging', slice_after=False)(writer.write_scalars))
     try:
         if meta.get('evaluation_pending'):  # preempted at an evaluation step: evaluate it now
             eval_summary = evaluate()
