@@ -119,8 +119,10 @@ def hlo_numbers(text: str, generation: str, optimal_seconds: float | None = None
                memory_bytes=r.memory_bytes,
                roofline=dict(compute_ms=r.compute_s * 1e3, memory_ms=r.memory_s * 1e3,
                              collective_ms=r.collective_s * 1e3, bound_ms=r.seconds * 1e3),
-               unknown_loops=sum(n is None for n in hlo.while_trip_counts(module).values()))
-    if optimal_seconds and optimal_seconds > 0:  # negative: not a time (base, big on v5e)
+               unknown_loops=sum(n is None for n in hlo.while_trip_counts(module).values()),
+               xla_uncosted=cost.uncosted_custom_calls(module))
+    # Sliced prefetches' joins make XLA's sum no time (t2t/aot/cost.py): no estimate then.
+    if optimal_seconds and optimal_seconds > 0 and not out['xla_uncosted']:
         e = cost.estimate(module, chip, optimal_seconds, xla_bytes or 0.0)
         out.update(xla_optimal_ms=optimal_seconds * 1e3, loop_scale=e.scale,
                    xla_estimate_ms=e.seconds * 1e3)

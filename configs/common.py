@@ -86,6 +86,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.remat = 'none'  # per layer: 'none', 'dots_saveable' (recompute all but matmuls) or 'full'
     c.scan_layers = False  # one nn.scan per stack: faster compiles; parameters stacked per layer
     c.loss_chunk_len = 32  # target positions per chunk of the fused cross-entropy (0 = one chunk)
+    # > 0: the chunk length doubled while a device's chunk (its rows x positions) holds at most
+    # this many target tokens: fewer passes of the float32 dW accumulator through memory
+    c.loss_chunk_tokens = 0
     c.rng_impl = 'threefry'  # dropout keys: 'threefry', 'rbg' or 'unsafe_rbg' (faster on GPU/TPU)
 
     # --- optimization

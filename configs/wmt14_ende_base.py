@@ -16,6 +16,11 @@ def get_config():
     # The fused loss (t2t/loss.py): the plain loss's value and gradient without float32 [B, T, V]
     # logits in memory (tests/test_loss_impl.py); loss_impl='plain' trains on the model's logits().
     c.loss_impl = 'fused'
+    # A chip holding few rows makes short chunks, each a read and write of the float32 dW [V, D]
+    # in HBM: chunks grown to this many target tokens a chip, whose float32 logits a v5e chip
+    # still keeps on chip (bench/RESULTS.md, "The loss chunks and XLA's negative estimate");
+    # with more rows a chip the chunks stay at loss_chunk_len.
+    c.loss_chunk_tokens = 768
     # Unrolled layers: measured by TPU AOT compile (bench/RESULTS.md, 2026-12-01, batch 128), the
     # scanned stacks need more temporaries per chip for the same matmul FLOPs (v5e-16: 1.91
     # against 1.04 GiB; v4-8: 6.97 against 4.03): the forward scan saves per-layer float32

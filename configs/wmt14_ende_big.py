@@ -18,6 +18,9 @@ def get_config():
     # The fused loss (t2t/loss.py): the plain loss's value and gradient without float32 [B, T, V]
     # logits in memory (tests/test_loss_impl.py); loss_impl='plain' trains on the model's logits().
     c.loss_impl = 'fused'
+    # Grown chunks, as in wmt14_ende_base: fewer passes of the float32 dW through HBM when a
+    # chip holds few rows.
+    c.loss_chunk_tokens = 768
     # Unrolled layers: measured by TPU AOT compile (bench/RESULTS.md, 2026-12-01, batch 128), the
     # scanned stacks need more temporaries per chip for the same matmul FLOPs (v5e-16: 4.58
     # against 2.43 GiB, 3.02 with remat='dots_saveable'; v4-8: 14.60 against 7.64): the forward scan

@@ -18,6 +18,9 @@ def get_config():
     # The fused loss (t2t/loss.py): the plain loss's value and gradient without float32 [B, T, V]
     # logits in memory (tests/test_loss_impl.py); loss_impl='plain' trains on the model's logits().
     c.loss_impl = 'fused'
+    # Grown chunks, as in wmt14_ende_base: fewer passes of the float32 dW through HBM when a
+    # chip holds few rows.
+    c.loss_chunk_tokens = 768
     # Unrolled layers, as in wmt14_ende_big (the same model but for the vocabulary, whose numbers
     # are in bench/RESULTS.md, 2026-12-01): scanned stacks take more temporaries per chip for the
     # same matmul FLOPs (v5e-16, batch 128: 4.58 against 2.43 GiB) and only compile faster.

@@ -17,6 +17,7 @@ D d_model, L any length.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -100,16 +101,42 @@ def cudnn_arguments(mask: AttentionMask) -> dict:
 
 
 def attention_weights(q_BQHK: Array, k_BKHK: Array, mask_B1QK: Array, scale: float,
-                      keys: str = 'bshk') -> Array:
+                      keys: str = 'bshk', dtype=None) -> Array:
     """softmax(q k^T * scale + mask) in float32: [B, H, Q, K] (mask: boolean [B, 1, Q, K]).
 
     keys: the layout of k, 'bshk' ([B, K, H, head dim], as projected) or 'bhsk' (head-major,
-    as the decode caches keep them).
+    as the decode caches keep them). dtype: the weights returned in it (the value matmul's) and
+    kept so for the backward pass (softmax_kept_as); None: float32.
     """
     logits_BHQK = jnp.einsum(f'bqhk,{keys}->bhqs', q_BQHK, k_BKHK) * jnp.asarray(
         scale, q_BQHK.dtype)
     logits_BHQK = jnp.where(mask_B1QK, logits_BHQK.astype(jnp.float32), -1e10)
-    return jax.nn.softmax(logits_BHQK, axis=-1)
+    if dtype is None or jnp.dtype(dtype) == jnp.float32:
+        return jax.nn.softmax(logits_BHQK, axis=-1)
+    return softmax_kept_as(logits_BHQK, jnp.dtype(dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def softmax_kept_as(logits: Array, dtype) -> Array:
+    """softmax over the last axis in float32, returned in dtype; its gradient is computed in
+    float32 from that returned copy. Autodiff of the float32 softmax keeps its float32 output for
+    the backward pass: [B, H, Q, K] a layer, more HBM traffic than the weights in the compute
+    dtype on a TPU
+    (bench/RESULTS.md, "The loss chunks and XLA's negative estimate")."""
+    return jax.nn.softmax(logits, axis=-1).astype(dtype)
+
+
+def _softmax_kept_as_fwd(logits, dtype):
+    p = jax.nn.softmax(logits, axis=-1).astype(dtype)
+    return p, p
+
+
+def _softmax_kept_as_bwd(dtype, p, g):
+    y, g = p.astype(jnp.float32), g.astype(jnp.float32)
+    return (y * (g - jnp.sum(g * y, axis=-1, keepdims=True)),)
+
+
+softmax_kept_as.defvjp(_softmax_kept_as_fwd, _softmax_kept_as_bwd)
 
 
 def dot_product_attention(q_BQHK: Array, k_BKHK: Array, v_BKHK: Array, mask, *,
@@ -133,7 +160,7 @@ def dot_product_attention(q_BQHK: Array, k_BKHK: Array, v_BKHK: Array, mask, *,
                                             implementation='cudnn', **cudnn_arguments(mask))
     if impl == 'splash':
         return splash_attention(q_BQHK, k_BKHK, v_BKHK, mask, scale=scale)
-    weights_BHQK = attention_weights(q_BQHK, k_BKHK, mask.dense_B1QK, scale)
+    weights_BHQK = attention_weights(q_BQHK, k_BKHK, mask.dense_B1QK, scale, dtype=v_BKHK.dtype)
     if dropout_rate > 0.0 and dropout_rng is not None:
         weights_BHQK = dropout(weights_BHQK, dropout_rate, dropout_rng)
     return jnp.einsum('bhqs,bshk->bqhk', weights_BHQK.astype(v_BKHK.dtype), v_BKHK)

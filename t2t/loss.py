@@ -85,17 +85,29 @@ def plain_sums(logits_BTV, targets_BT, weights_BT, *, smoothing: float, z_loss: 
             jax.lax.stop_gradient((correct_BT * weights_BT).sum()))
 
 
+def chunk_length(rows: int, length: int, chunk_len: int, chunk_tokens: int = 0) -> int:
+    """Target positions per chunk: chunk_len (0: the whole length), doubled while a device's
+    chunk (its rows x positions) stays within chunk_tokens and the length. Each chunk reads and
+    writes the float32 dW accumulator [V, D] in HBM; a device holding few rows makes small
+    chunks, and that traffic then outweighs the chunk's own (bench/RESULTS.md)."""
+    c = length if chunk_len <= 0 else min(chunk_len, length)
+    while chunk_tokens and 2 * c <= length and 2 * c * rows <= chunk_tokens:
+        c *= 2
+    return c
+
+
 def cross_entropy_sums(y_BTD, w, targets_BT, weights_BT, *, smoothing: float,
-                       z_loss: float = 0.0, chunk_len: int = 0):
+                       z_loss: float = 0.0, chunk_len: int = 0, chunk_tokens: int = 0):
     """(smoothed loss sum, NLL sum, correct-argmax sum), each weighted by weights_BT; float32.
 
     y_BTD: decoder output in the compute dtype; w: the output projection, float32 parameters
     (cast to y's dtype for the matmuls), [V, D] or one copy per batch shard [S, V, D]
     (tables.TokenTable); z_loss: the weight of (log Z)^2; chunk_len: target positions per chunk
-    (0 or >= T: one chunk). T is padded to a multiple of chunk_len with weight 0.
+    (0 or >= T: one chunk), grown to chunk_tokens target tokens per device (chunk_length; 0:
+    not grown). T is padded to a multiple of the chunk length with weight 0.
     """
     b, t, d = y_BTD.shape
-    c = t if chunk_len <= 0 else min(chunk_len, t)
+    c = chunk_length(b // sharding.batch_shards(b), t, chunk_len, chunk_tokens)
     pad = -t % c
     if pad:
         y_BTD = jnp.pad(y_BTD, ((0, 0), (0, pad), (0, 0)))

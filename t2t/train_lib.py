@@ -70,6 +70,7 @@ class StepConfig:
     grad_accum_steps: int = 1
     skip_nonfinite: bool = False
     loss_chunk_len: int = 32  # target positions per chunk of the cross-entropy (0: one chunk)
+    loss_chunk_tokens: int = 0  # > 0: chunks grown to this many target tokens per device
     loss_impl: str = 'plain'  # 'plain' (on the model's logits) or 'fused' (t2t/loss.py)
     z_loss: float = 0.0  # weight of log(Z)^2 in the loss (0: off)
     rng_impl: str = 'threefry'  # dropout key generator: 'threefry', 'rbg' or 'unsafe_rbg'
@@ -95,6 +96,7 @@ class StepConfig:
                    grad_accum_steps=config.grad_accum_steps,
                    skip_nonfinite=config.skip_nonfinite,
                    loss_chunk_len=config.loss_chunk_len,
+                   loss_chunk_tokens=config.loss_chunk_tokens,
                    loss_impl=config.loss_impl, z_loss=config.z_loss,
                    rng_impl=config.rng_impl,
                    ema_decay=config.ema_decay,
@@ -140,7 +142,8 @@ def loss_sums(params, batch, rng, step_config: StepConfig, deterministic: bool):
     else:
         y_BTD, w_VD = apply(method=Transformer.features)
         loss_sum, nll_sum, correct_sum = loss.cross_entropy_sums(
-            y_BTD, w_VD, targets_BT, weights_BT, chunk_len=step_config.loss_chunk_len, **terms)
+            y_BTD, w_VD, targets_BT, weights_BT, chunk_len=step_config.loss_chunk_len,
+            chunk_tokens=step_config.loss_chunk_tokens, **terms)
     sums = {'loss_sum': loss_sum, 'nll_sum': nll_sum, 'correct_sum': correct_sum,
             'tokens': weights_BT.sum()}
     return sums['loss_sum'], sums

@@ -191,6 +191,11 @@ def test_loop_extra_puts_back_what_a_once_counted_loop_body_leaves_out():
     assert cost.estimate_lines(bad, 4, 1e12) == [
         '  XLA ESTIMATE of the step time: none (its cost_analysis gave optimal_seconds -47, '
         'not a time)']
+    sliced = aot.Compiled(None, 0.0, 1.0, roofline=roofline, xla_optimal_seconds=-46.99,
+                          xla_uncosted=47)
+    assert cost.estimate_lines(sliced, 4)[0].startswith(
+        '  XLA ESTIMATE of the step time: none (its cost_analysis gave optimal_seconds -46.99: '
+        '-1 s for each of 47 ConcatBitcast custom-calls')
     good = aot.Compiled(None, 0.0, 1.0, roofline=roofline, xla_optimal_seconds=2e-3,
                         estimate=estimate)
     assert cost.estimate_lines(good, 4)[0].endswith('= 3 ms')
@@ -201,3 +206,48 @@ def test_token_values_of_multi_slice_programs_hold_no_bytes():
     assert hlo.shape_bytes('(token[], f32[2,3]{1,0}, bf16[4])') == 2 * 3 * 4 + 4 * 2
     with pytest.raises(ValueError, match="unknown element type 'q7'"):
         hlo.shape_bytes('q7[2]')
+
+
+_SLICED_PREFETCHES = """HloModule m
+
+%fused (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  ROOT %join = f32[8]{0} custom-call(%p), custom_call_target="ConcatBitcast"
+}
+
+%cond (c: (s32[], f32[8])) -> pred[] {
+  %c = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%c), index=0
+  %n = s32[] constant(5)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%body (b: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %b = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%b), index=0
+  %x = f32[8]{0} get-tuple-element(%b), index=1
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  %joined = f32[8]{0} custom-call(%x), custom_call_target="ConcatBitcast"
+  %kernel = f32[8]{0} custom-call(%joined), custom_call_target="tpu_custom_call"
+  ROOT %t = (s32[], f32[8]{0}) tuple(%next, %kernel)
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %zero = s32[] constant(0)
+  %joined = f32[8]{0} custom-call(%a), custom_call_target="ConcatBitcast"
+  %f = f32[8]{0} fusion(%joined), kind=kLoop, calls=%fused
+  %init = (s32[], f32[8]{0}) tuple(%zero, %f)
+  %loop = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body
+  ROOT %out = f32[8]{0} get-tuple-element(%loop), index=1
+}
+"""
+
+
+def test_uncosted_custom_calls_counted_as_xla_sums_them():
+    """XLA's cost analysis holds -1 s for each ConcatBitcast it visits: those outside fusions,
+    a loop body's once (its sum counts a body once); a Pallas kernel's call has a cost."""
+    assert hlo.while_trip_counts(_SLICED_PREFETCHES) == {'loop': 5}
+    assert cost.uncosted_custom_calls(_SLICED_PREFETCHES) == 2
+    assert cost.uncosted_custom_calls(_SLICED_PREFETCHES.replace('ConcatBitcast', 'x')) == 0

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from t2t import train_lib
+from t2t import loss, train_lib
 from t2t.ids import PAD_ID
 from t2t.model import Transformer, TransformerConfig
 
@@ -44,23 +44,24 @@ def _rel_error(got, want):
     return (num / sum(float(jnp.sum(b ** 2)) for b in jax.tree_util.tree_leaves(want))) ** 0.5
 
 
-@pytest.mark.parametrize('z_loss, deterministic, chunk_lens', [(0.0, True, (0, 4)),
+@pytest.mark.parametrize('z_loss, deterministic, chunk_lens', [(0.0, True, (0, 4, (1, 64))),
                                                              (0.1, False, (4,))])
 def test_plain_and_fused_losses_and_gradients_are_equal(z_loss, deterministic, chunk_lens):
     """Loss sums equal to rtol 2e-6, NLL sums too, the same argmax count, gradients to a
     relative 1e-5 (float32): without dropout in one chunk and in two (the last padded); with
-    dropout (both paths draw the same masks) and the z-loss."""
+    dropout (both paths draw the same masks) and the z-loss; (length, tokens): chunks grown."""
     plain = train_lib.StepConfig(model=CFG, loss_impl='plain', z_loss=z_loss)
     (want, want_aux), want_grads = _loss_and_grads(plain, deterministic)
-    for chunk_len in chunk_lens:
+    for chunk in chunk_lens:
+        chunk_len, tokens = chunk if isinstance(chunk, tuple) else (chunk, 0)
         fused = train_lib.StepConfig(model=CFG, loss_impl='fused', z_loss=z_loss,
-                                     loss_chunk_len=chunk_len)
+                                     loss_chunk_len=chunk_len, loss_chunk_tokens=tokens)
         (got, got_aux), got_grads = _loss_and_grads(fused, deterministic)
         np.testing.assert_allclose(got, want, rtol=2e-6)
         np.testing.assert_allclose(got_aux['nll_sum'], want_aux['nll_sum'], rtol=2e-6)
         assert got_aux['correct_sum'] == want_aux['correct_sum']
         assert got_aux['tokens'] == want_aux['tokens'] == 16
-        assert _rel_error(got_grads, want_grads) < 1e-5, chunk_len
+        assert _rel_error(got_grads, want_grads) < 1e-5, chunk
 
 
 def test_z_loss_adds_its_weight_times_log_z_squared():
@@ -84,3 +85,13 @@ def test_an_edit_to_logits_reaches_the_default_train_loss(monkeypatch):
     after = _loss(step_config)
     assert abs(float(after) - float(before)) > 1e-3 * float(before)
 
+
+
+def test_chunks_grow_to_the_tokens_a_device_holds():
+    """loss_chunk_tokens doubles the chunk while a device's rows x positions fit it: few rows a
+    device, fewer chunks (each a pass of the float32 dW through memory); many rows, unchanged."""
+    assert loss.chunk_length(6, 256, 32, 768) == 128
+    assert loss.chunk_length(104, 256, 32, 768) == 32
+    assert loss.chunk_length(1, 256, 32, 768) == 256  # never past the length
+    assert loss.chunk_length(6, 256, 32) == 32 and loss.chunk_length(6, 256, 0, 768) == 256
+    assert loss.chunk_length(6, 20, 32, 768) == 20

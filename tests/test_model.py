@@ -57,6 +57,41 @@ def test_attention_equals_naive_numpy():
     np.testing.assert_allclose(np.asarray(got_dp), want, atol=1e-5)
 
 
+def test_bf16_attention_keeps_its_weights_in_bf16_for_the_gradient():
+    """The written-out attention in bfloat16 returns the float32 softmax in bfloat16 and keeps
+    only that copy for the backward pass: its gradient is the float32 softmax's to bfloat16
+    precision, and the float32 softmax output is not among what the backward pass reads."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from t2t import attention
+
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(2, 3, 4, 16)) * 3, jnp.float32)
+    g = jnp.asarray(rng.normal(size=logits.shape), jnp.float32)
+    kept = attention.softmax_kept_as(logits, jnp.dtype(jnp.bfloat16))
+    assert kept.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(kept, jax.nn.softmax(logits).astype(jnp.bfloat16))
+    got = jax.grad(lambda x: jnp.sum(attention.softmax_kept_as(x, jnp.dtype(jnp.bfloat16))
+                                     .astype(jnp.float32) * g))(logits)
+    want = jax.grad(lambda x: jnp.sum(jax.nn.softmax(x) * g))(logits)
+    np.testing.assert_allclose(got, want, atol=2e-2 * float(jnp.abs(want).max()))
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 8, 2, 4)), jnp.bfloat16) for _ in range(3))
+    mask = jnp.ones((2, 1, 8, 8), bool)
+
+    def kept(dtype):
+        def out(q, k, v):
+            w = attention.attention_weights(q, k, mask, 0.5, dtype=dtype).astype(v.dtype)
+            return jnp.einsum('bhqs,bshk->bqhk', w, v).astype(jnp.float32).sum()
+        return [str(r[0]) for r in saved_residuals(jax.jit(out), q, k, v)]
+
+    # float32 weights: the softmax's output and sums kept; bfloat16: the weights alone (the
+    # float32 array left is the mask's fill, a constant).
+    assert kept(None).count('float32[2,2,8,8]') == 2 and 'float32[2,2,8,1]' in kept(None)
+    bf16 = kept(jnp.bfloat16)
+    assert bf16.count('float32[2,2,8,8]') == 1 and 'float32[2,2,8,1]' not in bf16, bf16
+    assert 'bfloat16[2,2,8,8]' in bf16
+
+
 def test_sinusoidal_table_matches_paper_formula():
     table = sinusoidal_table(50, 16)
     for pos in (0, 1, 7, 49):

@@ -18,6 +18,15 @@ per-computation cost, so the loops' other trips are added: each op of a loop bod
 model costs it, max(its FLOPs / peak, its bytes accessed in every memory space / the rate XLA's
 own bytes accessed / optimal_seconds imply), times the runs past the first. Without loops the
 estimate is XLA's number.
+
+Where XLA's number is not a time: its cost analysis gives a custom-call it has no rule for -1 s
+(and -1 byte, -1 FLOP: "unknown"), and the TPU compiler's ConcatBitcast, which joins the slices
+of a sliced prefetch in place, is one. Base and big on v5e hold hundreds, so optimal_seconds is
+about minus their count; adding the count back does not give XLA's time either, as its float32
+sum, running near that negative total, rounds away most of the other ops' microseconds. Such a
+program gets no estimate, and the report says why (uncosted_custom_calls); compiled with sliced
+prefetches off (LIBTPU_INIT_ARGS=--xla_tpu_sliced_prefetch_max_slices=0) it has none and
+gets one.
 """
 
 from __future__ import annotations
@@ -70,6 +79,25 @@ class Roofline:
         """The MFU the bound allows: an upper bound (model FLOPs / bound / peak of all devices)."""
         return metrics.mfu(model_flops_per_step, self.seconds, devices,
                            _spec(self.chip).peak_bf16_flops)
+
+
+# Custom-call targets XLA's TPU cost model leaves at the generic "unknown" (-1 s each), as seen
+# in t2t's programs (a Pallas kernel's tpu_custom_call is costed).
+UNCOSTED_TARGETS = ('ConcatBitcast',)
+
+
+def uncosted_custom_calls(module) -> int:
+    """Custom-calls of UNCOSTED_TARGETS as XLA's sum counts them: outside fusions (a fusion's time
+    is recomputed from its bytes and FLOPs), each loop body once."""
+    module = hlo._module(module)
+    fused = {c for body in module.computations.values() for i in body if i.opcode == 'fusion'
+             for _, c in i.called}
+    targets = '|'.join(UNCOSTED_TARGETS)
+    return round(sum(
+        times for name, times in hlo.executions(module, loops=False).items() if name not in fused
+        for i in module.computations.get(name, ())
+        if i.opcode == 'custom-call' and re.search(f'custom_call_target="({targets})"',
+                                                   i.attributes)))
 
 
 def _fused_flops(module: hlo.Module, computation: str) -> float:
@@ -171,11 +199,16 @@ def estimate_lines(compiled, devices: int, model_flops: float | None = None,
     e = compiled.estimate
     if e is None:
         opt = getattr(compiled, 'xla_optimal_seconds', math.nan)
-        if compiled.roofline is not None and math.isfinite(opt):
-            # Seen for base and big on v5e: a negative sum, some op's cost not a time.
+        if compiled.roofline is None or not math.isfinite(opt):
+            return []
+        uncosted = getattr(compiled, 'xla_uncosted', 0)
+        if uncosted:
             return [f'  XLA ESTIMATE of the {run} time: none (its cost_analysis gave '
-                    f'optimal_seconds {opt:.4g}, not a time)']
-        return []
+                    f'optimal_seconds {opt:.4g}: -1 s for each of {uncosted} ConcatBitcast '
+                    'custom-calls it cannot cost, the rest lost to float32 rounding; a time with '
+                    'LIBTPU_INIT_ARGS=--xla_tpu_sliced_prefetch_max_slices=0)']
+        return [f'  XLA ESTIMATE of the {run} time: none (its cost_analysis gave '
+                f'optimal_seconds {opt:.4g}, not a time)']
     line = (f'  XLA ESTIMATE of the {run} time (its cost model, not a measurement): '
             f'optimal_seconds {_ms(e.optimal_seconds)} (each loop body once) + loops\' other '
             f'trips {_ms(e.loop_extra_seconds)} = {_ms(e.seconds)}')

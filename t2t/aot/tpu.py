@@ -276,6 +276,8 @@ class Compiled:
     # XLA cost_analysis 'optimal_seconds': its cost model's time, each loop body counted once
     xla_optimal_seconds: float = math.nan
     estimate: Estimate | None = None  # that time with loops by trip count (t2t/aot/cost.py)
+    # Custom-calls XLA's cost model holds at -1 s each: optimal_seconds is then no time
+    xla_uncosted: int = 0
 
     @property
     def collective_bytes(self) -> int:
@@ -310,6 +312,7 @@ def _compile(jitted, *abstract_args) -> Compiled:
                     hlo_text=text, collectives=hlo.collectives(module),
                     xla_bytes_accessed=float(costs.get('bytes accessed', math.nan)),
                     xla_optimal_seconds=float(costs.get('optimal_seconds', math.nan)),
+                    xla_uncosted=cost.uncosted_custom_calls(module),
                     memory_bytes_per_device=hlo_memory.memory_bytes(module))
 
 
@@ -362,7 +365,8 @@ def with_roofline(compiled: Compiled, mesh) -> Compiled:
     roofline = Roofline(chip.name, compiled.matmul_flops_per_device,
                         compiled.memory_bytes_per_device, compiled.collective_bytes)
     estimate = None
-    if math.isfinite(compiled.xla_optimal_seconds) and compiled.xla_optimal_seconds > 0:
+    opt = compiled.xla_optimal_seconds
+    if math.isfinite(opt) and opt > 0 and not compiled.xla_uncosted:
         estimate = cost.estimate(compiled.hlo_text, chip.name, compiled.xla_optimal_seconds,
                                  compiled.xla_bytes_accessed)
     return dataclasses.replace(compiled, roofline=roofline, estimate=estimate)

@@ -143,6 +143,7 @@ def _rules() -> tuple[Rule, ...]:
         Rule('remat', *_one_of(tuple(model._REMAT_POLICIES))),
         Rule('dtype', *_one_of(tuple(model._DTYPES))),
         Rule('loss_chunk_len', _at_least(0), 'must be >= 0 (0: one chunk)'),
+        Rule('loss_chunk_tokens', _at_least(0), 'must be >= 0 (0: chunks not grown)'),
         Rule('loss_impl', *_one_of(loss.IMPLS)),
         Rule('z_loss', _at_least(0), 'must be >= 0 (0: off)'),
         Rule('rng_impl', *_one_of(tuple(train_lib.RNG_IMPLS))),
