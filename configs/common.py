@@ -82,6 +82,11 @@ def base_config() -> ml_collections.ConfigDict:
     # flag: GPU with bfloat16 only; packed rows fall back to a mask) or 'splash' (the Pallas
     # splash attention kernel with segment ids: TPU only)
     c.attention_impl = 'xla'
+    # What the written-out attention's backward pass keeps of the softmax: 'float32' (autodiff of
+    # the float32 softmax: its output and sums) or 'compute' (only the weights in the compute
+    # dtype, the gradient still in float32: less memory traffic in bfloat16, gradients differing
+    # by bfloat16 rounding of the weights; the same in float32)
+    c.softmax_residual = 'float32'
     # Speed and memory levers that leave the results unchanged (bench/RESULTS.md has numbers):
     c.remat = 'none'  # per layer: 'none', 'dots_saveable' (recompute all but matmuls) or 'full'
     c.scan_layers = False  # one nn.scan per stack: faster compiles; parameters stacked per layer

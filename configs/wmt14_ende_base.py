@@ -21,16 +21,18 @@ def get_config():
     # still keeps on chip (bench/RESULTS.md, "The loss chunks and XLA's negative estimate");
     # with more rows a chip the chunks stay at loss_chunk_len.
     c.loss_chunk_tokens = 768
-    # Unrolled layers: measured by TPU AOT compile (bench/RESULTS.md, 2026-12-01, batch 128), the
-    # scanned stacks need more temporaries per chip for the same matmul FLOPs (v5e-16: 1.91
-    # against 1.04 GiB; v4-8: 6.97 against 4.03): the forward scan saves per-layer float32
-    # activations and softmax probabilities and bf16 copies of the weights. Unrolled fits larger
-    # batches and recomputes nothing; scanned layers compile faster, and with
-    # remat='dots_saveable' keep less (v5e-16 1.27, v4-8 3.80 GiB) but recompute every step.
+    # bfloat16 attention weights the one copy of the softmax kept for the backward pass: less HBM
+    # traffic a layer (bench/RESULTS.md, "The loss chunks and XLA's negative estimate").
+    c.softmax_residual = 'compute'
+    # Unrolled layers: by TPU AOT compile the scanned stacks need more temporaries per chip for the
+    # same matmul FLOPs (the forward scan saves per-layer float32 activations and softmax
+    # probabilities and bf16 copies of the weights; bench/RESULTS.md, "TPU ahead-of-time: scanned
+    # against unrolled layers"). Unrolled fits larger batches and recomputes nothing; scanned
+    # layers compile faster, and with remat='dots_saveable' keep less but recompute every step.
     c.scan_layers = False
     # threefry: under a sharded batch its dropout bits are drawn per shard, inside the dropout
-    # fusions; rbg and unsafe_rbg draw the global batch's bits on every device (an 8-chip
-    # fsdp mesh: 8x the bits, more temporaries and HBM traffic; bench/RESULTS.md, 2026-12-01).
+    # fusions; rbg and unsafe_rbg draw the global batch's bits on every device (as many times the
+    # bits as batch shards: more temporaries and HBM traffic; bench/RESULTS.md).
     c.rng_impl = 'threefry'
     c.checkpoint_every_steps = 2000
     c.keep_checkpoints = 5  # the paper averages the last 5 checkpoints of base

@@ -21,16 +21,18 @@ def get_config():
     # Grown chunks, as in wmt14_ende_base: fewer passes of the float32 dW through HBM when a
     # chip holds few rows.
     c.loss_chunk_tokens = 768
-    # Unrolled layers: measured by TPU AOT compile (bench/RESULTS.md, 2026-12-01, batch 128), the
-    # scanned stacks need more temporaries per chip for the same matmul FLOPs (v5e-16: 4.58
-    # against 2.43 GiB, 3.02 with remat='dots_saveable'; v4-8: 14.60 against 7.64): the forward scan
-    # saves per-layer float32 activations and softmax probabilities and bf16 copies of the
-    # weights. Unrolled fits larger batches and recomputes nothing; scan_layers=True only
-    # compiles faster (288 against 786 s on the 2-core CPU).
+    # bfloat16 attention weights the one copy of the softmax kept for the backward pass: less HBM
+    # traffic a layer (bench/RESULTS.md, "The loss chunks and XLA's negative estimate").
+    c.softmax_residual = 'compute'
+    # Unrolled layers: by TPU AOT compile the scanned stacks need more temporaries per chip for the
+    # same matmul FLOPs (the forward scan saves per-layer float32 activations and softmax
+    # probabilities and bf16 copies of the weights; bench/RESULTS.md, "TPU ahead-of-time: scanned
+    # against unrolled layers"), even with remat='dots_saveable'; scan_layers=True only compiles
+    # faster.
     c.scan_layers = False
     # threefry: under a sharded batch its dropout bits are drawn per shard, inside the dropout
-    # fusions; rbg and unsafe_rbg draw the global batch's bits on every device (an 8-chip
-    # fsdp mesh: 8x the bits, more temporaries and HBM traffic; bench/RESULTS.md, 2026-12-01).
+    # fusions; rbg and unsafe_rbg draw the global batch's bits on every device (as many times the
+    # bits as batch shards: more temporaries and HBM traffic; bench/RESULTS.md).
     c.rng_impl = 'threefry'
     c.checkpoint_every_steps = 5000
     c.keep_checkpoints = 20  # the paper averages the last 20 checkpoints of big

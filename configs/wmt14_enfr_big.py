@@ -21,13 +21,14 @@ def get_config():
     # Grown chunks, as in wmt14_ende_base: fewer passes of the float32 dW through HBM when a
     # chip holds few rows.
     c.loss_chunk_tokens = 768
-    # Unrolled layers, as in wmt14_ende_big (the same model but for the vocabulary, whose numbers
-    # are in bench/RESULTS.md, 2026-12-01): scanned stacks take more temporaries per chip for the
-    # same matmul FLOPs (v5e-16, batch 128: 4.58 against 2.43 GiB) and only compile faster.
+    # As in wmt14_ende_big: the bfloat16 attention weights kept for the backward pass.
+    c.softmax_residual = 'compute'
+    # Unrolled layers, as in wmt14_ende_big (the same model but for the vocabulary): scanned stacks
+    # take more temporaries per chip for the same matmul FLOPs and only compile faster.
     c.scan_layers = False
     # threefry: under a sharded batch its dropout bits are drawn per shard, inside the dropout
-    # fusions; rbg and unsafe_rbg draw the global batch's bits on every device (an 8-chip
-    # fsdp mesh: 8x the bits, more temporaries and HBM traffic; bench/RESULTS.md, 2026-12-01).
+    # fusions; rbg and unsafe_rbg draw the global batch's bits on every device (as many times the
+    # bits as batch shards: more temporaries and HBM traffic; bench/RESULTS.md).
     c.rng_impl = 'threefry'
     c.checkpoint_every_steps = 5000
     c.keep_checkpoints = 20

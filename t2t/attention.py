@@ -141,7 +141,7 @@ softmax_kept_as.defvjp(_softmax_kept_as_fwd, _softmax_kept_as_bwd)
 
 def dot_product_attention(q_BQHK: Array, k_BKHK: Array, v_BKHK: Array, mask, *,
                           scale: float, dropout_rate: float = 0.0, dropout_rng=None,
-                          impl: str = 'xla') -> Array:
+                          impl: str = 'xla', softmax_residual: str = 'float32') -> Array:
     """softmax(q k^T * scale + mask) v with the softmax in float32; returns [B, Q, H, K].
 
     mask: an AttentionMask built for `impl`, or a boolean [B, 1, Q, K] array.
@@ -149,6 +149,8 @@ def dot_product_attention(q_BQHK: Array, k_BKHK: Array, v_BKHK: Array, mask, *,
     pick the kernel: XLA's today), 'cudnn' (the same function forced to cuDNN's fused flash
     attention, with sequence lengths and the causal flag: GPU only, bfloat16/float16 inputs) or
     'splash' (the Pallas splash attention kernel with segment ids: TPU only).
+    softmax_residual ('xla'): 'float32', autodiff of the float32 softmax, or 'compute', the
+    weights in v's dtype the one copy kept for the backward pass (softmax_kept_as).
     """
     if not isinstance(mask, AttentionMask):
         mask = AttentionMask(dense_B1QK=mask)
@@ -160,7 +162,9 @@ def dot_product_attention(q_BQHK: Array, k_BKHK: Array, v_BKHK: Array, mask, *,
                                             implementation='cudnn', **cudnn_arguments(mask))
     if impl == 'splash':
         return splash_attention(q_BQHK, k_BKHK, v_BKHK, mask, scale=scale)
-    weights_BHQK = attention_weights(q_BQHK, k_BKHK, mask.dense_B1QK, scale, dtype=v_BKHK.dtype)
+    weights_BHQK = attention_weights(
+        q_BQHK, k_BKHK, mask.dense_B1QK, scale,
+        dtype=v_BKHK.dtype if softmax_residual == 'compute' else None)
     if dropout_rate > 0.0 and dropout_rng is not None:
         weights_BHQK = dropout(weights_BHQK, dropout_rate, dropout_rng)
     return jnp.einsum('bhqs,bshk->bqhk', weights_BHQK.astype(v_BKHK.dtype), v_BKHK)
@@ -240,6 +244,7 @@ class AttentionConfig:
     position_embedding: str = 'sinusoidal'  # 'rope': rotary positions on self-attention's q, k
     scale_attention: bool = True  # logits times 1 / sqrt(d_k)
     attention_impl: str = 'xla'  # the kernel (dot_product_attention)
+    softmax_residual: str = 'float32'  # 'compute': the backward pass keeps the weights in dtype
     attention_dropout_rate: float = 0.0  # on the attention weights ('xla')
     deterministic: bool = False
     decode: bool = False
@@ -332,7 +337,7 @@ class MultiHeadAttention(nn.Module):
         out_BQHK = dot_product_attention(
             q_BQHK, k_BSHK, v_BSHK, mask_B1QS, scale=scale,
             dropout_rate=cfg.attention_dropout_rate, dropout_rng=dropout_rng,
-            impl=cfg.attention_impl,
+            impl=cfg.attention_impl, softmax_residual=cfg.softmax_residual,
         )
         out_BQD = _head_projection(cfg, 'out', 'out')(out_BQHK)
         return nn.with_logical_constraint(out_BQD, ('batch', 'length', 'embed'))

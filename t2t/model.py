@@ -51,6 +51,7 @@ Array = jax.Array
 _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 _POSITIONS = ('sinusoidal', 'learned', 'rope', 'none')
 _ATTENTION_IMPLS = ('xla', 'dot_product', 'cudnn', 'splash')
+SOFTMAX_RESIDUALS = ('float32', 'compute')
 _REMAT_POLICIES = {'none': None, 'full': None,
                    'dots_saveable': jax.checkpoint_policies.dots_saveable}
 
@@ -78,6 +79,7 @@ class TransformerConfig:
     tie_output: bool = True
     dtype: Any = jnp.float32
     attention_impl: str = 'xla'
+    softmax_residual: str = 'float32'  # 'compute': only the weights in dtype kept for backward
     remat: str = 'none'  # 'none', 'dots_saveable' (keep matmul outputs) or 'full' (keep inputs)
     scan_layers: bool = False  # one nn.scan over each stack's layers (stacked parameters)
     layer_norm_epsilon: float = 1e-6
@@ -96,6 +98,9 @@ class TransformerConfig:
             raise ValueError(f'position_embedding={self.position_embedding!r}; one of {_POSITIONS}')
         if self.attention_impl not in _ATTENTION_IMPLS:
             raise ValueError(f'attention_impl={self.attention_impl!r}; one of {_ATTENTION_IMPLS}')
+        if self.softmax_residual not in SOFTMAX_RESIDUALS:
+            raise ValueError(f'softmax_residual={self.softmax_residual!r}; one of '
+                             f'{SOFTMAX_RESIDUALS}')
         if self.remat not in _REMAT_POLICIES:
             raise ValueError(f'remat={self.remat!r}; one of {tuple(_REMAT_POLICIES)}')
         if self.position_embedding == 'rope' and (self.d_model // self.num_heads) % 2:

@@ -90,6 +90,7 @@ def test_latest_checkpoint_writes_scores_and_hypotheses_in_order(run_dir):
     # nothing with the toy references (chrF 0), so the split is scored a second time
     # against references made of its own hypotheses (every other one) and the first references.
     references = [line.split('\t')[1] for line in _read_lines(run_dir['root'] / 'test.tsv')]
+    assert _read_lines(record['references_file']) == references  # sacrebleu -i HYP REF's order
     mixed = [h if i % 2 and h else r for i, (h, r) in enumerate(
         zip(hypotheses, references, strict=True))]
     sources = [line.split('\t')[0] for line in _read_lines(run_dir['root'] / 'test.tsv')]

@@ -92,6 +92,32 @@ def test_bf16_attention_keeps_its_weights_in_bf16_for_the_gradient():
     assert 'bfloat16[2,2,8,8]' in bf16
 
 
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+def test_softmax_residual_compute_changes_only_bfloat16_gradients_and_by_its_rounding(dtype):
+    """The lever through the model: in float32 both settings are one program (bitwise equal
+    gradients); in bfloat16 'compute' differs from the textbook 'float32' by the rounding of the
+    kept weights, well within bfloat16's own error."""
+    rng = np.random.default_rng(3)
+    src, tgt = _ids(rng, (2, 6)), _ids(rng, (2, 5))
+    params = _init(TransformerConfig(**SMALL), src, tgt)
+    g = jnp.asarray(rng.normal(size=(2, 5, SMALL['vocab_size'])), jnp.float32)
+
+    def grads(residual):
+        model = Transformer(TransformerConfig(**SMALL, dtype=dtype, softmax_residual=residual))
+        return jax.jit(jax.grad(lambda p: jnp.sum(model.apply({'params': p}, src, tgt) * g)))(
+            params)
+
+    textbook, kept = jax.tree.leaves(grads('float32')), jax.tree.leaves(grads('compute'))
+    differ = [float(jnp.abs(a - b).max() / (jnp.abs(a).max() + 1e-30))
+              for a, b in zip(textbook, kept, strict=True)]
+    if dtype == jnp.float32:
+        assert max(differ) == 0.0
+    else:
+        assert 0.0 < max(differ) < 0.05, differ
+    with pytest.raises(ValueError, match="softmax_residual='bf16'"):
+        TransformerConfig(**SMALL, softmax_residual='bf16')
+
+
 def test_sinusoidal_table_matches_paper_formula():
     table = sinusoidal_table(50, 16)
     for pos in (0, 1, 7, 49):

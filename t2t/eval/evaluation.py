@@ -11,8 +11,9 @@ average of the params beside them; 'auto' evaluates it when there is one, else t
 the label of EMA weights ends in -ema (step-N-ema), so the two never share a line or a file.
 
 Each evaluated checkpoint gets a label (step-N, or avgN-FIRST-LAST); its hypotheses go to
-WORKDIR/hypotheses-<split>-<label>.txt (one line per example of the split, in order) and its scores
-into WORKDIR/eval-<split>.json, merged by label. Scores are over every example of the split: an
+WORKDIR/hypotheses-<split>-<label>.txt (one line per example of the split, in order; the references
+line for line in WORKDIR/references-<split>.txt, for sacrebleu's own tools such as --paired-bs) and
+its scores into WORKDIR/eval-<split>.json, merged by label. Scores are over every example of the split: an
 example skipped as longer than max_eval_len counts as an empty hypothesis, and is counted.
 
 Every user-facing failure is an EvalError (or checkpoint.CheckpointError, startup.ConfigError) with
@@ -102,8 +103,10 @@ def evaluate_params(config, params, tokenizer, eval_split, *, split: str, label:
     hypotheses = [h or '' for h in result.hypotheses]
 
     hyp_path = wd.path(workdir, f'hypotheses-{_split_tag(split)}-{label}.txt')
+    ref_path = wd.path(workdir, f'references-{_split_tag(split)}.txt')  # for sacrebleu's tests
     if jax.process_index() == 0:
         _write_lines(hyp_path, hypotheses)
+        _write_lines(ref_path, eval_split.references)
     scores = bleu.score_all(hypotheses, eval_split.references, lang=config.target_lang)
     record = {
         **scores,
@@ -128,6 +131,7 @@ def evaluate_params(config, params, tokenizer, eval_split, *, split: str, label:
         'decode_seconds': round(result.seconds, 3),
         'sentences_per_s': round(result.sentences_per_s, 3),
         'hypotheses_file': str(hyp_path),
+        'references_file': str(ref_path),
     }
 
     decoding = inference.DecodeConfig.from_config(config).describe()
@@ -146,7 +150,7 @@ def evaluate_params(config, params, tokenizer, eval_split, *, split: str, label:
         echo(f'  source     [{i}] {eval_split.sources[i]}')
         echo(f'  reference  [{i}] {eval_split.references[i]}')
         echo(f'  hypothesis [{i}] {hypotheses[i]}')
-    echo(f'hypotheses -> {hyp_path}')
+    echo(f'hypotheses -> {hyp_path} (references, line for line: {ref_path})')
     return record
 
 

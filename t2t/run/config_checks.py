@@ -137,6 +137,7 @@ def _rules() -> tuple[Rule, ...]:
              or c.d_model // c.num_heads % 2 == 0,
              'needs an even head dimension: d_model={c.d_model} / num_heads={c.num_heads}'),
         Rule('attention_impl', *_one_of(model._ATTENTION_IMPLS)),
+        Rule('softmax_residual', *_one_of(model.SOFTMAX_RESIDUALS)),
         Rule('attention_dropout_rate', lambda v, c: v == 0 or c.attention_impl == 'xla',
              'needs attention_impl=xla (attention_impl={c.attention_impl!r} has no dropout on '
              'attention weights)'),
