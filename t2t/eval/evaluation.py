@@ -13,8 +13,9 @@ the label of EMA weights ends in -ema (step-N-ema), so the two never share a lin
 Each evaluated checkpoint gets a label (step-N, or avgN-FIRST-LAST); its hypotheses go to
 WORKDIR/hypotheses-<split>-<label>.txt (one line per example of the split, in order; the references
 line for line in WORKDIR/references-<split>.txt, for sacrebleu's own tools such as --paired-bs) and
-its scores into WORKDIR/eval-<split>.json, merged by label. Scores are over every example of the split: an
-example skipped as longer than max_eval_len counts as an empty hypothesis, and is counted.
+its scores into WORKDIR/eval-<split>.json, merged by label. Scores are over every example of the
+split: an example skipped as longer than max_eval_len counts as an empty hypothesis, and is
+counted.
 
 Every user-facing failure is an EvalError (or checkpoint.CheckpointError, startup.ConfigError) with
 a one-line message; lengths are checked against the position table before anything is read. With
