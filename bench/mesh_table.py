@@ -35,6 +35,16 @@ implies and the tokens/s per chip it implies. Bounds and estimates, not measurem
 DCN rows the estimate is XLA's model of the per-device program as compiled, whatever it makes
 of the DCN sends.
 
+XLA's estimate on v5e: with the default compile settings libtpu joins each sliced prefetch with a
+ConcatBitcast custom-call that XLA's cost analysis counts at -1 s, so base's and big's
+optimal_seconds is negative and the estimate column stays empty (t2t/aot/cost.py). --noslice
+compiles the children with LIBTPU_INIT_ARGS=--xla_tpu_sliced_prefetch_max_slices=0 (no sliced
+prefetches: the estimate is a time, on a program whose bytes and memory differ a little from the
+default one's); the column libtpu_init_args holds what each child compiled with, and a row is
+done per (config, slice, mesh, tokens, libtpu_init_args), so both kinds can share one OUT.
+--config, --slice and --mesh_name (comma-separated) keep only those rows of the plan, in its
+order; --only N the first N not done.
+
 --breakdown FILE.hlo.gz (a row's HLO kept with --hlo_dir): where that step's bytes go, HBM and
 collective bytes per traced operation (t2t.aot.cost.breakdown), the largest groups as a table.
 
@@ -64,7 +74,8 @@ COLUMNS = ('config', 'slice', 'chips', 'mesh_name', 'mesh', 'rows', 'target_toke
            'collective_gb', 'collective_gb_in_loops', 'collective_kinds',
            'compute_ms', 'memory_ms', 'collective_ms', 'bound_ms',
            'tokens_per_s_per_chip_bound', 'xla_estimate_ms', 'loop_scale', 'mfu_estimate_pct',
-           'mfu_bound_pct', 'tokens_per_s_per_chip_estimate', 'compile_s')
+           'mfu_bound_pct', 'tokens_per_s_per_chip_estimate', 'compile_s', 'libtpu_init_args')
+NOSLICE = '--xla_tpu_sliced_prefetch_max_slices=0'  # libtpu: no sliced prefetches (see --noslice)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,7 +233,8 @@ def measure(row: Row, hlo_dir: str = '') -> dict:
     out = dict(config=row.config, slice=tpu.name if slices == 1 else f'{slices} x {tpu.name}',
                chips=chips, mesh_name=row.mesh_name, mesh=row.mesh_label, rows=rows,
                target_tokens=rows * config.max_len, hbm_gib=round(hbm / GIB, 1),
-               compile_s=round(train.seconds, 1), requested_tokens=row.tokens)
+               compile_s=round(train.seconds, 1), requested_tokens=row.tokens,
+               libtpu_init_args=os.environ.get('LIBTPU_INIT_ARGS', ''))
     if train.memory is None:
         out.update(status='compiler out of memory', fits='no')
         return out
@@ -304,12 +316,14 @@ def child_main(spec: str) -> int:
     return 0
 
 
-def run_row(row: Row, timeout: int, nice: int, hlo_dir: str = '') -> dict:
+def run_row(row: Row, timeout: int, nice: int, hlo_dir: str = '', libtpu_args: str = '') -> dict:
     spec = json.dumps(dict(dataclasses.asdict(row), hlo_dir=hlo_dir))
     cmd = ['flock', LIBTPU_LOCK, 'nice', '-n', str(nice), 'timeout', str(timeout),
            sys.executable, os.path.abspath(__file__), '--child', spec]
     env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
     env['PYTHONPATH'] = ROOT
+    if libtpu_args:
+        env['LIBTPU_INIT_ARGS'] = libtpu_args
     start = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('RESULT ')]
@@ -320,7 +334,8 @@ def run_row(row: Row, timeout: int, nice: int, hlo_dir: str = '') -> dict:
               else f'failed (rc {proc.returncode}): {tail}')
     return dict(config=row.config, slice=row.slice, mesh_name=row.mesh_name, mesh=row.mesh_label,
                 requested_tokens=row.tokens, status=status,
-                compile_s=round(time.time() - start, 1))
+                compile_s=round(time.time() - start, 1),
+                libtpu_init_args=env.get('LIBTPU_INIT_ARGS', ''))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -328,28 +343,35 @@ def run_row(row: Row, timeout: int, nice: int, hlo_dir: str = '') -> dict:
 
 
 def done_keys(csv_path: str) -> set:
+    """(config, slice asked, mesh, tokens asked, LIBTPU_INIT_ARGS) of the rows in the file."""
     if not os.path.exists(csv_path):
         return set()
     with open(csv_path, newline='') as f:
-        return {(r['config'], r['slice_asked'], r['mesh'], r['requested_tokens'])
-                for r in csv.DictReader(f)}
+        return {(r['config'], r['slice_asked'], r['mesh'], r['requested_tokens'],
+                 r.get('libtpu_init_args') or '') for r in csv.DictReader(f)}
 
 
 def append(out: str, row: Row, result: dict) -> None:
+    """Appends the row to OUT.csv (a file of an older header is rewritten with today's columns,
+    the new ones empty) and writes OUT.md from the whole of it."""
     fields = ('slice_asked', 'requested_tokens') + COLUMNS
     values = {k: result.get(k, '') for k in COLUMNS}
     values.update(slice_asked=row.slice, requested_tokens=row.tokens)
-    new = not os.path.exists(out + '.csv')
-    with open(out + '.csv', 'a', newline='') as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        if new:
-            w.writeheader()
-        w.writerow(values)
-    new = not os.path.exists(out + '.md')
-    with open(out + '.md', 'a') as f:
-        if new:
-            f.write('| ' + ' | '.join(COLUMNS) + ' |\n|' + '---|' * len(COLUMNS) + '\n')
-        f.write('| ' + ' | '.join(str(values[k]) for k in COLUMNS) + ' |\n')
+    rows = []
+    if os.path.exists(out + '.csv'):
+        with open(out + '.csv', newline='') as f:
+            rows = list(csv.DictReader(f))
+    rows.append(values)
+    with open(out + '.csv.tmp', 'w', newline='') as f:
+        w = csv.DictWriter(f, fieldnames=fields, restval='')
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(out + '.csv.tmp', out + '.csv')
+    with open(out + '.md.tmp', 'w') as f:
+        f.write('| ' + ' | '.join(COLUMNS) + ' |\n|' + '---|' * len(COLUMNS) + '\n')
+        f.writelines('| ' + ' | '.join('' if r.get(k) is None else str(r[k]) for k in COLUMNS)
+                     + ' |\n' for r in rows)
+    os.replace(out + '.md.tmp', out + '.md')
 
 
 def main(argv=None) -> int:
@@ -367,7 +389,16 @@ def main(argv=None) -> int:
                     help='t2t against flax examples/wmt on v5e-16 (needs .peer/flax_wmt/)')
     ap.add_argument('--paper_only', action='store_true',
                     help='only the rows at the paper\'s ~25k target tokens a step')
-    ap.add_argument('--mesh_name', default='', help='only the rows of this mesh (e.g. fsdp)')
+    ap.add_argument('--mesh_name', default='',
+                    help='only the rows of these meshes, comma-separated (e.g. fsdp)')
+    ap.add_argument('--config', default='', help='only the rows of these configs, comma-separated '
+                    '(e.g. wmt14_ende_base)')
+    ap.add_argument('--slice', default='', help='only the rows of these slices as asked, '
+                    'comma-separated (e.g. v5e-64: its DCN rows too)')
+    ap.add_argument('--noslice', action='store_true',
+                    help=f'compile with LIBTPU_INIT_ARGS={NOSLICE} (libtpu makes no sliced '
+                    'prefetches, so XLA\'s estimate on v5e is a time; the program differs a '
+                    'little from the default one); the column libtpu_init_args says so')
     ap.add_argument('--breakdown', default='', help='no compile: where the bytes of a kept HLO '
                     'go (see above)')
     ap.add_argument('--top', type=int, default=15, help='with --breakdown: groups shown')
@@ -382,16 +413,22 @@ def main(argv=None) -> int:
             peer_plan() if args.peer else full_plan())
     if args.paper_only:
         plan = [r for r in plan if r.tokens == PAPER_TOKENS]
-    if args.mesh_name:
-        plan = [r for r in plan if r.mesh_name == args.mesh_name]
+    for flag, key in ((args.mesh_name, 'mesh_name'), (args.config, 'config'),
+                      (args.slice, 'slice')):
+        if flag:
+            plan = [r for r in plan if getattr(r, key) in flag.split(',')]
+    libtpu_args = os.environ.get('LIBTPU_INIT_ARGS', '')
+    if args.noslice and NOSLICE not in libtpu_args:
+        libtpu_args = f'{libtpu_args} {NOSLICE}'.strip()
     done = done_keys(args.out + '.csv')
-    todo = [r for r in plan if (r.config, r.slice, r.mesh_label, str(r.tokens)) not in done]
+    todo = [r for r in plan
+            if (r.config, r.slice, r.mesh_label, str(r.tokens), libtpu_args) not in done]
     if args.only:
         todo = todo[:args.only]
-    print(f'{len(plan) - len(todo)} rows already in {args.out}.csv, {len(todo)} to compile',
-          flush=True)
+    print(f'{len(plan) - len(todo)} rows already in {args.out}.csv or past --only, '
+          f'{len(todo)} to compile', flush=True)
     for row in todo:
-        result = run_row(row, args.timeout, args.nice, args.hlo_dir)
+        result = run_row(row, args.timeout, args.nice, args.hlo_dir, libtpu_args)
         append(args.out, row, result)
         print(json.dumps(result), flush=True)
     return 0
