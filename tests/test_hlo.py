@@ -195,7 +195,7 @@ def test_loop_extra_puts_back_what_a_once_counted_loop_body_leaves_out():
                           xla_uncosted=47)
     assert cost.estimate_lines(sliced, 4)[0].startswith(
         '  XLA ESTIMATE of the step time: none (its cost_analysis gave optimal_seconds -46.99: '
-        '-1 s for each of 47 ConcatBitcast custom-calls')
+        '-1 s for each of 47 custom-calls it cannot cost')
     good = aot.Compiled(None, 0.0, 1.0, roofline=roofline, xla_optimal_seconds=2e-3,
                         estimate=estimate)
     assert cost.estimate_lines(good, 4)[0].endswith('= 3 ms')
@@ -251,3 +251,65 @@ def test_uncosted_custom_calls_counted_as_xla_sums_them():
     assert hlo.while_trip_counts(_SLICED_PREFETCHES) == {'loop': 5}
     assert cost.uncosted_custom_calls(_SLICED_PREFETCHES) == 2
     assert cost.uncosted_custom_calls(_SLICED_PREFETCHES.replace('ConcatBitcast', 'x')) == 0
+    # A multi-slice program's (tiny on 2 x v5e:2x2: optimal_seconds -35 with 34 + 1 of them).
+    assert cost.uncosted_custom_calls(_SLICED_PREFETCHES.replace('ConcatBitcast', 'ZeroCrop')) == 2
+
+
+_PIECES = '(f32[4]{0}, bf16[64,2]{1,0}, bf16[64,8]{1,0}, bf16[64,8]{1,0})'
+_PIECE = """
+%acf.# (p0: bf16[64,2], p1: bf16[64,8], p2: f32[4]) -> PIECES {
+  %p2.# = f32[4]{0} parameter(2)
+  %y.# = f32[4]{0} add(%p2.#, %p2.#)
+  %p0.# = bf16[64,2]{1,0} parameter(0)
+  %p1.# = bf16[64,8]{1,0} parameter(1)
+  %ag.# = bf16[64,8]{1,0} all-gather(%p0.#), channel_id=1, replica_groups={{0,1,2,3}},
+    dimensions={1}, frontend_attributes={chain_id="0"}
+  ROOT %t.# = PIECES tuple(%y.#, %p0.#, %p1.#, %ag.#)
+}
+"""
+
+
+def _chain_piece(k: int) -> str:
+    return _PIECE.replace(',\n    dimensions', ', dimensions').replace('#', str(k)).replace(
+        'PIECES', _PIECES)
+
+
+_ALIASED = 'output_to_operand_aliasing={{1}: (0, {}), {2}: (1, {}), {3}: (1, {})}'
+# The TPU compiler's async collective fusion, as in big's train step with fsdp alone (the tied
+# embedding's all-gather spread over 134 fusions): each piece passes the shard and the gathered
+# buffer along (aliased) and runs part of one all-gather into it.
+_CHAINED_ALL_GATHER = 'HloModule m\n' + _chain_piece(1) + _chain_piece(2) + f"""
+ENTRY %main (s: bf16[64,2], b: bf16[64,8], x: f32[4]) -> (f32[4], bf16[64,8]) {{
+  %s = bf16[64,2]{{1,0}} parameter(0)
+  %b = bf16[64,8]{{1,0}} parameter(1)
+  %x = f32[4]{{0}} parameter(2)
+  %f1 = {_PIECES} fusion(%s, %b, %x), kind=kOutput, {_ALIASED}, calls=%acf.1
+  %y1 = f32[4]{{0}} get-tuple-element(%f1), index=0
+  %s1 = bf16[64,2]{{1,0}} get-tuple-element(%f1), index=1
+  %b1 = bf16[64,8]{{1,0}} get-tuple-element(%f1), index=3
+  %f2 = {_PIECES} fusion(%s1, %b1, %y1), kind=kOutput, {_ALIASED}, calls=%acf.2
+  %y2 = f32[4]{{0}} get-tuple-element(%f2), index=0
+  %b2 = bf16[64,8]{{1,0}} get-tuple-element(%f2), index=3
+  ROOT %out = (f32[4]{{0}}, bf16[64,8]{{1,0}}) tuple(%y2, %b2)
+}}
+"""
+
+
+def test_a_collective_chained_over_fusions_counts_as_one_op():
+    """Each piece of a chained all-gather (chain_id) is 1/N of it: the chain's collective bytes
+    and HBM bytes are one all-gather's (shard 256 B read, 1024 B gathered written), the buffers
+    the pieces pass along cost nothing, and each fusion's own work (16 B read, 16 written)
+    counts as before. Counted whole in every piece, big's fsdp-only step had read 30 GB it did
+    not (bench/RESULTS.md)."""
+    assert hlo.chain_pieces(_CHAINED_ALL_GATHER) == {'ag.1': 2, 'ag.2': 2}
+    gathers = hlo.collectives(_CHAINED_ALL_GATHER)['all-gather']
+    assert (gathers.count, gathers.bytes) == (1, 64 * 2 * 2)
+    assert hlo_memory.memory_bytes(_CHAINED_ALL_GATHER) == 2 * (16 + 16) + 64 * 8 * 2 + 64 * 2 * 2
+    shares = cost.breakdown(_CHAINED_ALL_GATHER)
+    assert sum(s.memory_bytes for s in shares) == hlo_memory.memory_bytes(_CHAINED_ALL_GATHER)
+    # Without the chain attribute each is a whole all-gather of its own (the buffers passed
+    # along still cost nothing).
+    unchained = _CHAINED_ALL_GATHER.replace(', frontend_attributes={chain_id="0"}', '')
+    assert hlo.chain_pieces(unchained) == {}
+    assert hlo.collectives(unchained)['all-gather'].count == 2
+    assert hlo_memory.memory_bytes(unchained) == 2 * (16 + 16 + 64 * 8 * 2 + 64 * 2 * 2)

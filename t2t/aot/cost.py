@@ -21,12 +21,13 @@ estimate is XLA's number.
 
 Where XLA's number is not a time: its cost analysis gives a custom-call it has no rule for -1 s
 (and -1 byte, -1 FLOP: "unknown"), and the TPU compiler's ConcatBitcast, which joins the slices
-of a sliced prefetch in place, is one. Base and big on v5e hold hundreds, so optimal_seconds is
-about minus their count; adding the count back does not give XLA's time either, as its float32
-sum, running near that negative total, rounds away most of the other ops' microseconds. Such a
-program gets no estimate, and the report says why (uncosted_custom_calls); compiled with sliced
-prefetches off (LIBTPU_INIT_ARGS=--xla_tpu_sliced_prefetch_max_slices=0) it has none and
-gets one.
+of a sliced prefetch in place, is one (ZeroCrop and SliceId, in multi-slice programs, others).
+Base and big on v5e hold hundreds, so optimal_seconds is about minus their count; adding the
+count back does not give XLA's time either, as its float32 sum, running near that negative
+total, rounds away most of the other ops' microseconds. Such a program gets no estimate, and the
+report says why (uncosted_custom_calls); compiled with sliced prefetches off
+(LIBTPU_INIT_ARGS=--xla_tpu_sliced_prefetch_max_slices=0) a single-slice program has none and
+gets one; a multi-slice program keeps its ZeroCrops.
 """
 
 from __future__ import annotations
@@ -82,8 +83,9 @@ class Roofline:
 
 
 # Custom-call targets XLA's TPU cost model leaves at the generic "unknown" (-1 s each), as seen
-# in t2t's programs (a Pallas kernel's tpu_custom_call is costed).
-UNCOSTED_TARGETS = ('ConcatBitcast',)
+# in t2t's programs (a Pallas kernel's tpu_custom_call is costed): ConcatBitcast joins a sliced
+# prefetch; ZeroCrop and SliceId come with a multi-slice (DCN) program, whatever the flags.
+UNCOSTED_TARGETS = ('ConcatBitcast', 'ZeroCrop', 'SliceId')
 
 
 def uncosted_custom_calls(module) -> int:
@@ -204,9 +206,11 @@ def estimate_lines(compiled, devices: int, model_flops: float | None = None,
         uncosted = getattr(compiled, 'xla_uncosted', 0)
         if uncosted:
             return [f'  XLA ESTIMATE of the {run} time: none (its cost_analysis gave '
-                    f'optimal_seconds {opt:.4g}: -1 s for each of {uncosted} ConcatBitcast '
-                    'custom-calls it cannot cost, the rest lost to float32 rounding; a time with '
-                    'LIBTPU_INIT_ARGS=--xla_tpu_sliced_prefetch_max_slices=0)']
+                    f'optimal_seconds {opt:.4g}: -1 s for each of {uncosted} custom-calls it '
+                    'cannot cost, the rest lost to float32 rounding; ConcatBitcast, of sliced '
+                    'prefetches: a time with LIBTPU_INIT_ARGS='
+                    '--xla_tpu_sliced_prefetch_max_slices=0; ZeroCrop and SliceId, of a '
+                    'multi-slice program: none found)']
         return [f'  XLA ESTIMATE of the {run} time: none (its cost_analysis gave '
                 f'optimal_seconds {opt:.4g}, not a time)']
     line = (f'  XLA ESTIMATE of the {run} time (its cost model, not a measurement): '

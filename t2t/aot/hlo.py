@@ -434,11 +434,32 @@ class CollectiveOp:
         return sum(shape_bytes(s) for s in self.operand_shapes)
 
 
+_CHAIN_ID = re.compile(r'chain_id="(\d+)"')
+
+
+def chain_pieces(hlo) -> dict[str, int]:
+    """{collective instruction: how many pieces its chain has}, for the collectives the TPU
+    compiler split over a chain of async collective fusions: each piece (a copy of one collective,
+    frontend attribute chain_id, its own async_collective_fusion_config flags) runs a part of the
+    steps of one collective into a buffer the chain passes along, so a piece is 1/N of it.
+    Collectives in no chain are absent."""
+    module = _module(hlo)
+    chains: dict[tuple[str, str, str], list[str]] = {}
+    for body in module.computations.values():
+        for i in body:
+            chain = _CHAIN_ID.search(i.attributes)
+            if chain and i.opcode.removesuffix('-start') in COLLECTIVE_KINDS:
+                chains.setdefault((i.opcode, chain.group(1), i.shape), []).append(i.name)
+    return {name: len(names) for names in chains.values() for name in names}
+
+
 def collective_ops(hlo) -> list[CollectiveOp]:
     """Every collective of the module (synchronous ops and async '-start' halves, never the
     '-done' halves; one wrapped in an async-start's computation counts there), with how often it
-    runs: loops by trip count, unknown trip counts once (see `while_trip_counts`)."""
+    runs: loops by trip count, unknown trip counts once (see `while_trip_counts`); a piece of a
+    chain (`chain_pieces`) runs 1/N of a time, so a chain counts as its one collective."""
     module = _module(hlo)
+    pieces = chain_pieces(module)
     ops = []
     for (name, in_loop), times in _runs_by_loop(module).items():
         body = module.computations.get(name, ())
@@ -448,7 +469,8 @@ def collective_ops(hlo) -> list[CollectiveOp]:
             if kind in COLLECTIVE_KINDS:
                 op_name = re.search(r'op_name="([^"]*)"', i.attributes)
                 ops.append(CollectiveOp(kind, i.name, tuple(shapes[o] for o in i.operands),
-                                        in_loop, times, name, op_name.group(1) if op_name else ''))
+                                        in_loop, times / pieces.get(i.name, 1), name,
+                                        op_name.group(1) if op_name else ''))
     return ops
 
 

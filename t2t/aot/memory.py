@@ -14,7 +14,15 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from t2t.aot.hlo import Instruction, Module, _module, executions, shape_bytes
+from t2t.aot.hlo import (
+    COLLECTIVE_KINDS,
+    Instruction,
+    Module,
+    _module,
+    chain_pieces,
+    executions,
+    shape_bytes,
+)
 
 # Ops that move no data of their own: tuple plumbing, control flow (their computations count),
 # parameters and constants (read by the ops that use them), the '-done' halves of async pairs.
@@ -113,10 +121,58 @@ def _read_bytes(name: str, full: int, body, users, module: Module, in_place=()) 
     return min(taken, full)
 
 
-def _op_traffic(i: Instruction, shapes: dict[str, str], module: Module, size=hbm_bytes) -> int:
+_ALIASING = re.compile(r'output_to_operand_aliasing=\{(.*?)\}(?:, [a-z_]+=|$)')
+
+
+def _aliased(i: Instruction) -> dict[int, int]:
+    """{result element: operand} of a fusion that writes those results into its operands'
+    buffers (output_to_operand_aliasing)."""
+    found = _ALIASING.search(i.attributes)
+    return {int(out): int(operand) for out, operand in
+            re.findall(r'\{(\d+)\}: \((\d+), \{\}\)', found.group(1))} if found else {}
+
+
+def _chained(i: Instruction, body, users, pieces: dict[str, int], size) -> tuple[dict, dict]:
+    """What a fusion carrying a piece of a chained collective (hlo.chain_pieces) moves of the
+    chain's buffers: ({result element: bytes written}, {parameter: bytes read}). The buffers it
+    passes along unchanged (a parameter returned as the result aliased to it) cost nothing; the
+    piece of the collective reads and writes 1/N of its operand and result. The collective's
+    own traffic is the collective term's; this keeps one chain's HBM bytes those of one op."""
+    aliased = _aliased(i)
+    if not aliased:
+        return {}, {}
+    by_name = {b.name: b for b in body}
+    root = body[-1]
+    outputs = list(root.operands) if root.opcode == 'tuple' else [root.name]
+    params = {b.name: int(b.arguments) for b in body if b.opcode == 'parameter'}
+    written, read, free = {}, {}, set()
+    for k, name in enumerate(outputs):
+        b = by_name.get(name)
+        while b is not None and b.opcode == 'bitcast':
+            b = by_name.get(b.operands[0])
+        if b is None:
+            continue
+        if b.opcode == 'parameter' and aliased.get(k) == params[b.name]:
+            written[k], free = 0, free | {b.name}
+        elif b.name in pieces and b.opcode.removesuffix('-start') in COLLECTIVE_KINDS:
+            written[k] = size(b.shape) / pieces[b.name]
+            for o in b.operands:
+                if o in params:
+                    read[o] = read.get(o, 0) + size(by_name[o].shape) / pieces[b.name]
+    # A parameter only passed along, or only read by the piece, reads that much; others as usual.
+    reads = {}
+    for p in set(free) | set(read):
+        if all(u is root or u.name in pieces for u in users.get(p, ())):
+            reads[p] = read.get(p, 0)
+    return written, reads
+
+
+def _op_traffic(i: Instruction, shapes: dict[str, str], module: Module, size=hbm_bytes,
+                pieces: dict[str, int] | None = None) -> float:
     """Bytes one top-level op reads and writes; slices and in-place updates count what they
-    touch (XLA's cost analysis does the same), not the whole buffer. size: the bytes of a type
-    that count (hbm_bytes: those in HBM; shape_bytes: every memory space, as XLA counts)."""
+    touch (XLA's cost analysis does the same), not the whole buffer; a piece of a chained
+    collective its share of it (`_chained`). size: the bytes of a type that count (hbm_bytes:
+    those in HBM; shape_bytes: every memory space, as XLA counts)."""
     if i.opcode in _ASYNC_MOVES:  # an async copy between HBM and on-chip memory: once
         arrays = _arrays(i.shape)
         k = _ASYNC_MOVES[i.opcode]
@@ -139,10 +195,14 @@ def _op_traffic(i: Instruction, shapes: dict[str, str], module: Module, size=hbm
     elements = _elements(i.shape)
     written = {k: shape_bytes({p.name: p.shape for p in body}[u.operands[1]])
                for u in body if u.name in in_place for k in [in_place[u.name]]}
-    result = sum(min(size(e), written[k]) if k in written else size(e)
+    chain_written, chain_read = _chained(i, body, users, pieces or {}, size)
+    result = sum(chain_written[k] if k in chain_written else
+                 min(size(e), written[k]) if k in written else size(e)
                  for k, e in enumerate(elements))
-    return result + sum(_read_bytes(params[k], n, body, users, module, in_place)
-                        if k in params and n else n for k, n in enumerate(operand_bytes))
+    return result + sum(
+        chain_read[params[k]] if k in params and params[k] in chain_read else
+        _read_bytes(params[k], n, body, users, module, in_place) if k in params and n else n
+        for k, n in enumerate(operand_bytes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +213,7 @@ class OpTraffic:
     name: str
     opcode: str
     op_name: str  # jax's op_name metadata: the traced operation it came from ('' if none)
-    bytes: int  # read + written per run of the op
+    bytes: float  # read + written per run of the op (a piece of a chained collective: its share)
     times: float  # runs per run of the module (loops by trip count)
 
     @property
@@ -170,6 +230,7 @@ def op_traffic(hlo, all_spaces: bool = False, loops: bool = True) -> list[OpTraf
     fused = {callee for body in module.computations.values() for i in body
              if i.opcode == 'fusion' for _, callee in i.called}
     size = shape_bytes if all_spaces else hbm_bytes
+    pieces = chain_pieces(module)
     ops = []
     for name, times in executions(module, loops).items():
         if name in fused:
@@ -180,7 +241,7 @@ def op_traffic(hlo, all_spaces: bool = False, loops: bool = True) -> list[OpTraf
             if i.opcode not in _NO_TRAFFIC:
                 op_name = re.search(r'op_name="([^"]*)"', i.attributes)
                 ops.append(OpTraffic(name, i.name, i.opcode, op_name.group(1) if op_name else '',
-                                     _op_traffic(i, shapes, module, size), times))
+                                     _op_traffic(i, shapes, module, size, pieces), times))
     return ops
 
 
