@@ -110,3 +110,49 @@ def test_bounded_appender_never_holds_its_caller_through_an_outage(bucket, monke
         assert front.counts['outage_503'] >= 1
     finally:
         front.stop()
+
+
+def test_a_restart_finds_a_killed_first_save_removed_and_the_finished_steps_kept(bucket,
+                                                                              monkeypatch):
+    """A save killed before it finished leaves objects under checkpoints/STEP without orbax's
+    commit file. Orbax removes such steps in a thread of its own while its constructor lists the
+    directory: where they were the only objects, the listing found the prefix gone
+    (FileNotFoundError) and the restart failed. make_manager removes them before orbax starts,
+    so orbax's clean-up finds nothing to race with."""
+    from etils import epath
+    from orbax.checkpoint._src.path import temporary_paths
+
+    from t2t.run import checkpoint as ckpt
+    from tests.test_checkpoint import config, make_state
+
+    found_by_orbax = []
+    orbax_cleanup = temporary_paths.cleanup_temporary_paths
+
+    def cleanup(directory, **kwargs):  # what orbax's clean-up thread would start removing
+        directory = epath.Path(directory)
+        found_by_orbax.append(sorted(p.name for p in directory.iterdir() if p.name.isdigit())
+                              if directory.exists() else [])
+        return orbax_cleanup(directory, **kwargs)
+
+    monkeypatch.setattr(temporary_paths, 'cleanup_temporary_paths', cleanup)
+
+    def leave_unfinished(run, step):
+        epath.Path(f'{run}/checkpoints/{step}/state/array_0').write_bytes(b'partial')
+
+    alone = wd.path(bucket, 'killed-first-save')
+    leave_unfinished(alone, 3)
+    manager = ckpt.make_manager(alone, config())
+    assert found_by_orbax == [[]]
+    assert ckpt.all_steps(manager) == [] and ckpt.latest_step(manager) is None
+    ckpt.close(manager)
+
+    beside = wd.path(bucket, 'killed-second-save')
+    manager = ckpt.make_manager(beside, config())
+    assert ckpt.save(manager, 3, make_state(step=3))
+    ckpt.wait(manager)
+    ckpt.close(manager)
+    leave_unfinished(beside, 6)
+    manager = ckpt.make_manager(beside, config())
+    assert found_by_orbax[-1] == ['3']  # the finished step kept, the unfinished one gone
+    assert ckpt.all_steps(manager) == [3]
+    ckpt.close(manager)

@@ -109,10 +109,30 @@ def make_manager(workdir, config, async_: bool = True) -> Manager:
         create=True,
     )
     handlers = {STATE: ocp.StandardCheckpointHandler(), META: ocp.JsonCheckpointHandler()}
+    _discard_unfinished_in_bucket(directory)
     manager = ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
     result = Manager(manager=manager, directory=directory, config=_config_data(config), best=best)
     _empty_trash(result)
     return result
+
+
+def _discard_unfinished_in_bucket(directory: epath.Path) -> None:
+    """In a bucket, process 0 removes the steps a killed save left unfinished before any process
+    makes its manager; the others wait for it. Orbax's own clean-up of them runs in a thread while
+    its constructor lists the directory: where they were the only objects under the prefix, that
+    listing found it gone (gcsfs: FileNotFoundError), and the restart failed with it."""
+    if '://' not in str(directory):
+        return  # on a disk the directory outlives its steps
+    if jax.process_index() == 0:
+        try:
+            entries = list(directory.iterdir()) if directory.exists() else []
+        except FileNotFoundError:
+            entries = []
+        for entry in entries:
+            if entry.name.isdigit() and ocp.path.step.is_path_temporary(entry):
+                entry.rmtree(missing_ok=True)
+    distributed.wait_for('checkpoints-unfinished', 'process 0 removes unfinished checkpoints',
+                         600)
 
 
 def keep_best_steps(manager: Manager, steps) -> None:
