@@ -39,6 +39,7 @@ except ImportError:
     _orbax_future = None
 
 from t2t.infra import distributed
+from t2t.infra import workdir as wd
 from t2t.model import attention_bias_mismatch, has_attention_bias
 from t2t.run.best import KeepSteps
 from t2t.run.checkpoint_read import (  # the errors and the layout every caller of save/restore uses
@@ -109,30 +110,34 @@ def make_manager(workdir, config, async_: bool = True) -> Manager:
         create=True,
     )
     handlers = {STATE: ocp.StandardCheckpointHandler(), META: ocp.JsonCheckpointHandler()}
-    _discard_unfinished_in_bucket(directory)
+    if wd.is_url(directory):
+        # Orbax removes a killed save's unfinished steps in a thread of its own while its
+        # constructor lists the directory; in a bucket, where they were the only objects under
+        # the prefix, that listing found it gone (gcsfs: FileNotFoundError). So they go first.
+        if jax.process_index() == 0:
+            remove_unfinished(directory)
+        distributed.wait_for('checkpoints-unfinished', 'process 0 removes unfinished checkpoints',
+                             600)
     manager = ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
     result = Manager(manager=manager, directory=directory, config=_config_data(config), best=best)
     _empty_trash(result)
     return result
 
 
-def _discard_unfinished_in_bucket(directory: epath.Path) -> None:
-    """In a bucket, process 0 removes the steps a killed save left unfinished before any process
-    makes its manager; the others wait for it. Orbax's own clean-up of them runs in a thread while
-    its constructor lists the directory: where they were the only objects under the prefix, that
-    listing found it gone (gcsfs: FileNotFoundError), and the restart failed with it."""
-    if '://' not in str(directory):
-        return  # on a disk the directory outlives its steps
-    if jax.process_index() == 0:
+def remove_unfinished(directory: epath.Path, steps=None) -> None:
+    """Removes the step directories (of `steps`; default: all) that a save began and never
+    finalized. One process calls it while the others wait."""
+    finished = set(steps_on_disk(directory))
+    if steps is None:
         try:
-            entries = list(directory.iterdir()) if directory.exists() else []
-        except FileNotFoundError:
-            entries = []
-        for entry in entries:
-            if entry.name.isdigit() and ocp.path.step.is_path_temporary(entry):
-                entry.rmtree(missing_ok=True)
-    distributed.wait_for('checkpoints-unfinished', 'process 0 removes unfinished checkpoints',
-                         600)
+            steps = [int(p.name) for p in directory.iterdir() if p.name.isdigit()] \
+                if directory.exists() else []
+        except FileNotFoundError:  # a bucket prefix whose last object went meanwhile
+            steps = []
+    for step in steps:
+        step_dir = directory / str(step)
+        if step not in finished and step_dir.exists():
+            step_dir.rmtree()
 
 
 def keep_best_steps(manager: Manager, steps) -> None:
@@ -153,7 +158,7 @@ def _empty_trash(manager: Manager) -> None:
     trash is renamed away first (orbax makes a new one), then removed in a thread, so training
     goes on meanwhile; `close` waits for it, a kill leaves it to the next call."""
     directory = manager.directory
-    if jax.process_index() or '://' in str(directory) or not directory.exists():
+    if jax.process_index() or wd.is_url(directory) or not directory.exists():
         return  # on GCS orbax deletes at once
     if (directory / TRASH).exists():
         (directory / TRASH).rename(directory / f'{TRASH}-{time.time_ns()}')

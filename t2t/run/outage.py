@@ -30,12 +30,8 @@ def _discard_unfinished(manager: checkpoint.Manager, steps) -> None:
     of the same step would find them in its way); then every process goes on together."""
     problem = None
     if distributed.process_index() == 0:
-        try:
-            on_disk = set(checkpoint.steps_on_disk(manager.directory))
-            for step in steps:
-                step_dir = manager.directory / str(step)
-                if step not in on_disk and step_dir.exists():  # one try each: the loop retries
-                    step_dir.rmtree()
+        try:  # one try: the loop retries
+            checkpoint.remove_unfinished(manager.directory, steps)
         except Exception as e:  # still failing: the others must not wait at the barrier for it
             if wd.transient_cause(e) is None:
                 raise
