@@ -15,9 +15,14 @@ SIGKILLed (which ends a SIGSTOPped one too) and all start again: train.py resume
 checkpoint. One line per restart names the process and its status (t2t/infra/exits.py). Exit 1 (an
 error: a config value, a path) is not restarted: restarting would repeat it. The launcher's own
 hang guard: when process 0 (the one that prints the step lines) writes nothing to stdout for
---hang_timeout_s, the attempt is taken as hung, killed and restarted; it catches what the
-watchdog inside train.py cannot (a process too stuck to run it, or stopped by a signal).
-Set it above the longest silent stretch of the run: start-up and compiles, evaluation, a save.
+--hang_timeout_s once the attempt has printed its first step line, or for
+--startup_hang_timeout_s before it (start-up: data, restore, compiles), the attempt is taken as
+hung, killed and restarted; it catches what the watchdog inside train.py cannot (a process too
+stuck to run it, or stopped by a signal). Set --hang_timeout_s above the longest silent stretch
+of training (an evaluation, a save) and --startup_hang_timeout_s above the longest start-up; the
+two are apart because a start-up that prepares data and compiles is silent far longer than a
+step, so one limit for both would leave a hang in training undetected for as long as a start-up
+may take.
 
 It ends when WORKDIR/TRAINING_FINISHED is there (exit 0), or after --max_restarts restarts or an
 error (one line, the failing status; 1 when that was a signal). SIGTERM or SIGINT to the launcher
@@ -32,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -46,6 +52,7 @@ from t2t.infra import exits  # noqa: E402
 
 DEVICE_FLAG = '--xla_force_host_platform_device_count'
 POLL_S = 0.05
+STEP_LINE = re.compile(rb'step \d+ \| ')  # t2t/infra/metrics.py's: 'step 1 | loss 7.6 | ...'
 LAUNCH_ID = f'launch-{uuid.uuid4().hex[:12]}'  # this launcher's, in T2T_ATTEMPT
 TERM_WAIT_S = 120.0  # after a forwarded SIGTERM: processes that have not saved by then are killed
 
@@ -136,6 +143,7 @@ class Attempt:
                 preexec_fn=_die_with_parent))
         self.tail = open(os.path.join(args.logs, f'attempt-{number}-process-0.out'), 'rb')
         self.stream, self.last_output = stream, time.monotonic()
+        self.stepping, self._head = False, b''  # process 0 has printed a step line
         with open(os.path.join(args.logs, f'attempt-{number}.json'), 'w') as f:
             json.dump({'pids': [p.pid for p in self.procs], 'port': self.port,
                        'job_id': self.job_id}, f)
@@ -147,6 +155,9 @@ class Attempt:
             self.last_output = time.monotonic()
             self.stream.write(data)
             self.stream.flush()
+            if not self.stepping:  # a line may arrive in pieces: keep the unfinished one
+                *lines, self._head = (self._head + data).split(b'\n')
+                self.stepping = any(STEP_LINE.match(line) for line in lines)
 
     def statuses(self) -> list:
         return [p.poll() for p in self.procs]
@@ -169,12 +180,18 @@ class Attempt:
             f.close()
 
 
-def run_attempt(attempt: Attempt, hang_timeout_s: float, stop: list) -> Outcome:
-    """Waits for the attempt to end; kills what is left when one process fails or it hangs."""
+def run_attempt(attempt: Attempt, hang_timeout_s: float, stop: list,
+                startup_hang_timeout_s: float | None = None) -> Outcome:
+    """Waits for the attempt to end; kills what is left when one process fails or it hangs
+    (silent for startup_hang_timeout_s before its first step line, hang_timeout_s after; None:
+    hang_timeout_s throughout)."""
     forwarded = None
     while True:
         attempt.pump()
         statuses = attempt.statuses()
+        limit = startup_hang_timeout_s
+        if attempt.stepping or limit is None:
+            limit = hang_timeout_s
         if stop and forwarded is None:
             attempt.signal_all(signal.SIGTERM)
             forwarded = time.monotonic()
@@ -190,11 +207,12 @@ def run_attempt(attempt: Attempt, hang_timeout_s: float, stop: list) -> Outcome:
             return Outcome('failed', statuses, f'process {i} {exits.describe(status)}', status)
         elif all(s is not None for s in statuses):
             return Outcome('finished', statuses)
-        elif hang_timeout_s and time.monotonic() - attempt.last_output > hang_timeout_s:
+        elif limit and time.monotonic() - attempt.last_output > limit:
             stopped = [i for i, p in enumerate(attempt.procs) if _state(p.pid) == 'T']
             which = f' (process {", ".join(map(str, stopped))} stopped)' if stopped else ''
+            phase = 'in training' if attempt.stepping else 'in start-up'
             attempt.kill()
-            return Outcome('hang', statuses, f'no output from process 0 for {hang_timeout_s:g} s'
+            return Outcome('hang', statuses, f'no output from process 0 for {limit:g} s {phase}'
                            f'{which}: taken as a hang', exits.HANG)
         time.sleep(POLL_S)
 
@@ -225,7 +243,8 @@ def supervise(args, passthrough, stream=None, say=None) -> int:
                 return exits.OK
             attempt = Attempt(args, passthrough, restarts, stream)
             try:
-                outcome = run_attempt(attempt, args.hang_timeout_s, stop)
+                outcome = run_attempt(attempt, args.hang_timeout_s, stop,
+                                      args.startup_hang_timeout_s)
             finally:
                 attempt.close()
             if outcome.kind == 'stopped':
@@ -266,7 +285,11 @@ def parse_args(argv: list[str]):
     p.add_argument('--devices_per_process', type=int, default=4)
     p.add_argument('--max_restarts', type=int, default=3)
     p.add_argument('--hang_timeout_s', type=float, default=1800.0,
-                   help='no stdout from process 0 for this long: a hang, restart (0: off)')
+                   help='no stdout from process 0 for this long once it has printed a step '
+                   'line: a hang, restart (0: off)')
+    p.add_argument('--startup_hang_timeout_s', type=float, default=None,
+                   help='the same before the first step line of an attempt (default: '
+                   '--hang_timeout_s; 0: off)')
     p.add_argument('--config', default='configs/default.py')
     p.add_argument('--workdir', required=True)
     p.add_argument('--logs', default='', help='per-process logs (default: logs/launch_local)')
@@ -276,8 +299,9 @@ def parse_args(argv: list[str]):
         p.error(f'--processes={args.processes} and --devices_per_process='
                 f'{args.devices_per_process} must be >= 1, --max_restarts={args.max_restarts} '
                 '>= 0')
-    if args.hang_timeout_s < 0:
-        p.error(f'--hang_timeout_s={args.hang_timeout_s} must be >= 0 (0: off)')
+    for flag in ('hang_timeout_s', 'startup_hang_timeout_s'):
+        if (getattr(args, flag) or 0) < 0:
+            p.error(f'--{flag}={getattr(args, flag)} must be >= 0 (0: off)')
     owned = [a for a in passthrough if a.split('=')[0] in (
         '--workdir', '--config', '--coordinator_address', '--num_processes', '--process_id')]
     if owned:

@@ -99,13 +99,16 @@ def _apply(fault: dict, k: int, logs: str, processes: int, launcher, deadline) -
 
 def run(workdir: str, logs: str, steps: int, data_dir: str, faults: list[dict], *,
         processes: int = 2, devices: int = 4, hang_timeout_s: float = 45.0,
-        max_restarts: int | None = None, env: dict | None = None, timeout_s: float = 900.0):
+        startup_hang_timeout_s: float | None = None, max_restarts: int | None = None,
+        env: dict | None = None, timeout_s: float = 900.0):
     """Runs the launcher with `faults` applied; returns a dict of what happened."""
     os.makedirs(logs, exist_ok=True)
     argv = [sys.executable, LAUNCHER, f'--processes={processes}',
             f'--devices_per_process={devices}',
             f'--max_restarts={len(faults) + 2 if max_restarts is None else max_restarts}',
-            f'--hang_timeout_s={hang_timeout_s}', '--config=configs/tiny.py',
+            f'--hang_timeout_s={hang_timeout_s}',
+            *([f'--startup_hang_timeout_s={startup_hang_timeout_s}']
+              if startup_hang_timeout_s is not None else []), '--config=configs/tiny.py',
             f'--workdir={workdir}', f'--logs={logs}', '--', *train_flags(steps, data_dir)]
     start = time.monotonic()
     deadline = start + timeout_s

@@ -6,9 +6,12 @@ training finishes, the final parameters equal an uninterrupted run's bit for bit
 holds each step once; the goodput report counts every attempt, adds up to the wall time and finds
 the steps trained twice. Each fault costs a restart (two processes start jax again, a hang the
 guard's timeout on top), so the two runs' seeds are chosen to cover the kinds of fault between
-them rather than by count: local, a kill and a hang during start-up and a kill of process 1 in
-training; bucket, kills of process 0 in training and in start-up and a hang of process 1 (the
-one that prints nothing) in training. bench/chaos.py is the long form (20 faults).
+them rather than by count: local, a kill of process 1 during start-up, a hang of process 0 (the
+one that prints the step lines) and a kill of process 1 in training; bucket, kills of process 0
+in training and in start-up and a hang of process 1 (the one that prints nothing) in training.
+The hangs come in training, where the launcher's guard waits HANG_TIMEOUT_S; its start-up
+guard (STARTUP_HANG_TIMEOUT_S, above a loaded machine's start-up silence) is tested on stand-in
+processes in tests/test_launchers.py. bench/chaos.py is the long form (20 faults).
 """
 
 import contextlib
@@ -25,10 +28,12 @@ from tests.helpers import run_script
 pytestmark = pytest.mark.xdist_group(__name__)
 
 STEPS = 24
-HANG_TIMEOUT_S = 45.0  # the launcher's guard; above a loaded 2-core machine's start-up silence
+# The launcher's guards: silence before an attempt's first step line, and after it (above the
+# longest pause between step lines in training on a loaded 2-core machine: a save, the evaluation).
+STARTUP_HANG_TIMEOUT_S, HANG_TIMEOUT_S = 45.0, 20.0
 SEED = 3  # the bucket front's
 # (seed, SIGKILLs, SIGSTOPs) of chaos_run.plan: what each draws is in the module doc.
-FAULTS = {'local': (2, 2, 1), 'bucket': (5, 2, 1)}
+FAULTS = {'local': (0, 2, 1), 'bucket': (5, 2, 1)}
 
 
 @pytest.fixture(scope='module')
@@ -36,7 +41,8 @@ def reference(tmp_path_factory):
     root = tmp_path_factory.mktemp('chaos-reference')
     data_dir = str(root / 'data')
     result = chaos_run.run(str(root / 'run'), str(root / 'logs'), STEPS, data_dir, [],
-                           hang_timeout_s=HANG_TIMEOUT_S)
+                           hang_timeout_s=HANG_TIMEOUT_S,
+                           startup_hang_timeout_s=STARTUP_HANG_TIMEOUT_S)
     assert result['status'] == 0 and result['attempts'] == 1, result['launcher_err'][-3000:]
     return {'workdir': str(root / 'run'), 'data_dir': data_dir}
 
@@ -68,7 +74,8 @@ def test_chaos_run_restarts_and_ends_exact(reference, tmp_path, storage, capsys)
     restarts_due = kills + stops
     with _storage(storage, tmp_path) as (workdir, front):
         result = chaos_run.run(workdir, str(tmp_path / 'logs'), STEPS, reference['data_dir'],
-                               faults, hang_timeout_s=HANG_TIMEOUT_S)
+                               faults, hang_timeout_s=HANG_TIMEOUT_S,
+                               startup_hang_timeout_s=STARTUP_HANG_TIMEOUT_S)
         finished = run_record.read_finished(workdir)
         counts = chaos_run.step_counts(workdir)
         differ = chaos_run.params_differ(workdir, reference['workdir'], STEPS)
@@ -87,8 +94,9 @@ def test_chaos_run_restarts_and_ends_exact(reference, tmp_path, storage, capsys)
     for fault, (_, at_s, cause) in zip(result['applied'], restarts, strict=True):
         if fault['signal'] == 'SIGKILL':
             assert cause == f'process {fault["process"]} killed by SIGKILL', (fault, cause)
-        else:  # the hang ended the attempt within the guard's limit
-            assert 'taken as a hang' in cause and f'process {fault["process"]} stopped' in cause
+        else:  # the hang in training ended the attempt within the guard's limit
+            assert cause == f'no output from process 0 for {HANG_TIMEOUT_S:g} s in training ' \
+                f'(process {fault["process"]} stopped): taken as a hang', (fault, cause)
             assert int(at_s) - fault['at_s'] <= HANG_TIMEOUT_S + 10, (fault, at_s)
     assert f'training finished at step 24 (num_train_steps) after {restarts_due} restarts' in err
     assert finished == {'step': STEPS, 'stopped_by': 'num_train_steps'}

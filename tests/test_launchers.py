@@ -343,7 +343,8 @@ sys.exit({statuses}[n - 1])
 
 # A stand-in for `python train.py ...`: what process i does in attempt k is FAKE_PLAN[k][i]
 # ('ok', 'finish': exit 0 after writing TRAINING_FINISHED, 'exit N', 'stop': SIGSTOP itself,
-# 'term': print a line, wait for SIGTERM, exit 0); it records its job id, port and argv.
+# 'step stop': print a step line in two pieces, then SIGSTOP itself, 'term': print a line, wait
+# for SIGTERM, exit 0); it records its job id, port and argv.
 FAKE_TRAIN = '''import json, signal
 argv = sys.argv[2:]
 flag = lambda name: next(a.split('=', 1)[1] for a in argv if a.startswith(f'--{name}='))
@@ -363,6 +364,11 @@ elif action.startswith('exit'):
     time.sleep(0.3)
     sys.exit(int(action.split()[1]))
 elif action == 'stop':
+    os.kill(os.getpid(), signal.SIGSTOP)
+elif action == 'step stop':
+    print('step 1 ', end='', flush=True)
+    time.sleep(0.3)
+    print('| loss 7.5', flush=True)
     os.kill(os.getpid(), signal.SIGSTOP)
 elif action == 'term':
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
@@ -392,27 +398,34 @@ def _runs(bin_dir):
 
 
 def test_local_launcher_restarts_until_training_finished(tmp_path):
-    plan = [['ok', 'exit 4'], ['stop', 'ok'], ['exit 3', 'ok'], ['finish', 'ok']]
-    bin_dir, env, argv = _local(tmp_path, plan, '--max_restarts=3', '--hang_timeout_s=2',
-                                '--devices_per_process=3')
+    plan = [['ok', 'exit 4'], ['stop', 'ok'], ['step stop', 'ok'], ['exit 3', 'ok'],
+            ['finish', 'ok']]
+    bin_dir, env, argv = _local(tmp_path, plan, '--max_restarts=4', '--hang_timeout_s=1',
+                                '--startup_hang_timeout_s=3', '--devices_per_process=3')
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.startswith('launch_local: ')]
-    assert [re.sub(r' at \d+ s:', ':', line) for line in lines[:3]] == [
-        'launch_local: restart 1 of 3: process 1 exit 4 (peer lost)',
-        'launch_local: restart 2 of 3: no output from process 0 for 2 s (process 0 stopped): '
-        'taken as a hang',
-        'launch_local: restart 3 of 3: process 0 exit 3 (hang)']
-    assert lines[3].startswith('launch_local: training finished at step 9 (num_train_steps) '
-                               'after 3 restarts in ')
-    assert done.stdout == ''.join(f'attempt {k}\n' for k in range(4))  # process 0's, streamed
+    restarts = [re.match(r'launch_local: restart (\d) of 4 at (\d+) s: (.*)$', line).groups()
+                for line in lines[:4]]
+    assert [(int(n), cause) for n, _, cause in restarts] == [
+        (1, 'process 1 exit 4 (peer lost)'),
+        (2, 'no output from process 0 for 3 s in start-up (process 0 stopped): taken as a hang'),
+        (3, 'no output from process 0 for 1 s in training (process 0 stopped): taken as a hang'),
+        (4, 'process 0 exit 3 (hang)')]
+    # Each guard waited its own limit: the start-up one 3 s, the one in training 1 s (+ a start).
+    took = [int(at) for _, at, _ in restarts]
+    assert took[1] - took[0] >= 3 and took[2] - took[1] < took[1] - took[0], took
+    assert lines[4].startswith('launch_local: training finished at step 9 (num_train_steps) '
+                               'after 4 restarts in ')
+    assert done.stdout == ''.join(f'attempt {k}\n' + ('step 1 | loss 7.5\n' if k == 2 else '')
+                                  for k in range(5))  # process 0's, streamed
     runs = _runs(bin_dir)
-    assert len(runs) == 8
+    assert len(runs) == 10
     # Per attempt one job id and port for both processes, new ones each attempt.
-    jobs = {k: {runs[f'run-{k}-{i}']['job'] for i in range(2)} for k in range(4)}
-    ports = {k: {runs[f'run-{k}-{i}']['port'] for i in range(2)} for k in range(4)}
-    assert all(len(j) == 1 for j in jobs.values()) and len(set.union(*jobs.values())) == 4
-    assert all(len(p) == 1 for p in ports.values()) and len(set.union(*ports.values())) == 4
+    jobs = {k: {runs[f'run-{k}-{i}']['job'] for i in range(2)} for k in range(5)}
+    ports = {k: {runs[f'run-{k}-{i}']['port'] for i in range(2)} for k in range(5)}
+    assert all(len(j) == 1 for j in jobs.values()) and len(set.union(*jobs.values())) == 5
+    assert all(len(p) == 1 for p in ports.values()) and len(set.union(*ports.values())) == 5
     assert all(p.startswith('127.0.0.1:') for p in set.union(*ports.values()))
     one = runs['run-0-1']
     assert one['devices'] == '--xla_x=1 --xla_force_host_platform_device_count=3'
@@ -421,7 +434,7 @@ def test_local_launcher_restarts_until_training_finished(tmp_path):
                            f'--coordinator_address={one["port"]}', '--num_processes=2',
                            '--process_id=1']
     logs = sorted(os.listdir(tmp_path / 'logs'))
-    assert len(logs) == 4 * 5 and 'attempt-3-process-1.err' in logs  # every attempt's logs kept
+    assert len(logs) == 5 * 5 and 'attempt-4-process-1.err' in logs  # every attempt's logs kept
 
 
 @pytest.mark.parametrize('plan, flags, status, last', [
