@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from t2t.infra import metrics
+from tests.helpers import run_script
 
 
 def test_writer_jsonl_stdout_and_events(tmp_path):
@@ -36,6 +37,27 @@ def test_writer_jsonl_stdout_and_events(tmp_path):
         {'step': 20, 'loss': 1.0, 'lr': 2e-3},
         {'step': 30, 'loss': 0.5},
     ]
+
+
+CHILD = '''import importlib.util, sys
+from t2t.infra import metrics
+with metrics.MetricWriter(sys.argv[1]) as writer:
+    writer.write_scalars(3, {'loss': 1.5})
+print('torch' in sys.modules, metrics.read_events(sys.argv[1]))
+if importlib.util.find_spec('torch') is not None:  # installed (the export extra): importable after
+    import torch
+    print(torch.ones(2).sum().item())
+'''
+
+
+def test_events_are_written_without_importing_torch(tmp_path):
+    """tensorboardX's writer imports torch whenever it is installed, seconds of start-up for every
+    process that writes metrics; t2t imports it with torch kept out, and torch stays importable."""
+    done = run_script('-c', CHILD, str(tmp_path))
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert lines[:2] == ['step 3 | loss 1.5', "False [('loss', 3, 1.5)]"], lines
+    assert lines[2:] in ([], ['2.0']), lines
 
 
 def test_disabled_writer_writes_nothing(tmp_path):

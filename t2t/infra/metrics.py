@@ -47,6 +47,22 @@ JSONL_NAME = 'metrics.jsonl'
 EVENTS_GLOB = 'events.out.tfevents.*'
 
 
+def _tensorboardx():
+    """The tensorboardX package, imported without torch: its writer module imports torch whenever
+    it is installed (to accept torch tensors, which t2t never passes), and a torch import costs
+    every process that writes metrics seconds of start-up. Where torch is already imported, as
+    is."""
+    if 'torch' in sys.modules:
+        import tensorboardX
+        return tensorboardX
+    sys.modules['torch'] = None  # `import torch` raises ImportError, which tensorboardX expects
+    try:
+        import tensorboardX
+    finally:
+        del sys.modules['torch']
+    return tensorboardX
+
+
 def _to_float(value) -> float:
     return float(np.asarray(jax.device_get(value)))
 
@@ -74,8 +90,7 @@ class MetricWriter:
             truncate(self.logdir, start_step, redo_at_start)
         self._jsonl = wd.Appender(self.logdir / JSONL_NAME)
         if tensorboard:
-            from tensorboardX import SummaryWriter  # imported lazily: it pulls in protobuf
-
+            SummaryWriter = _tensorboardx().SummaryWriter  # lazily: it pulls in protobuf
             if wd.is_url(self.logdir):
                 self._staging = tempfile.mkdtemp(prefix='t2t-events-')
             # tensorboardX names files by the second and opens them with 'wb': the suffix keeps
@@ -219,7 +234,7 @@ def _records(data: bytes) -> Iterator[bytes]:
 
     Stops at a torn record (crash mid-write) or a damaged length field.
     """
-    from tensorboardX.record_writer import masked_crc32c
+    masked_crc32c = _tensorboardx().record_writer.masked_crc32c
 
     offset = 0
     while offset + 12 <= len(data):
@@ -235,7 +250,7 @@ def _records(data: bytes) -> Iterator[bytes]:
 
 
 def _event(record: bytes):
-    from tensorboardX.proto.event_pb2 import Event
+    Event = _tensorboardx().proto.event_pb2.Event
 
     return Event.FromString(record[12:-4])
 
