@@ -58,6 +58,9 @@ class Front:
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = 'HTTP/1.1'  # keep-alive, as the clients expect
+            # An answer goes out as two writes (headers, then body): with Nagle's algorithm the
+            # second waits for the client's delayed ACK of the first, tens of ms per request.
+            disable_nagle_algorithm = True
 
             def log_message(self, *args):  # quiet
                 pass

@@ -1,4 +1,4 @@
-"""The chaos run, short form: scripts/launch_local.py trains tiny on 2 processes x 4 CPU devices,
+"""The chaos run, short form: scripts/launch_local.py trains tiny on 2 processes x 2 CPU devices,
 locally and with its workdir in a bucket on the local Cloud Storage server behind a
 fault-injecting front (tests/fault_front.py), while 2 SIGKILLs and one SIGSTOP (a hang) hit random
 processes at random moments (seeded, tests/chaos_run.py). The launcher restarts every time,
@@ -32,6 +32,10 @@ STEPS = 24
 # longest pause between step lines in training on a loaded 2-core machine: a save, the evaluation).
 STARTUP_HANG_TIMEOUT_S, HANG_TIMEOUT_S = 45.0, 20.0
 SEED = 3  # the bucket front's
+# Its faults: a run makes about 2,000 requests, and each 503 costs the clients' first backoff
+# (about a second), so a few in a thousand give a dozen of each.
+P_503, P_DROP = 0.005, 0.005
+DEVICES = 2  # per process: collectives within a process and across the two, at cheaper steps than 4
 # (seed, SIGKILLs, SIGSTOPs) of chaos_run.plan: what each draws is in the module doc.
 FAULTS = {'local': (0, 2, 1), 'bucket': (5, 2, 1)}
 
@@ -41,7 +45,7 @@ def reference(tmp_path_factory):
     root = tmp_path_factory.mktemp('chaos-reference')
     data_dir = str(root / 'data')
     result = chaos_run.run(str(root / 'run'), str(root / 'logs'), STEPS, data_dir, [],
-                           hang_timeout_s=HANG_TIMEOUT_S,
+                           devices=DEVICES, hang_timeout_s=HANG_TIMEOUT_S,
                            startup_hang_timeout_s=STARTUP_HANG_TIMEOUT_S)
     assert result['status'] == 0 and result['attempts'] == 1, result['launcher_err'][-3000:]
     return {'workdir': str(root / 'run'), 'data_dir': data_dir}
@@ -50,13 +54,13 @@ def reference(tmp_path_factory):
 @contextlib.contextmanager
 def _storage(kind: str, tmp_path):
     """A workdir: local, or in a bucket on the local Cloud Storage server behind a front that
-    answers 2% of requests 503 and drops 1% after they took effect (the environment of this
+    answers 0.5% of requests 503 and drops 0.5% after they took effect (the environment of this
     process, which the launcher and its processes inherit, points at the front)."""
     if kind == 'local':
         yield str(tmp_path / 'run'), None
         return
     with gcs_server.serve() as url:
-        front = fault_front.start(url, seed=SEED, p_503=0.02, p_drop=0.01)
+        front = fault_front.start(url, seed=SEED, p_503=P_503, p_drop=P_DROP)
         before = dict(os.environ)
         os.environ.update(gcs_server.environment(front.url))
         try:
@@ -74,7 +78,7 @@ def test_chaos_run_restarts_and_ends_exact(reference, tmp_path, storage, capsys)
     restarts_due = kills + stops
     with _storage(storage, tmp_path) as (workdir, front):
         result = chaos_run.run(workdir, str(tmp_path / 'logs'), STEPS, reference['data_dir'],
-                               faults, hang_timeout_s=HANG_TIMEOUT_S,
+                               faults, devices=DEVICES, hang_timeout_s=HANG_TIMEOUT_S,
                                startup_hang_timeout_s=STARTUP_HANG_TIMEOUT_S)
         finished = run_record.read_finished(workdir)
         counts = chaos_run.step_counts(workdir)
