@@ -8,7 +8,7 @@ begun before them (once it has prepared the data and compiled, so that they read
 - an outage of 50 s begun at step 5, when metrics, events and the checkpoint of step 6 are due:
   no traceback, training waits then goes on, the records arrive later, the same parameters;
 - an outage longer than storage_outage_limit_s, begun at the save of step 6: one line naming the
-  checkpoint, exit 5, and checkpoint 3 (the last good one) intact.
+  checkpoint, exit 5 with no further write tried, and checkpoint 3 (the last good one) intact.
 The last two retry each read and write for RETRY_S instead of workdir.RETRY_BUDGET_S's minute
 (T2T_STORAGE_RETRY_S), so an outage outlasts the storage clients' retries (gcsfs's six tries
 take about 31-36 s) sooner: 50 s, not the 90 s the minute needs; the limit run's exit, whose
@@ -137,6 +137,9 @@ def test_faults_an_outage_and_one_past_the_limit(tmp_path):
                 rf'train\.py: storage: saving checkpoint {workdirs["limit"]}/checkpoints/6 failed '
                 rf'for \d+ s \(storage_outage_limit_s={LIMIT_S:g}\): HttpError: .+; the last '
                 r'checkpoint saved is step 3', last), last
+            # Ending on its storage, the run tries no more writes there (each would wait out
+            # gcsfs's six tries): its records after checkpoint 3 are redone by the next attempt.
+            assert 'metrics: writing' not in err, err[-3000:]
             # Begun by the first request about checkpoint 6: its write, or orbax's listing first.
             assert len(limit_end) == 1 and re.search(r'\brun/checkpoints/6\b',
                                                      limit_end[0][2]), limit_end

@@ -159,15 +159,17 @@ class MetricWriter:
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(2 * delay, 30.0)
 
-    def close(self, limit_s: float = 0.0, quiet: bool = False) -> None:
+    def close(self, limit_s: float = 0.0, quiet: bool = False, upload: bool = True) -> None:
         """Closes the files; in a bucket, uploads what is left, retrying for up to limit_s (then
         workdir.StorageError). quiet=True (a run ending on an error, whose steps after its last
-        checkpoint are redone anyway): one try unless already failing, and no error."""
+        checkpoint are redone anyway): one try unless already failing, and no error.
+        upload=False (a run ending because its storage failed): not even that one try, whose
+        requests would each wait out the storage client's own retries."""
         if self._tb is not None:
             self._tb.close()
             self._tb = None
         try:
-            if self._bucket and self._jsonl is not None:
+            if self._bucket and self._jsonl is not None and upload:
                 if self._failing is None:
                     self._upload(wd.RETRY_BUDGET_S)  # the last records
                 if not quiet:

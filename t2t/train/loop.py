@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import sys
 import time
 
 import jax
@@ -27,6 +28,7 @@ import numpy as np
 from t2t import flops, goodput, optim, sharding, train_lib
 from t2t.data import identity
 from t2t.infra import distributed, metrics
+from t2t.infra import workdir as wd
 from t2t.infra.preemption import Interrupted, PreemptionFlag
 from t2t.run import best, checkpoint, compile_cache, outage, profiling, run_record, startup
 from t2t.train import guards
@@ -428,7 +430,9 @@ def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> Tra
             checkpoint.close(manager)
         finally:
             dog.close()
-            writer.close(outage_limit_s, quiet=not ended)
+            error = sys.exc_info()[1]  # what ends the run, if not its last step
+            writer.close(outage_limit_s, quiet=not ended, upload=error is None or (
+                not isinstance(error, wd.StorageError) and wd.transient_cause(error) is None))
     if stopped_by != 'preemption':
         run_record.mark_finished(workdir, step, stopped_by)
     return TrainResult(step=step, stopped_by=stopped_by, train_metrics=train_summary,
