@@ -3,7 +3,7 @@ while seeded faults (SIGKILLs and SIGSTOPs of random processes at random moments
 result is compared with an uninterrupted run of the same launcher.
 
     python bench/chaos.py [--kills=18] [--stops=2] [--steps=60] [--seed=0] [--hang_timeout_s=30]
-        [--bucket [--p_503=0.02] [--p_drop=0.01]]   # else a local workdir
+        [--startup_hang_timeout_s=S] [--bucket [--p_503=0.02] [--p_drop=0.01]]   # else local
 
 --bucket puts the chaos run's workdir in a bucket on the local Cloud Storage server
 (tests/gcs_server.py) behind the fault-injecting front (tests/fault_front.py): storage faults
@@ -40,6 +40,9 @@ def main() -> int:
     p.add_argument('--steps', type=int, default=60)
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--hang_timeout_s', type=float, default=30.0)
+    p.add_argument('--startup_hang_timeout_s', type=float, default=None,
+                   help='the launcher\'s guard before an attempt\'s first step line (default: '
+                   '--hang_timeout_s)')
     p.add_argument('--bucket', action='store_true', help='the chaos run\'s workdir in a bucket')
     p.add_argument('--p_503', type=float, default=0.02)
     p.add_argument('--p_drop', type=float, default=0.01)
@@ -47,8 +50,10 @@ def main() -> int:
     root = tempfile.mkdtemp(prefix='t2t-chaos-')
     data_dir = os.path.join(root, 'data')
     reference = os.path.join(root, 'reference')
+    guards = dict(hang_timeout_s=args.hang_timeout_s,
+                  startup_hang_timeout_s=args.startup_hang_timeout_s)
     ref = chaos_run.run(reference, os.path.join(root, 'logs-ref'), args.steps, data_dir, [],
-                        hang_timeout_s=args.hang_timeout_s)
+                        **guards)
     if ref['status'] != 0:
         print(f'chaos: the uninterrupted run failed: {ref["launcher_err"][-2000:]}',
               file=sys.stderr)
@@ -65,7 +70,7 @@ def main() -> int:
             os.environ.update(gcs_server.environment(front.url))  # the launcher inherits it
             workdir = gcs_server.make_bucket(url, 'chaos') + '/run'
         got = chaos_run.run(workdir, os.path.join(root, 'logs-run'), args.steps, data_dir,
-                            faults, hang_timeout_s=args.hang_timeout_s, timeout_s=3600)
+                            faults, **guards, timeout_s=3600)
         counts = chaos_run.step_counts(workdir)
         exact = got['status'] == 0 and \
             chaos_run.params_differ(workdir, reference, args.steps) == []
