@@ -15,7 +15,7 @@ SIGKILLed (which ends a SIGSTOPped one too) and all start again: train.py resume
 checkpoint. One line per restart names the process and its status (t2t/infra/exits.py). Exit 1 (an
 error: a config value, a path) is not restarted: restarting would repeat it. The launcher's own
 hang guard: when process 0 (the one that prints the step lines) writes nothing to stdout for
---hang_timeout_s once the attempt has printed its first step line, or for
+--hang_timeout_s once the attempt has printed its first training step line, or for
 --startup_hang_timeout_s before it (start-up: data, restore, compiles), the attempt is taken as
 hung, killed and restarted; it catches what the watchdog inside train.py cannot (a process too
 stuck to run it, or stopped by a signal). Set --hang_timeout_s above the longest silent stretch
@@ -52,7 +52,9 @@ from t2t.infra import exits  # noqa: E402
 
 DEVICE_FLAG = '--xla_force_host_platform_device_count'
 POLL_S = 0.05
-STEP_LINE = re.compile(rb'step \d+ \| ')  # t2t/infra/metrics.py's: 'step 1 | loss 7.6 | ...'
+# A training step's line (t2t/infra/metrics.py: 'step 1 | loss 7.6 | ...'); not an evaluation's
+# ('step 12 | eval_loss ...'), which a resumed run may print before its first step.
+STEP_LINE = re.compile(rb'step \d+ \| loss ')
 LAUNCH_ID = f'launch-{uuid.uuid4().hex[:12]}'  # this launcher's, in T2T_ATTEMPT
 TERM_WAIT_S = 120.0  # after a forwarded SIGTERM: processes that have not saved by then are killed
 
@@ -143,7 +145,7 @@ class Attempt:
                 preexec_fn=_die_with_parent))
         self.tail = open(os.path.join(args.logs, f'attempt-{number}-process-0.out'), 'rb')
         self.stream, self.last_output = stream, time.monotonic()
-        self.stepping, self._head = False, b''  # process 0 has printed a step line
+        self.stepping, self._head = False, b''  # process 0 has printed a training step line
         with open(os.path.join(args.logs, f'attempt-{number}.json'), 'w') as f:
             json.dump({'pids': [p.pid for p in self.procs], 'port': self.port,
                        'job_id': self.job_id}, f)

@@ -343,8 +343,9 @@ sys.exit({statuses}[n - 1])
 
 # A stand-in for `python train.py ...`: what process i does in attempt k is FAKE_PLAN[k][i]
 # ('ok', 'finish': exit 0 after writing TRAINING_FINISHED, 'exit N', 'stop': SIGSTOP itself,
-# 'step stop': print a step line in two pieces, then SIGSTOP itself, 'term': print a line, wait
-# for SIGTERM, exit 0); it records its job id, port and argv.
+# 'eval stop': print an evaluation's step line, then SIGSTOP itself, 'step stop': print a training
+# step line in two pieces, then SIGSTOP itself, 'term': print a line, wait for SIGTERM, exit 0);
+# it records its job id, port and argv.
 FAKE_TRAIN = '''import json, signal
 argv = sys.argv[2:]
 flag = lambda name: next(a.split('=', 1)[1] for a in argv if a.startswith(f'--{name}='))
@@ -364,6 +365,9 @@ elif action.startswith('exit'):
     time.sleep(0.3)
     sys.exit(int(action.split()[1]))
 elif action == 'stop':
+    os.kill(os.getpid(), signal.SIGSTOP)
+elif action == 'eval stop':
+    print('step 6 | eval_loss 7.9', flush=True)
     os.kill(os.getpid(), signal.SIGSTOP)
 elif action == 'step stop':
     print('step 1 ', end='', flush=True)
@@ -398,7 +402,7 @@ def _runs(bin_dir):
 
 
 def test_local_launcher_restarts_until_training_finished(tmp_path):
-    plan = [['ok', 'exit 4'], ['stop', 'ok'], ['step stop', 'ok'], ['exit 3', 'ok'],
+    plan = [['ok', 'exit 4'], ['eval stop', 'ok'], ['step stop', 'ok'], ['exit 3', 'ok'],
             ['finish', 'ok']]
     bin_dir, env, argv = _local(tmp_path, plan, '--max_restarts=4', '--hang_timeout_s=1',
                                 '--startup_hang_timeout_s=3', '--devices_per_process=3')
@@ -412,12 +416,14 @@ def test_local_launcher_restarts_until_training_finished(tmp_path):
         (2, 'no output from process 0 for 3 s in start-up (process 0 stopped): taken as a hang'),
         (3, 'no output from process 0 for 1 s in training (process 0 stopped): taken as a hang'),
         (4, 'process 0 exit 3 (hang)')]
-    # Each guard waited its own limit: the start-up one 3 s, the one in training 1 s (+ a start).
+    # Each guard waited its own limit: the start-up one 3 s (an evaluation's line is not training),
+    # the one in training 1 s (+ a start).
     took = [int(at) for _, at, _ in restarts]
     assert took[1] - took[0] >= 3 and took[2] - took[1] < took[1] - took[0], took
     assert lines[4].startswith('launch_local: training finished at step 9 (num_train_steps) '
                                'after 4 restarts in ')
-    assert done.stdout == ''.join(f'attempt {k}\n' + ('step 1 | loss 7.5\n' if k == 2 else '')
+    printed = {1: 'step 6 | eval_loss 7.9\n', 2: 'step 1 | loss 7.5\n'}
+    assert done.stdout == ''.join(f'attempt {k}\n' + printed.get(k, '')
                                   for k in range(5))  # process 0's, streamed
     runs = _runs(bin_dir)
     assert len(runs) == 10
