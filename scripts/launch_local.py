@@ -52,9 +52,9 @@ from t2t.infra import exits  # noqa: E402
 
 DEVICE_FLAG = '--xla_force_host_platform_device_count'
 POLL_S = 0.05
-# A training step's line (t2t/infra/metrics.py: 'step 1 | loss 7.6 | ...'); not an evaluation's
-# ('step 12 | eval_loss ...'), which a resumed run may print before its first step.
-STEP_LINE = re.compile(rb'step \d+ \| loss ')
+# A training step's line (t2t/infra/metrics.py: 'step 1 | loss 7.6 | ...'), its step; not an
+# evaluation's ('step 12 | eval_loss ...'), which a resumed run may print before its first step.
+STEP_LINE = re.compile(rb'^step (\d+) \| loss ', re.M)
 LAUNCH_ID = f'launch-{uuid.uuid4().hex[:12]}'  # this launcher's, in T2T_ATTEMPT
 TERM_WAIT_S = 120.0  # after a forwarded SIGTERM: processes that have not saved by then are killed
 
@@ -182,18 +182,16 @@ class Attempt:
             f.close()
 
 
-def run_attempt(attempt: Attempt, hang_timeout_s: float, stop: list,
-                startup_hang_timeout_s: float | None = None) -> Outcome:
+def run_attempt(attempt: Attempt, hang_timeout_s: float, startup_hang_timeout_s: float,
+                stop: list) -> Outcome:
     """Waits for the attempt to end; kills what is left when one process fails or it hangs
-    (silent for startup_hang_timeout_s before its first step line, hang_timeout_s after; None:
-    hang_timeout_s throughout)."""
+    (silent for startup_hang_timeout_s before its first training step line, hang_timeout_s
+    after; 0: not watched)."""
     forwarded = None
     while True:
         attempt.pump()
         statuses = attempt.statuses()
-        limit = startup_hang_timeout_s
-        if attempt.stepping or limit is None:
-            limit = hang_timeout_s
+        limit = hang_timeout_s if attempt.stepping else startup_hang_timeout_s
         if stop and forwarded is None:
             attempt.signal_all(signal.SIGTERM)
             forwarded = time.monotonic()
@@ -245,8 +243,8 @@ def supervise(args, passthrough, stream=None, say=None) -> int:
                 return exits.OK
             attempt = Attempt(args, passthrough, restarts, stream)
             try:
-                outcome = run_attempt(attempt, args.hang_timeout_s, stop,
-                                      args.startup_hang_timeout_s)
+                outcome = run_attempt(attempt, args.hang_timeout_s,
+                                      args.startup_hang_timeout_s, stop)
             finally:
                 attempt.close()
             if outcome.kind == 'stopped':
@@ -287,10 +285,10 @@ def parse_args(argv: list[str]):
     p.add_argument('--devices_per_process', type=int, default=4)
     p.add_argument('--max_restarts', type=int, default=3)
     p.add_argument('--hang_timeout_s', type=float, default=1800.0,
-                   help='no stdout from process 0 for this long once it has printed a step '
-                   'line: a hang, restart (0: off)')
+                   help='no stdout from process 0 for this long once it has printed a '
+                   'training step line: a hang, restart (0: off)')
     p.add_argument('--startup_hang_timeout_s', type=float, default=None,
-                   help='the same before the first step line of an attempt (default: '
+                   help='the same before an attempt\'s first training step line (default: '
                    '--hang_timeout_s; 0: off)')
     p.add_argument('--config', default='configs/default.py')
     p.add_argument('--workdir', required=True)
@@ -301,8 +299,10 @@ def parse_args(argv: list[str]):
         p.error(f'--processes={args.processes} and --devices_per_process='
                 f'{args.devices_per_process} must be >= 1, --max_restarts={args.max_restarts} '
                 '>= 0')
+    if args.startup_hang_timeout_s is None:
+        args.startup_hang_timeout_s = args.hang_timeout_s
     for flag in ('hang_timeout_s', 'startup_hang_timeout_s'):
-        if (getattr(args, flag) or 0) < 0:
+        if getattr(args, flag) < 0:
             p.error(f'--{flag}={getattr(args, flag)} must be >= 0 (0: off)')
     owned = [a for a in passthrough if a.split('=')[0] in (
         '--workdir', '--config', '--coordinator_address', '--num_processes', '--process_id')]

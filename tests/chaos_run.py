@@ -21,7 +21,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCHER = os.path.join(ROOT, 'scripts', 'launch_local.py')
-STEP_LINE = re.compile(rb'^step (\d+) \| loss ', re.M)
+sys.path.insert(0, os.path.dirname(LAUNCHER))
+from launch_local import STEP_LINE  # noqa: E402  the training line the launcher's guard reads
+
 RESUME_LINE = re.compile(rb'^resuming from checkpoint (\d+) ', re.M)
 
 

@@ -28,6 +28,7 @@ saved step are never behind it; after limit_s it raises workdir.StorageError nam
 """
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -47,11 +48,12 @@ JSONL_NAME = 'metrics.jsonl'
 EVENTS_GLOB = 'events.out.tfevents.*'
 
 
+@functools.cache
 def _tensorboardx():
-    """The tensorboardX package, imported without torch: its writer module imports torch whenever
-    it is installed (to accept torch tensors, which t2t never passes), and a torch import costs
-    every process that writes metrics seconds of start-up. Where torch is already imported, as
-    is."""
+    """The tensorboardX package, imported once and without torch: its writer module imports torch
+    whenever it is installed (to accept torch tensors, which t2t never passes), and a torch import
+    costs every process that writes metrics seconds of start-up. Where torch is already imported,
+    as is. Its submodules are imported after this from sys.modules, torch-free."""
     if 'torch' in sys.modules:
         import tensorboardX
         return tensorboardX
@@ -236,7 +238,8 @@ def _records(data: bytes) -> Iterator[bytes]:
 
     Stops at a torn record (crash mid-write) or a damaged length field.
     """
-    masked_crc32c = _tensorboardx().record_writer.masked_crc32c
+    _tensorboardx()
+    from tensorboardX.record_writer import masked_crc32c
 
     offset = 0
     while offset + 12 <= len(data):
@@ -252,7 +255,8 @@ def _records(data: bytes) -> Iterator[bytes]:
 
 
 def _event(record: bytes):
-    Event = _tensorboardx().proto.event_pb2.Event
+    _tensorboardx()
+    from tensorboardX.proto.event_pb2 import Event
 
     return Event.FromString(record[12:-4])
 
