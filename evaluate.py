@@ -114,9 +114,10 @@ def main(argv):
     except (EvalError, checkpoint.CheckpointError, startup.ConfigError, distributed.SyncError) as e:
         sys.exit(f'evaluate.py: {e}')
     except Exception as e:  # the workdir's storage (a bucket down, a missing one): one line
-        if not workdir.is_storage_error(e):
+        failure = workdir.storage_failure(e)
+        if failure is None:
             raise
-        cli.exit_storage_error('evaluate.py', e)
+        cli.exit_storage_error('evaluate.py', failure)
 
 
 def _best_step(workdir_path, process_index: int) -> int:

@@ -16,15 +16,15 @@ import argparse
 import importlib.util
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
 
+from launch_local import STEP_LINE  # scripts/ is on sys.path: train.py's training line
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-METRIC_LINE = re.compile(r'step \d+ \| loss')  # train.py's line at every log_every_steps
 
 
 def _config(config_path: str):
@@ -52,7 +52,7 @@ def measure(config_path: str, workdir: str, after_log: int, delay: float, eval_a
     logs, lines = 0, []
     for line in proc.stdout:
         lines.append(line)
-        if METRIC_LINE.match(line):
+        if STEP_LINE.match(line.encode()):
             logs += 1
             if logs == after_log:
                 break

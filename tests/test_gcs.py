@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from t2t.infra import metrics
+from t2t.infra import exits, metrics
 from t2t.infra import workdir as wd
-from t2t.run import startup
+from t2t.run import cli, startup
 from tests import fault_front, gcs_server
 
 
@@ -79,6 +79,35 @@ def test_check_writable_names_a_local_directory_it_cannot_create(tmp_path):
     blocker.write_text('x')
     with pytest.raises(startup.ConfigError, match='is not writable'):
         startup.check_writable(blocker / 'run')
+
+
+def _raised(error: BaseException, cause: BaseException | None = None) -> BaseException:
+    try:
+        raise error from cause
+    except BaseException as e:
+        return e
+
+
+@pytest.mark.parametrize('error, found, status', [
+    (ConnectionResetError('reset'), 'itself', exits.STORAGE),
+    (PermissionError('403 denied'), 'itself', exits.ERROR),
+    (wd.StorageError('gs://b/run/x still failing'), 'itself', exits.STORAGE),
+    # a storage library's transient failure inside another library's error (orbax, asyncio)
+    (_raised(RuntimeError('save failed'), TimeoutError('read timed out')), 'cause', exits.STORAGE),
+    (_raised(RuntimeError('save failed'), KeyError('params')), None, None),
+    (ValueError('a bug'), None, None),
+])
+def test_a_storage_failure_is_found_in_the_error_or_its_causes_and_gets_its_exit_status(
+        error, found, status, capsys):
+    failure = wd.storage_failure(error)
+    assert failure is {'itself': error, 'cause': error.__cause__, None: None}[found]
+    if failure is None:
+        return
+    with pytest.raises(SystemExit) as exited:
+        cli.exit_storage_error('train.py', failure)
+    assert exited.value.code == status
+    line = capsys.readouterr().err
+    assert line.startswith('train.py: ') and line.count('\n') == 1, line
 
 
 def test_bounded_appender_never_holds_its_caller_through_an_outage(bucket, monkeypatch):

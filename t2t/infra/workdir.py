@@ -150,6 +150,16 @@ def is_storage_error(error: BaseException) -> bool:
     return any(n.startswith(('gcsfs.', 'google.auth.', 'google.api_core.')) for n in names)
 
 
+def storage_failure(error: BaseException | None) -> BaseException | None:
+    """The storage failure that `error` is or carries, or None: the error itself when it is one
+    (is_storage_error), else the first transient error among its causes (one library's storage
+    failure raised inside another library's error). The one rule by which a run that ends on an
+    error tells a storage failure (exit STORAGE or ERROR, t2t/run/cli.py) from a bug."""
+    if error is None or is_storage_error(error):
+        return error
+    return transient_cause(error)
+
+
 _RETRY = api_retry.Retry(predicate=is_transient, initial=1.0, maximum=16.0, multiplier=2.0,
                          timeout=RETRY_BUDGET_S)
 

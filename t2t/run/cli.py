@@ -115,7 +115,7 @@ def run(main, prog: str) -> None:
 
 
 def exit_storage_error(prog: str, error: BaseException) -> NoReturn:
-    """One line for a storage error (workdir.is_storage_error) and its exit status: STORAGE
+    """One line for a storage failure (workdir.storage_failure) and its exit status: STORAGE
     (a restart may find the storage back) for a transient one, ERROR for a refusal or a missing
     object (restarting repeats it)."""
     from t2t.infra import exits, workdir

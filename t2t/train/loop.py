@@ -431,8 +431,8 @@ def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> Tra
         finally:
             dog.close()
             error = sys.exc_info()[1]  # what ends the run, if not its last step
-            writer.close(outage_limit_s, quiet=not ended, upload=error is None or (
-                not isinstance(error, wd.StorageError) and wd.transient_cause(error) is None))
+            writer.close(outage_limit_s, quiet=not ended,
+                         upload=wd.storage_failure(error) is None)
     if stopped_by != 'preemption':
         run_record.mark_finished(workdir, step, stopped_by)
     return TrainResult(step=step, stopped_by=stopped_by, train_metrics=train_summary,
