@@ -114,10 +114,7 @@ def main(argv):
     except (EvalError, checkpoint.CheckpointError, startup.ConfigError, distributed.SyncError) as e:
         sys.exit(f'evaluate.py: {e}')
     except Exception as e:  # the workdir's storage (a bucket down, a missing one): one line
-        failure = workdir.storage_failure(e)
-        if failure is None:
-            raise
-        cli.exit_storage_error('evaluate.py', failure)
+        cli.exit_storage_error('evaluate.py', e)  # raises e again when it is not one
 
 
 def _best_step(workdir_path, process_index: int) -> int:

@@ -91,10 +91,7 @@ def main(argv):
             distributed.SyncError) as e:
         sys.exit(f'train.py: {e}')
     except Exception as e:  # the storage's own errors (gcsfs, google-auth, tensorstore, OSError)
-        failure = workdir.storage_failure(e)
-        if failure is None:
-            raise
-        cli.exit_storage_error('train.py', failure)
+        cli.exit_storage_error('train.py', e)  # raises e again when it is not one
     print(f'finished at step {result.step} ({result.stopped_by}); '
           + ' '.join(f'{k}={v:.4g}' for k, v in result.eval_metrics.items()))
     if jax.process_index() == 0:

@@ -115,11 +115,15 @@ def run(main, prog: str) -> None:
 
 
 def exit_storage_error(prog: str, error: BaseException) -> NoReturn:
-    """One line for a storage failure (workdir.storage_failure) and its exit status: STORAGE
-    (a restart may find the storage back) for a transient one, ERROR for a refusal or a missing
-    object (restarting repeats it)."""
+    """One line for the storage failure `error` is or carries (workdir.storage_failure) and its
+    exit status: STORAGE (a restart may find the storage back) for a transient one, ERROR for a
+    refusal or a missing object (restarting repeats it). Any other error is raised again."""
     from t2t.infra import exits, workdir
 
+    failure = workdir.storage_failure(error)
+    if failure is None:
+        raise error
+    error = failure
     line = str(error) if isinstance(error, workdir.StorageError) else workdir.describe(error)
     what = '' if type(error) in (FileNotFoundError, IsADirectoryError, NotADirectoryError) else \
         'storage: '  # a path given wrong, not the storage failing
