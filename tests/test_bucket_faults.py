@@ -125,7 +125,10 @@ def test_faults_an_outage_and_one_past_the_limit(tmp_path):
             _steps_once(workdirs['outage'])
             # The metrics writes the outage held are no training and no straggling step.
             assert 'watchdog:' not in err, err[-3000:]
+            # Its account is whole: the last records, which the ledger's uploader may still hold
+            # in gcsfs's back-off when the run ends, are waited for (t2t/goodput/ledger.py).
             ledger = goodput_report.report(workdirs['outage'])
+            assert [a['cause'] for a in ledger['per_attempt']] == ['finished'], ledger
             assert ledger['seconds']['logging'] > RETRY_S, ledger['seconds']
             assert ledger['per_attempt'][0]['findings'] == []
 

@@ -6,6 +6,7 @@ writability probe. The pod scenario (2 processes x 4 CPU devices, train.py with
 is in test_multiprocess.py.
 """
 
+import errno
 import os
 import time
 
@@ -139,6 +140,31 @@ def test_bounded_appender_never_holds_its_caller_through_an_outage(bucket, monke
         assert front.counts['outage_503'] >= 1
     finally:
         front.stop()
+
+
+def test_closing_a_bounded_appender_ends_its_back_off_and_writes_at_once(monkeypatch):
+    """The ledger's last records: close() during the uploader's back-off (2 s after its second
+    failed try) tries again at once, so a bucket back by then has every line within the wait."""
+    down, written, tries = [True], [], []
+
+    def write_atomic(path, content, budget_s):
+        tries.append(time.monotonic())
+        if down[0]:
+            raise OSError(errno.ECONNRESET, 'connection reset')
+        written.append(content)
+
+    monkeypatch.setattr(wd, 'read_text', lambda p: '')
+    monkeypatch.setattr(wd, 'write_atomic', write_atomic)
+    appender = wd.BoundedAppender('gs://bucket/goodput/attempt.jsonl', wait_s=0.1)
+    assert not appender.append('one\n')
+    while len(tries) < 2:  # the first try, then one more after the 1 s back-off
+        time.sleep(0.01)
+    time.sleep(0.2)  # in the 2 s back-off now
+    down[0] = False
+    began = time.monotonic()
+    assert appender.close(wait_s=1.0)
+    assert time.monotonic() - began < 0.5 and written == ['one\n'] and len(tries) == 3
+    assert tries[2] - tries[1] < 1.0  # not after the 2 s back-off
 
 
 def test_a_restart_finds_a_killed_first_save_removed_and_the_finished_steps_kept(bucket,

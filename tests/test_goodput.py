@@ -7,6 +7,7 @@ compile served by the executables the first attempt stored.
 """
 
 import collections
+import errno
 import glob
 import io
 import json
@@ -135,6 +136,25 @@ def test_the_recorder_partitions_time_and_keeps_the_watchdogs_findings(tmp_path,
     assert a['step_times']['steps'] == 7
     assert a['step_times']['max_s'] == pytest.approx(0.61, abs=0.1)
     assert a['step_times']['median_s'] == pytest.approx(0.01, abs=0.01)
+
+
+def test_an_attempts_last_records_wait_for_the_storage_as_long_as_its_run_did(tmp_path,
+                                                                               monkeypatch):
+    """A run that ended well waits for its ledger as long as for its other writes (the records
+    of an outage it rode out may be held in the storage client's back-off); one that ended on its
+    storage waits a moment; one that ended on another error, the storage layer's retries."""
+    monkeypatch.setattr(goodput.ledger, '_first_attempt_of_process', False)
+    monkeypatch.setattr(goodput.ledger.wd, 'RETRY_BUDGET_S', 5.0)
+    ledger = goodput.Ledger(tmp_path, outage_limit_s=1800.0)
+    for outcome in ('num_train_steps', 'preemption', 'rollback'):
+        assert ledger.close_wait_s(outcome) == 1800.0
+    unavailable = OSError(errno.EIO, 'HTTP 503')
+    wrapped = ValueError('orbax: the save failed')
+    wrapped.__cause__ = TimeoutError('read timed out')
+    assert ledger.close_wait_s(unavailable) == ledger.close_wait_s(wrapped) \
+        == goodput.ledger.WRITE_WAIT_S
+    assert ledger.close_wait_s(KeyError('step')) == 5.0
+    assert goodput.Ledger(tmp_path).close_wait_s('num_train_steps') == 5.0  # no limit given
 
 
 def test_a_metrics_write_held_by_the_storage_is_logging_not_training_nor_a_straggler(

@@ -145,7 +145,9 @@ class Ledger:
     """
 
     def __init__(self, workdir, process_index: int = 0, process_count: int = 1,
-                 enabled: bool = True):
+                 enabled: bool = True, outage_limit_s: float = 0.0):
+        """outage_limit_s: how long the run's own writes wait out a storage outage
+        (config.storage_outage_limit_s); `end` waits as long for the attempt's last records."""
         global _first_attempt_of_process, _opened
         now, clock = time.time(), time.perf_counter()
         # A process's first attempt began when the process did; a later one (tests, notebooks)
@@ -164,6 +166,7 @@ class Ledger:
         self._step_start, self._clean = None, False
         self._lock = threading.Lock()  # the watchdog's thread writes findings
         self._warned = False
+        self._outage_limit_s = outage_limit_s
         self._appender = self.path = None
         if opened is not None and opened[:2] != (str(wd.path(workdir)), process_index):
             opened.appender.close()  # another workdir's or process's: that attempt has no ledger
@@ -187,7 +190,8 @@ class Ledger:
         _listen_to_jax()
         index = jax.process_index()
         _active = cls(workdir, index, jax.process_count(),
-                      enabled=index == 0 or config.goodput_all_processes)
+                      enabled=index == 0 or config.goodput_all_processes,
+                      outage_limit_s=config.get('storage_outage_limit_s', 0.0))
         return _active
 
     # --- the loop's calls --------------------------------------------------------------------
@@ -290,7 +294,20 @@ class Ledger:
         if _active is self:
             _active = None
         if self._appender is not None:
-            self._appender.close()
+            wait_s = self.close_wait_s(outcome)
+            if not self._appender.close(wait_s):
+                logging.warning('goodput: the last records of %s were not written in %.0f s; '
+                                'its report ends this attempt where its records do, as killed',
+                                self.path, wait_s)
+
+    def close_wait_s(self, outcome) -> float:
+        """How long `end` waits for the attempt's records to reach a bucket: ended by its storage
+        (exit 5), WRITE_WAIT_S (it is known to be down); by another error, the storage layer's
+        retries; otherwise as long as the run's own writes wait out an outage, since the uploader
+        may still be in the storage client's back-off with the outage's account unwritten."""
+        if isinstance(outcome, BaseException):
+            return WRITE_WAIT_S if wd.storage_failure(outcome) is not None else wd.RETRY_BUDGET_S
+        return max(wd.RETRY_BUDGET_S, self._outage_limit_s)
 
     def _write(self, record: dict) -> None:
         if self._appender is None:

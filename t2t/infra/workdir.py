@@ -457,8 +457,10 @@ class BoundedAppender(Appender):
                     logging.warning('writing %s failed (%s); its lines are kept and written '
                                     'again in the background', self.path, describe(e))
                 failing, self._behind = True, True
-                with self._changed:  # the back-off, cut short by close()
-                    self._changed.wait_for(lambda: self._closed, timeout=delay)
+                with self._changed:  # the back-off; close() cuts short the one under way
+                    self._changed.wait_for(
+                        lambda closed=self._closed: self._closed != closed,
+                        timeout=min(delay, max(0.0, self._deadline - time.monotonic())))
                     if self._closed and time.monotonic() >= self._deadline:
                         return
                 delay = min(2 * delay, 16.0)
@@ -478,10 +480,10 @@ class BoundedAppender(Appender):
         if self._thread is None:
             super().close()
             return True
-        self._deadline = time.monotonic() + wait_s
-        written = self._wait(wait_s)
-        with self._changed:
+        with self._changed:  # first, so that a back-off under way ends and the next try is now
+            self._deadline = time.monotonic() + wait_s
             self._closed = True
             self._changed.notify_all()
+        written = self._wait(wait_s)
         self._thread.join(timeout=max(0.0, self._deadline - time.monotonic()) + 1.0)
         return written
