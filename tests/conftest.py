@@ -21,6 +21,10 @@ os.environ['XLA_FLAGS'] = (
     os.environ.get('XLA_FLAGS', '') + f' {TEST_XLA_FLAGS} --xla_force_host_platform_device_count=8'
 ).strip()
 os.environ['JAX_PLATFORMS'] = 'cpu'
+# gcsfs reads this once, at its import, which may come before a test starts the Cloud Storage
+# emulator (tests/gcs_server.py sets it too, for the scripts): otherwise its file system probes
+# each bucket's type over gRPC, which the emulator lacks, for up to a minute in the background.
+os.environ['GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT'] = 'false'
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 
 # One persistent compilation cache for the whole run, shared by the xdist workers and the train.py /

@@ -375,13 +375,14 @@ def test_kills_and_resumes_report_lost_steps_restarts_and_cached_compiles(corpus
     # last process's exit) and the clock's rounding.
     assert ended - began - 10 <= r['wall_s'] <= ended - began + 0.5
     # A restart loads the executables the first attempt stored: nothing traced, lowered or
-    # compiled, the whole phase at most a fifth of the first attempt's.
+    # compiled, the whole phase well under the first attempt's (about a tenth on a quiet machine,
+    # near a quarter beside the suite's multi-process tests; the ratio is bench/RESULTS.md's).
     first, restart = (a['compile_stages'] for a in attempts[:2])
     assert first['xla'] > 0 and first['store'] > 0 and first['load'] == 0, first
     assert restart['load'] > 0 and restart['trace'] == restart['xla'] == 0, restart
     for a in attempts[:3]:
         assert sum(a['compile_stages'].values()) <= a['seconds']['compile']
-    assert attempts[1]['seconds']['compile'] <= 0.2 * attempts[0]['seconds']['compile'], \
+    assert attempts[1]['seconds']['compile'] <= 0.5 * attempts[0]['seconds']['compile'], \
         [a['seconds']['compile'] for a in attempts]
     # The same totals as TensorBoard scalars, at the last step.
     scalars = {(tag, step): v for tag, step, v in
