@@ -15,16 +15,14 @@ if ROOT not in sys.path:
 # programs run slower, which tiny models do not notice. Every CPU process of the tests uses it
 # (tests compare runs bit for bit): the scripts they start get it from tests/helpers.py. The TPU
 # ahead-of-time tests compile in processes without XLA_FLAGS.
+from tests import gcs_server  # noqa: E402
 from tests.helpers import TEST_XLA_FLAGS, script_env, tiny_config  # noqa: E402, F401
 
 os.environ['XLA_FLAGS'] = (
     os.environ.get('XLA_FLAGS', '') + f' {TEST_XLA_FLAGS} --xla_force_host_platform_device_count=8'
 ).strip()
 os.environ['JAX_PLATFORMS'] = 'cpu'
-# gcsfs reads this once, at its import, which may come before a test starts the Cloud Storage
-# emulator (tests/gcs_server.py sets it too, for the scripts): otherwise its file system probes
-# each bucket's type over gRPC, which the emulator lacks, for up to a minute in the background.
-os.environ['GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT'] = 'false'
+os.environ.update(gcs_server.GCSFS_HTTP_ONLY)  # before any test imports gcsfs
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 
 # One persistent compilation cache for the whole run, shared by the xdist workers and the train.py /

@@ -14,6 +14,11 @@ import subprocess
 import time
 import urllib.request
 
+# gcsfs >= 2026 otherwise probes each bucket's type over gRPC, which the server lacks, for up to
+# a minute. gcsfs reads it once, at its import: tests/conftest.py sets it for the whole session,
+# since a test process may import gcsfs before it starts a server.
+GCSFS_HTTP_ONLY = {'GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT': 'false'}
+
 
 def environment(url: str) -> dict[str, str]:
     """What a process (and its subprocesses) needs to reach the server at `url`."""
@@ -21,8 +26,7 @@ def environment(url: str) -> dict[str, str]:
         'STORAGE_EMULATOR_HOST': url,  # gcsfs
         'TENSORSTORE_GCS_HTTP_URL': url,  # tensorstore, orbax's array data
         'GOOGLE_AUTH_TOKEN_FOR_TESTING': 'x',  # tensorstore: no real credentials
-        # gcsfs >= 2026 otherwise first probes each bucket's type over gRPC for 60 s
-        'GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT': 'false',
+        **GCSFS_HTTP_ONLY,
     }
 
 
