@@ -3,11 +3,13 @@
 import os
 import random
 import re
+import subprocess
+import sys
 
 from t2t import data, optim, sharding, train_lib
 from t2t.run import checkpoint
 from tests import toy_corpus
-from tests.helpers import ROOT, run_script, tiny_config
+from tests.helpers import ROOT, run_script, script_env, tiny_config
 
 # absl's line prefix: W1201 05:05:48.246602 139859538611072 checkpoint_manager.py:849]
 ABSL_LINE = re.compile(r'^[WEF]\d{4} [\d:.]+ +\d+ (\S+\.py):\d+\]', re.M)
@@ -41,3 +43,36 @@ def test_evaluate_prints_no_library_warnings(tmp_path):
     # left are t2t's own (e.g. pipeline.py counting test sentences over max_eval_len)
     assert set(ABSL_LINE.findall(proc.stderr)) <= T2T_FILES, proc.stderr[-2000:]
     assert 'Warning:' not in proc.stderr, proc.stderr[-2000:]
+
+
+# What jax and its plugins print on a host without the accelerator they look for: the TPU
+# backend's failure (absl's "Unable to initialize backend 'tpu': ... libtpu.so", or libtpu's own
+# start-up errors) and the CUDA plugin's checks against a driver that is not there.
+ACCELERATOR_NOISE = re.compile(r'Unable to initialize backend|plugin configuration error|libtpu|'
+                               r'TPU|CUDA|cuda|cudnn|GPU', re.I)
+
+
+def _startup_stderr(script, args, *, hide_libtpu):
+    """stderr of `python SCRIPT ARGS` as a user starts it: no JAX_PLATFORMS; hide_libtpu: as
+    where the `tpu` extra is not installed (a fresh clone's make demo)."""
+    hide = "sys.modules['libtpu'] = None; " if hide_libtpu else ''
+    code = (f'import runpy, sys; {hide}sys.argv = {[script, *args]!r}; '
+            f'runpy.run_path({script!r}, run_name="__main__")')
+    env = {k: v for k, v in script_env().items() if k != 'JAX_PLATFORMS'}
+    proc = subprocess.run([sys.executable, '-c', code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    return proc
+
+
+def test_train_and_evaluate_start_quietly_on_a_cpu_host(tmp_path):
+    """No accelerator line when jax chooses its platforms (t2t/infra/platforms.py): train.py
+    without libtpu (jax then probed its TPU backend), evaluate.py with whatever the venv holds."""
+    train = _startup_stderr('train.py', ['--config=configs/tiny.py', '--dry_run'],
+                            hide_libtpu=True)
+    assert train.returncode == 0 and 'params: ' in train.stdout, train.stderr[-2000:]
+    assert not ACCELERATOR_NOISE.search(train.stderr), train.stderr[-2000:]
+    evaluate = _startup_stderr('evaluate.py', ['--config=configs/tiny.py',
+                                               f'--workdir={tmp_path}'], hide_libtpu=False)
+    # it starts jax (jax.default_backend()) before it looks for checkpoints
+    assert evaluate.returncode == 1 and 'no checkpoint in' in evaluate.stderr, evaluate.stderr
+    assert not ACCELERATOR_NOISE.search(evaluate.stderr), evaluate.stderr[-2000:]

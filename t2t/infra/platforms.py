@@ -1,15 +1,18 @@
-"""Which jax platforms a t2t process starts: the TPU backend only where TPU chips are attached.
+"""Which jax platforms a t2t process starts: only those whose chips this host has.
 
-With libtpu installed (the `tpu` extra, which ahead-of-time TPU compiles need on any machine), jax
-tries its TPU backend first wherever it runs. On a host without TPU chips libtpu then prints its
-start-up errors (accelerator type, worker hostnames, INVALID_ARGUMENT) to stderr before jax falls
-back to the next backend (jax-ml/jax#11668). jax's own cloud_tpu_init selects 'tpu,cpu' when it
-finds TPU chips on the PCI bus; `skip_absent_tpu` is its counterpart for hosts without them.
-A JAX_PLATFORMS set by the user always wins.
+Without JAX_PLATFORMS jax tries every backend it knows, the TPU one first, and a missing chip is
+noise on stderr: without libtpu absl prints "Unable to initialize backend 'tpu': ... libtpu.so";
+with libtpu (the `tpu` extra, which ahead-of-time TPU compiles need on any machine) libtpu prints
+its start-up errors (jax-ml/jax#11668); with jax's CUDA plugin (ahead-of-time GPU compiles) the
+plugin checks CUDA's libraries against a driver that is not there. `skip_absent_tpu` looks for the
+chips as jax itself does (the PCI probe of jax's cloud_tpu_init, NVIDIA's device files) and asks
+only for what is attached: TPU chips present, jax's own choice stands (and its errors are real);
+an NVIDIA GPU with the CUDA plugin, 'cuda,cpu' (a CUDA failure then fails loudly, no silent
+fallback to the CPU); a GPU without the plugin, jax's own choice (its warning says the plugin is
+missing); neither, 'cpu'. A JAX_PLATFORMS set by the user always wins.
 
 `compile_only_tpu` is the environment of ahead-of-time compiles for a TPU slice (t2t/aot/tpu.py):
-the
-process runs on the CPU backend and uses libtpu only as XLA's TPU compiler.
+the process runs on the CPU backend and uses libtpu only as XLA's TPU compiler.
 """
 
 from __future__ import annotations
@@ -19,33 +22,33 @@ import os
 import sys
 
 
-def _libtpu_installed() -> bool:
-    return (importlib.util.find_spec('libtpu') is not None
-            or bool(os.environ.get('TPU_LIBRARY_PATH')))
-
-
 def _cuda_plugin_installed() -> bool:
     return any(importlib.util.find_spec(f'jax_cuda{v}_plugin') for v in (12, 13))
 
 
 def skip_absent_tpu() -> str | None:
-    """Leaves jax's TPU backend out when libtpu is installed but no TPU chip is attached.
+    """Leaves out of jax's platforms the accelerators this host lacks (the module says how).
 
-    Returns the jax_platforms it chose ('cuda,cpu' with a CUDA plugin installed, jax itself skips
-    CUDA without a visible GPU; else 'cpu'), or None when jax's own choice stands: JAX_PLATFORMS or
-    jax_platforms already set, no libtpu, or TPU chips present. Call it before the first jax
-    computation (cli.run does, for every entry point).
+    Returns the jax_platforms it chose ('cuda,cpu' or 'cpu'), or None when jax's own choice
+    stands: JAX_PLATFORMS or jax_platforms already set, TPU chips present, or an NVIDIA GPU
+    without the CUDA plugin. Call it before the first jax computation (cli.run does, for every
+    entry point).
     """
-    if 'JAX_PLATFORMS' in os.environ or not _libtpu_installed():
+    if 'JAX_PLATFORMS' in os.environ:
         return None
     import jax
-    from jax._src import hardware_utils  # the PCI probe of jax's cloud_tpu_init
+    from jax._src import hardware_utils  # jax's own probes of the PCI bus and /dev
 
     if jax.config.jax_platforms is not None:
         return None
     if hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0:
         return None
-    platforms = 'cuda,cpu' if _cuda_plugin_installed() else 'cpu'
+    if hardware_utils.has_visible_nvidia_gpu():
+        if not _cuda_plugin_installed():
+            return None
+        platforms = 'cuda,cpu'
+    else:
+        platforms = 'cpu'
     jax.config.update('jax_platforms', platforms)
     return platforms
 
