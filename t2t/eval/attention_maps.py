@@ -318,4 +318,7 @@ if __name__ == '__main__':
     flags.DEFINE_string('split', '', 'With --recall_report: the split (default: test_split).')
     flags.mark_flags_as_required(['config', 'workdir'])
     logging.set_verbosity(logging.WARNING)
+    from t2t.infra import platforms
+
+    platforms.skip_absent_tpu()
     app.run(main)

@@ -114,4 +114,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == '__main__':
+    from t2t.infra import platforms
+
+    platforms.skip_absent_tpu()
     sys.exit(main())
