@@ -29,12 +29,22 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 # evaluate.py subprocesses they start (they inherit the environment): the same tiny train step is
 # compiled once, not once per process. Created by the first process to load this file; removed
 # when that process exits, so every run starts cold like CI.
+_OWN_CACHE = None  # the cache this process created: its entries are the run's distinct programs
 if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
-    _cache = tempfile.mkdtemp(prefix='t2t-test-jax-cache-')
+    _OWN_CACHE = _cache = tempfile.mkdtemp(prefix='t2t-test-jax-cache-')
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
     os.environ['JAX_COMPILATION_CACHE_DIR'] = _cache
     os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
     os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '-1'
+
+
+# Counts of XLA compiles, one line at the end of the run (tests/compile_count.py).
+from tests import compile_count  # noqa: E402
+from tests.compile_count import pytest_sessionfinish, pytest_testnodedown  # noqa: E402, F401
+
+
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line(compile_count.summary_line(_OWN_CACHE))
 
 
 def one_device_env() -> dict:
