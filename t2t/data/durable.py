@@ -20,11 +20,6 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def fsync_file(path: str) -> None:
-    with open(path, 'rb') as f:
-        os.fsync(f.fileno())
-
-
 def replace(tmp: str, path: str) -> None:
     """os.replace(tmp, path), then the parent directory fsynced (tmp itself already synced)."""
     os.replace(tmp, path)

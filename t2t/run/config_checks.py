@@ -203,7 +203,6 @@ def _rules() -> tuple[Rule, ...]:
 
 
 RULES = _rules()
-CHECKED_KEYS = tuple(dict.fromkeys(rule.key for rule in RULES))
 
 
 def problem(config, keys=None) -> str | None:
