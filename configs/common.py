@@ -192,3 +192,47 @@ def base_config() -> ml_collections.ConfigDict:
     # over the data-center network; mesh_shape is then the mesh inside one slice.
     c.dcn_mesh_shape = (1, 1, 1)
     return c
+
+
+def wmt14(target_lang: str, size: str) -> ml_collections.ConfigDict:
+    """The paper's WMT14 setup, English to target_lang ('de' or 'fr'), at its base or big size
+    (Table 3), with the TPU levers the wmt14 experiments share; unlocked: the experiment sets
+    its vocabulary and dropout and locks it."""
+    c = base_config()
+    c.dataset = 'tfds'
+    c.tfds_name = f'wmt14_translate/{target_lang}-en'
+    c.source_lang, c.target_lang = 'en', target_lang
+    c.max_len = 256
+    c.batch_size = 104  # ~25k source and ~25k target tokens per batch, as in the paper
+    if size == 'big':
+        c.d_model, c.d_ff, c.num_heads = 1024, 4096, 16
+        c.num_train_steps, c.checkpoint_every_steps = 300_000, 5000
+        c.keep_checkpoints = 20  # the paper averages the last 20 checkpoints of big
+    elif size == 'base':
+        c.num_train_steps, c.checkpoint_every_steps = 100_000, 2000
+        c.keep_checkpoints = 5  # the paper averages the last 5 checkpoints of base
+    else:
+        raise ValueError(f"size={size!r}; one of ('base', 'big')")
+    c.dtype = 'bfloat16'
+    # The fused loss (t2t/loss.py): the plain loss's value and gradient without float32 [B, T, V]
+    # logits in memory (tests/test_loss_impl.py); loss_impl='plain' trains on the model's logits().
+    c.loss_impl = 'fused'
+    # A chip holding few rows makes short chunks, each a read and write of the float32 dW [V, D]
+    # in HBM: chunks grown to this many target tokens a chip, whose float32 logits a v5e chip
+    # still keeps on chip (bench/RESULTS.md, "The loss chunks and XLA's negative estimate");
+    # with more rows a chip the chunks stay at loss_chunk_len.
+    c.loss_chunk_tokens = 768
+    # bfloat16 attention weights the one copy of the softmax kept for the backward pass: less HBM
+    # traffic a layer (bench/RESULTS.md, "The loss chunks and XLA's negative estimate").
+    c.softmax_residual = 'compute'
+    # Unrolled layers: by TPU AOT compile the scanned stacks need more temporaries per chip for the
+    # same matmul FLOPs (the forward scan saves per-layer float32 activations and softmax
+    # probabilities and bf16 copies of the weights; bench/RESULTS.md, "TPU ahead-of-time: scanned
+    # against unrolled layers"), even with remat='dots_saveable'. Unrolled fits larger batches and
+    # recomputes nothing; scanned layers only compile faster.
+    c.scan_layers = False
+    # threefry: under a sharded batch its dropout bits are drawn per shard, inside the dropout
+    # fusions; rbg and unsafe_rbg draw the global batch's bits on every device (as many times the
+    # bits as batch shards: more temporaries and HBM traffic; bench/RESULTS.md).
+    c.rng_impl = 'threefry'
+    return c
