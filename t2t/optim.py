@@ -40,16 +40,12 @@ def _decay_mask(params):
 def make_optimizer(config) -> optax.GradientTransformation:
     """Adam with the warmup-rsqrt schedule; optional global-norm clipping and AdamW decay.
 
-    Reads d_model, warmup_steps, learning_rate_scale, adam_b1, adam_b2, adam_eps, clip_grad_norm
-    (> 0 clips before Adam) and weight_decay (> 0: decoupled decay, optax convention: the update
-    subtracts lr * weight_decay * param, on parameters with ndim > 1). Gradient accumulation is done
-    by the train step, not here.
-
-    The schedule is injected with `optax.inject_hyperparams`, so the optimizer state holds the rate
-    each update applied (`applied_learning_rate`): what the logs report is what Adam used, also
-    when a skipped step (skip_nonfinite) leaves the state, and with it the count, unchanged. State:
-    InjectStatefulHyperparamsState(count, hyperparams={'learning_rate'}, hyperparams_states,
-    inner_state=(clip state,) adam state).
+    clip_grad_norm > 0 clips before Adam; weight_decay > 0 subtracts lr * weight_decay * param
+    (optax's decoupled decay) on parameters with ndim > 1. The schedule goes in through
+    `optax.inject_hyperparams`, so the state holds the rate each update applied
+    (`applied_learning_rate`): the logs report what Adam used, also when a skipped step leaves
+    the state unchanged. State: InjectStatefulHyperparamsState(count, hyperparams,
+    hyperparams_states, inner_state=(clip state,) adam state).
     """
     schedule = learning_rate_schedule(
         config.d_model, config.warmup_steps, config.learning_rate_scale

@@ -1,17 +1,12 @@
 """Device mesh, the one table that maps the model's logical axis names onto it, and batch feeding.
 
-Mesh axes: 'data' (pure data parallelism), 'fsdp' (data parallelism with parameters and optimizer
-state sharded along 'embed'), 'tensor' (heads / d_ff / vocabulary split across devices, Megatron
-style). Shardings are never written by hand: they are derived from the logical names that the model
-puts on its parameters (via jax.eval_shape of the init function) and on its activations.
-
-Several slices (TPU pods joined over the data-center network, or processes standing in for them):
-`mesh_shape` is the mesh inside one slice (ICI) and `dcn_mesh_shape` the mesh of slices; the
-device mesh is their element-wise product, built by jax's hybrid mesh utility.
-
-Feeding: a process holds the rows of a global batch that its addressable devices hold under the
-batch sharding (`process_rows`), which is not a function of the process index alone once the fsdp
-or tensor axis spans processes (rows are then split differently, or replicated across processes).
+Mesh axes: 'data' (data parallel), 'fsdp' (data parallel, parameters and optimizer state sharded
+along 'embed'), 'tensor' (heads / d_ff / vocabulary split, Megatron style). Shardings are derived
+from the logical names on the model's parameters (eval_shape of init) and activations, never
+written by hand. Several slices: `mesh_shape` is the mesh inside a slice, `dcn_mesh_shape` the
+mesh of slices; the device mesh is their product (jax's hybrid mesh). A process is fed the rows
+its devices hold under the batch sharding (`process_rows`): once fsdp or tensor spans processes,
+not a function of the process index alone.
 """
 
 from __future__ import annotations

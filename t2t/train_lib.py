@@ -1,13 +1,9 @@
 """Train state, loss, train_step and eval_step: pure functions, no I/O.
 
-train_step(state, batch) -> (state, metrics) is jitted once (see `jit_train_step`) with the state's
-shardings and the state donated. The dropout rng of a step is folded from the state's rng and the
-step number, so a resumed run draws the same masks as an uninterrupted one; the state keeps the raw
-key data of the configured generator (rng_impl: threefry, rbg or unsafe_rbg). The loss is the
-plain one on the model's logits, or (loss_impl='fused') computed chunk by chunk from the decoder
-output, never materializing the logits of the whole batch (t2t/loss.py). Metrics are token sums
-left on device (the loop adds them up over a log interval there); `summarize_metrics` makes means
-of them.
+train_step(state, batch) -> (state, metrics), jitted once (`jit_train_step`) with the state's
+shardings and the state donated. A step's dropout rng is folded from the state's rng (raw key
+data of rng_impl) and the step, so a resumed run draws the masks of an uninterrupted one. The
+loss: t2t/loss.py. Metrics are token sums left on device; `summarize_metrics` makes their means.
 
 Shape letters: B batch rows, T target length, V vocabulary, M micro-batches.
 """
