@@ -19,7 +19,7 @@ WORKDIR ?= workdirs/default
 GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 export GLIBC_TUNABLES
 
-.PHONY: demo test lint clean
+.PHONY: demo test test-fast lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -54,6 +54,15 @@ demo: $(STAMP)
 # worker would wait forever for the crashed one's group under --dist loadgroup.
 test: $(STAMP) $(TPU_STAMP) $(EXPORT_STAMP)
 	JAX_PLATFORMS=cpu $(BIN)/pytest -n 2 --dist loadgroup --max-worker-restart=0 --durations=15 tests
+
+# The core and what an edit of the model, the loss, decoding or the optimizer can break, in
+# minutes (docs/development.md): the paper's reference, the layers' floor, the settings' wiring.
+FAST_TESTS := tests/test_reference.py tests/test_model.py tests/test_loss_impl.py \
+	tests/test_settings.py tests/test_decode.py tests/test_optim.py tests/test_dropout.py \
+	tests/test_sharding.py tests/test_train.py tests/test_layers.py tests/test_function_length.py
+test-fast: $(STAMP)
+	JAX_PLATFORMS=cpu $(BIN)/pytest -n 2 --dist loadgroup --max-worker-restart=0 --durations=10 \
+		$(FAST_TESTS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

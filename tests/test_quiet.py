@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 from t2t import data, optim, sharding, train_lib
+from t2t.infra import platforms
 from t2t.run import checkpoint
 from tests import toy_corpus
 from tests.helpers import ROOT, run_script, script_env, tiny_config
@@ -76,3 +77,10 @@ def test_train_and_evaluate_start_quietly_on_a_cpu_host(tmp_path):
     # it starts jax (jax.default_backend()) before it looks for checkpoints
     assert evaluate.returncode == 1 and 'no checkpoint in' in evaluate.stderr, evaluate.stderr
     assert not ACCELERATOR_NOISE.search(evaluate.stderr), evaluate.stderr[-2000:]
+
+
+def test_platforms_are_those_whose_chips_the_host_has():
+    assert platforms.choose(0, False, False) == platforms.choose(0, False, True) == 'cpu'
+    assert platforms.choose(0, True, True) == 'cuda,cpu'  # a CUDA failure then fails loudly
+    assert platforms.choose(0, True, False) is None  # jax warns that the CUDA plugin is missing
+    assert platforms.choose(4, False, False) is None  # jax's own TPU start, its errors real

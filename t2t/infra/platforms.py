@@ -26,13 +26,19 @@ def _cuda_plugin_installed() -> bool:
     return any(importlib.util.find_spec(f'jax_cuda{v}_plugin') for v in (12, 13))
 
 
-def skip_absent_tpu() -> str | None:
-    """Leaves out of jax's platforms the accelerators this host lacks (the module says how).
+def choose(tpu_chips: int, nvidia_gpu: bool, cuda_plugin: bool) -> str | None:
+    """The jax_platforms for a host with these accelerators; None: jax's own choice."""
+    if tpu_chips > 0 or (nvidia_gpu and not cuda_plugin):
+        return None
+    return 'cuda,cpu' if nvidia_gpu else 'cpu'
 
-    Returns the jax_platforms it chose ('cuda,cpu' or 'cpu'), or None when jax's own choice
-    stands: JAX_PLATFORMS or jax_platforms already set, TPU chips present, or an NVIDIA GPU
-    without the CUDA plugin. Call it before the first jax computation (cli.run does, for every
-    entry point).
+
+def skip_absent_tpu() -> str | None:
+    """Leaves out of jax's platforms the accelerators this host lacks (`choose`).
+
+    Returns the jax_platforms it set, or None when jax's own choice stands (also when
+    JAX_PLATFORMS or jax_platforms is already set). Call it before the first jax computation
+    (cli.run does, for every entry point).
     """
     if 'JAX_PLATFORMS' in os.environ:
         return None
@@ -41,15 +47,10 @@ def skip_absent_tpu() -> str | None:
 
     if jax.config.jax_platforms is not None:
         return None
-    if hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0:
-        return None
-    if hardware_utils.has_visible_nvidia_gpu():
-        if not _cuda_plugin_installed():
-            return None
-        platforms = 'cuda,cpu'
-    else:
-        platforms = 'cpu'
-    jax.config.update('jax_platforms', platforms)
+    platforms = choose(hardware_utils.num_available_tpu_chips_and_device_id()[0],
+                       hardware_utils.has_visible_nvidia_gpu(), _cuda_plugin_installed())
+    if platforms is not None:
+        jax.config.update('jax_platforms', platforms)
     return platforms
 
 
