@@ -59,7 +59,7 @@ test: $(STAMP) $(TPU_STAMP) $(EXPORT_STAMP)
 # minutes (docs/development.md): the paper's reference, the layers' floor, the settings' wiring.
 FAST_TESTS := tests/test_reference.py tests/test_model.py tests/test_loss_impl.py \
 	tests/test_settings.py tests/test_decode.py tests/test_optim.py tests/test_dropout.py \
-	tests/test_sharding.py tests/test_train.py tests/test_layers.py tests/test_function_length.py
+	tests/test_sharding.py tests/test_layers.py tests/test_function_length.py
 test-fast: $(STAMP)
 	JAX_PLATFORMS=cpu $(BIN)/pytest -n 2 --dist loadgroup --max-worker-restart=0 --durations=10 \
 		$(FAST_TESTS)
