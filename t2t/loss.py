@@ -1,43 +1,13 @@
-"""The training loss: label-smoothed cross-entropy (plus an optional z-loss), two ways.
+"""The training loss: label-smoothed cross-entropy, plus an optional z-loss.
 
-    loss_impl='plain' (the default: the textbook path):
-        logits_BTV = model.logits(...)            # Transformer.__call__, the model's logits()
-        loss_sum, nll_sum, correct_sum = plain_sums(logits_BTV, targets_BT, weights_BT,
-                                                    smoothing=0.1, z_loss=0.0)
-    loss_impl='fused' (a memory lever, equal to the plain loss by test):
-        loss_sum, nll_sum, correct_sum = cross_entropy_sums(y_BTD, w_VD, targets_BT, weights_BT,
-                                                            smoothing=0.1, chunk_len=32)
-
-Per token, with logits z, log Z = logsumexp(z) and log p = z - log Z, the loss is
--sum_v q_v log p_v + z_loss * (log Z)^2: q is tensor2tensor's smoothed target distribution
-(1 - smoothing on the gold token, smoothing / (V - 1) on every other one), the second term t5x's
-z-loss (0: off), which keeps the softmax's normalizer near 1. Both ways return sums weighted by
-weights_BT (1 on non-pad targets), so the train step's mean over non-pad tokens is the same for
-both. Gradients flow through the loss sum only: the NLL and accuracy sums are metrics
-(stop_gradient).
-
-The fused loss starts from the decoder output: the logits y W^T are never materialized for the
-whole batch. A lax.scan over chunks of `chunk_len` target positions computes, per chunk, the
-float32 logits [B, C, V] (compute-dtype matmul, float32 accumulation), their log-sum-exp, the
-loss terms, the NLL and the argmax, all from the one chunk of logits. Under jax.grad the same
-pass also computes the gradient (a custom_vjp): the softmax gradient of the chunk is cast to the
-compute dtype and both vocabulary matmuls of the backward pass (dy = dlogits W,
-dW = dlogits^T y) run in it with float32 accumulation (dW summed over chunks in float32), so the
-backward pass neither recomputes nor keeps any logits. Peak memory of the loss: one float32
-[B, C, V] chunk (plus its gradient in the compute dtype) instead of several float32 [B, T, V]
-arrays.
-
-Under a mesh that splits the batch over S devices (data x fsdp), the dW carry is [S, V, D]: a
-device holds its own slot ([V, D] per device) and adds its own rows to it, with no sum across
-devices inside the loop (a plain [V, D] carry is a sum over the sharded batch, which XLA
-completed with an all-reduce of dW once per chunk: bench/RESULTS.md). Weights w [V, D]: the
-slots are summed once after the loop, dW's one reduction. Weights given as one copy per batch
-shard, w [S, V, D] (tables.TokenTable), each shard's rows times its own copy: the loss returns
-the slots unsummed, as the copies' gradient, and the transpose of the broadcast that made the
-copies sums them after JAX has added the gradients of the copies' other readers (the
-embedding's lookups): the tied embedding's whole gradient is reduced across devices once a
-step, like every other gradient. Likewise the weights are cast and gathered whole along d_model
-once, before the loop (under fsdp XLA gathered their shards in every chunk).
+Per token, with log p = z - log Z: -sum_v q_v log p_v + z_loss * (log Z)^2; q is tensor2tensor's
+smoothed target (1 - smoothing on the gold token, smoothing / (V - 1) on each other one), the
+second term t5x's z-loss. Sums weighted by weights_BT (1 on non-pad targets); the NLL and
+accuracy sums are metrics (no gradient). loss_impl='plain': `plain_sums` on the model's logits.
+loss_impl='fused' (a memory lever, equal by test): `cross_entropy_sums` from the decoder output,
+float32 logits one chunk of target positions at a time, each chunk's gradient computed in the
+same pass (a custom_vjp: no logits kept or recomputed; jax.checkpoint's recompute measured slower,
+bench/RESULTS.md), dW summed per batch shard and reduced once.
 
 Shape letters: B batch rows, T target length, C positions per chunk, N chunks, D d_model,
 V vocabulary, S batch shards (devices the batch is split over; 1 without a mesh).
@@ -182,6 +152,9 @@ def _chunk_terms(smoothing, z_loss, logits_BCV, targets_BC, weights_BC):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _chunked_sums(smoothing, z_loss, y_NBCD, w, targets_NBC, weights_NBC):
+    """The weighted sums over the chunks. Under jax.grad the forward pass computes the gradient
+    too (_chunked_sums_fwd): per chunk dlogits in the compute dtype, dy = dlogits W and
+    dW += dlogits^T y, both matmuls accumulating in float32."""
     w_c = _whole_weights(w, y_NBCD.dtype)
 
     def body(sums, chunk):
@@ -224,11 +197,16 @@ def _chunked_sums_fwd(smoothing, z_loss, y_NBCD, w, targets_NBC, weights_NBC):
         dw_SVD = nn.with_logical_constraint(dw_SVD, ('batch', 'vocab', 'embed'))
         return (sums + chunk_sums, dw_SVD), dy_BCD
 
+    # dW [S, V, D], a slot per batch shard: each device adds its own rows to its own slot, no
+    # sum across devices inside the loop (a [V, D] carry made XLA all-reduce dW once per chunk:
+    # bench/RESULTS.md); the slots are summed once after it.
     dw_SVD = nn.with_logical_constraint(jnp.zeros((s, *w.shape[-2:]), jnp.float32),
                                         ('batch', 'vocab', 'embed'))
     init = (jnp.zeros(3, jnp.float32), dw_SVD)
     (sums, dw_SVD), dy_NBCD = jax.lax.scan(body, init, (y_NBCD, targets_NBC, weights_NBC))
-    if w.ndim == 3:  # the copies' gradient, per shard: per_batch_shard's transpose sums it
+    # Weights given as one copy per batch shard (tables.TokenTable): the slots are the copies'
+    # gradient, summed by the transpose of the broadcast that made them, with the embedding's.
+    if w.ndim == 3:
         dw = dw_SVD
     else:  # the one reduction of this dW across devices
         dw = dw_SVD[0] if s == 1 else dw_SVD.sum(axis=0)
