@@ -32,7 +32,7 @@ from t2t.infra import workdir as wd
 from t2t.run import checkpoint
 
 MAX_DELAY_S = uploads.BACKOFF_MAX_S
-FLUSH_WAIT_S = 5.0  # a due save waits this long for the metrics before it takes the slow road
+FLUSH_WAIT_S = 2.0  # a due save waits this long for the metrics before it takes the slow road
 PREEMPTION_GRACE_S = 20.0  # what a SIGTERM leaves for durable writes before the process goes
 
 
@@ -187,7 +187,8 @@ class Saver:
         host = jax.device_get(state)
         mark = self.writer.mark()
         started = False
-        if self.writer.written(FLUSH_WAIT_S, mark):
+        # A bucket known to fail: the background waits for the metrics, not the loop.
+        if self.writer.written(0.0 if uploads.QUEUE.failing() else FLUSH_WAIT_S, mark):
             try:
                 started = checkpoint.save(self.manager, step, state, extra_metadata=meta,
                                           force=True)
@@ -233,7 +234,8 @@ class Saver:
                     failing = uploads.QUEUE.failing()
                     raise uploads.QUEUE.limit_error(
                         f'saving checkpoint {self.manager.directory / str(step)}', start,
-                        error if error is not None else failing[1] if failing else
+                        wd.transient_cause(error) or error if error is not None else
+                        failing[1] if failing else
                         TimeoutError('the metrics before it were not written'))
                 if error is not None:
                     time.sleep(min(delay, max(0.0, self.limit_s - (time.monotonic() - start))))
