@@ -259,10 +259,11 @@ class Saver:
             self._error = e
 
     def finish(self, state, ended: bool, preempted: bool) -> bool:
-        """At the end of the run: waits for the last save (up to limit_s when the run ended
-        well, PREEMPTION_GRACE_S when preempted, a moment on an error); preempted, says in one
-        line what is not yet in storage. False when a save is still under way (the manager is
-        not to be closed: the process ends)."""
+        """At the end of the run: waits for the last save (past limit_s it fails by itself when
+        the run ended well; PREEMPTION_GRACE_S for it and the metrics when preempted; a moment on
+        an error). What is then still not in storage is said in one line (an error when the run
+        ended well). False when a save is still under way (the manager is not to be closed: the
+        process ends)."""
         if not self.background:
             if ended and self._save_args is not None:
                 wait(self.manager, self._step, state, self.limit_s, self._say,
@@ -270,28 +271,30 @@ class Saver:
             else:
                 checkpoint.wait(self.manager)
             return True
-        if self._thread is None:
-            checkpoint.wait(self.manager)
-            return True
+        began = time.monotonic()
         grace = min(PREEMPTION_GRACE_S, self.limit_s) if preempted else \
-            self.limit_s if ended else 5.0
+            self.limit_s + 120 if ended else 5.0  # the thread ends itself past limit_s
+        saved = True
         try:
-            if self._join(grace):
-                return True
+            saved = self._thread is None or self._join(grace)
         except BaseException:
             if ended:
                 raise
-            return True  # the run ends on its own error already
-        unwritten = self.writer.unwritten()
-        steps = [s for s in (self.pending, self.skipped) if s is not None]
-        line = (f'not yet in storage after {grace:.0f} s: checkpoint '
-                + ' and '.join(map(str, steps))
-                + (f', {sum(unwritten.values())} bytes of metrics ('
-                   + ', '.join(sorted(p.rsplit('/', 1)[-1] for p in unwritten)) + ')'
-                   if unwritten else '')
+        if preempted:
+            self.writer.written(max(0.0, began + grace - time.monotonic()))
+        unwritten = self.writer.unwritten() if preempted or not saved else {}
+        if saved and not unwritten:
+            return True
+        steps = [s for s in (self.pending, self.skipped) if s is not None and not saved]
+        line = ('not yet in storage after '
+                f'{time.monotonic() - began:.0f} s: '
+                + ', '.join([f'checkpoint {s}' for s in steps]
+                            + ([f'{sum(unwritten.values())} bytes of metrics ('
+                                + ', '.join(sorted(p.rsplit('/', 1)[-1] for p in unwritten))
+                                + '), redone from the checkpoint' ] if unwritten else []))
                 + '; the last checkpoint in storage is '
                 + (f'step {self.durable}' if self.durable is not None else 'none'))
         if preempted or not ended:
             self._say(line)
-            return False
+            return saved
         raise wd.StorageError(line)

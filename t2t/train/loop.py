@@ -424,7 +424,7 @@ def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> Tra
         finally:
             dog.close()
             error = sys.exc_info()[1]  # what ends the run, if not its last step
-            writer.close(outage_limit_s, quiet=not ended,
+            writer.close(outage_limit_s, quiet=not ended or stopped_by == 'preemption',
                          upload=wd.storage_failure(error) is None)
     if stopped_by != 'preemption':
         run_record.mark_finished(workdir, step, stopped_by)
