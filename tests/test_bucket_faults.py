@@ -5,11 +5,11 @@ Three runs at once (most of their time is waiting on the storage), against an un
 begun before them (once it has prepared the data and compiled, so that they read both back):
 - weather: 5% of requests answered 503, 2% dropped after they took effect: the same parameters
   bit for bit, each step in metrics.jsonl once;
-- an outage of 60 s begun at step 5, when metrics, events and the checkpoint of step 6 are due:
-  no traceback; training goes on through it (the writes and checkpoint 6 wait in the background)
-  until checkpoint 9 waits for checkpoint 6; every record arrives once and in order, the
-  checkpoints after the outage hold the same parameters, and a resume from the last one trains
-  on to the same parameters as the uninterrupted run;
+- an outage of 60 s begun at step 5, when metrics, events and the checkpoint of step 6 are due
+  (this run saves every 6 steps): no traceback; training goes on through it (the writes and
+  checkpoint 6 wait in the background) until checkpoint 12 waits for checkpoint 6; every record
+  arrives once and in order, the checkpoints after the outage hold the same parameters, and a
+  resume from the last one trains on to the same parameters as the uninterrupted run;
 - an outage longer than storage_outage_limit_s, begun at the save of step 6: one line naming the
   checkpoint, exit 5 with no further write tried, and checkpoint 3 (the last good one) intact.
 The last two retry each read and write for RETRY_S instead of workdir.RETRY_BUDGET_S's minute
@@ -35,6 +35,7 @@ pytestmark = pytest.mark.xdist_group(__name__)
 STEPS = 12  # checkpoints every 3 (chaos_run.train_flags)
 OUTAGE_S = 60.0
 RESUMED = STEPS + 3  # the outage run resumed from its last checkpoint to here
+OUTAGE_EVERY = 6  # the outage run's checkpoints: one due in the outage, the next after steps
 LIMIT_S = 10.0
 RETRY_S = 5.0
 
@@ -95,14 +96,16 @@ def test_faults_an_outage_and_one_past_the_limit(tmp_path):
                                  {**gcs_server.environment(front.url),
                                   **(retry if name != 'weather' else {})},
                                  *([f'--config.storage_outage_limit_s={LIMIT_S}']
-                                   if name == 'limit' else []))
+                                   if name == 'limit' else []),
+                                 *([f'--config.checkpoint_every_steps={OUTAGE_EVERY}']
+                                   if name == 'outage' else []))
                     for name, front in fronts.items()}
             _wait_for_line(runs['outage'], tmp_path / 'outage', r'^step 5 \|', 300)
             fronts['outage'].outage(OUTAGE_S)
             began = time.monotonic()
-            # The loop does not wait for the bucket: steps 6-9 are trained during the outage
-            # (checkpoint 9 then waits for checkpoint 6, which waits for the bucket).
-            _wait_for_line(runs['outage'], tmp_path / 'outage', r'^step 9 \|', OUTAGE_S)
+            # The loop does not wait for the bucket: steps 6-11 are trained during the outage
+            # (checkpoint 12 then waits for checkpoint 6, which waits for the bucket).
+            _wait_for_line(runs['outage'], tmp_path / 'outage', r'^step 11 \|', OUTAGE_S)
             trained_within = time.monotonic() - began
             assert fronts['outage'].in_outage(), trained_within
             status, _, err = _finish(reference, tmp_path / 'reference')
@@ -140,11 +143,11 @@ def test_faults_an_outage_and_one_past_the_limit(tmp_path):
             assert re.search(r'^saving checkpoint 6 .*; it is saved in the background for up to '
                              r'\d+ s \(storage_outage_limit_s\), training goes on$', out, re.M), out
             assert re.search(r'^checkpoint 6 saved after \d+ s of storage failures$', out, re.M)
-            assert re.search(r'^checkpoint 9 is due while checkpoint 6 is still being saved',
+            assert re.search(r'^checkpoint 12 is due while checkpoint 6 is still being saved',
                              out, re.M), out
             _steps_once(workdirs['outage'])
             # The checkpoints written after the outage hold the uninterrupted run's parameters.
-            for step in (9, STEPS):
+            for step in (OUTAGE_EVERY, STEPS):
                 assert chaos_run.params_differ(str(tmp_path / 'reference'), workdirs['outage'],
                                                step) == [], step
             # The metrics writes the outage held are no training and no straggling step.

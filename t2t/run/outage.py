@@ -173,7 +173,7 @@ class Saver:
             save(self.manager, step, state, self.limit_s, self._say, **self._save_args)
             return
         if self._thread is not None:
-            if self._thread.is_alive() and not preempted:
+            if self._thread.is_alive() and self._thread.slow and not preempted:
                 self._say(f'checkpoint {step} is due while checkpoint {self.pending} is still '
                           'being saved through a storage outage: training waits for it')
             if not self._join(min(PREEMPTION_GRACE_S, self.limit_s) if preempted else None):
@@ -199,6 +199,7 @@ class Saver:
         self._thread = threading.Thread(
             target=self._run, args=(step, host, shardings, meta, mark, started), daemon=True,
             name=f't2t-save-{step}')
+        self._thread.slow = False  # set once the save takes the slow road (an outage)
         self._thread.start()
 
     def _join(self, timeout_s: float | None) -> bool:
@@ -224,6 +225,7 @@ class Saver:
                     if wd.transient_cause(e) is None:
                         raise
                     error = e
+            threading.current_thread().slow = True
             what = f'saving checkpoint {step}' + (f' failed ({_why(error)})' if error else
                                                    ' waits for the metrics written before it')
             self._say(f'{what}; it is saved in the background for up to {self.limit_s:.0f} s '
