@@ -1,16 +1,25 @@
 """The background writer (t2t/infra/uploads.py) with the storage stood in for by a function that
 fails while `down` says so: the caller never waits until the queue is full, then waits with one
 line and its wait booked; a storage down past the limit is one error naming the limit and the last
-durable checkpoint; files are written in the order first given, each byte once."""
+durable checkpoint; files are written in the order first given, each byte once. Then the
+checkpoint saver (t2t/run/outage.py) with orbax's save stood in for: a refused save is retried in
+the background from its host copy while the loop goes on, is never reported saved while pending,
+and ends the run past the limit."""
 
 import errno
+import re
 import threading
 import time
+import types
 
+import jax
+import jax.numpy as jnp
 import pytest
+from etils import epath
 
 from t2t.infra import uploads
 from t2t.infra import workdir as wd
+from t2t.run import checkpoint, outage
 
 
 @pytest.fixture
@@ -100,3 +109,126 @@ def test_a_mark_waits_for_the_bytes_before_it_not_those_after(storage):
     storage['down'] = False
     assert up.close(10.0)
     assert storage['objects']['gs://b/metrics.jsonl'] == b'one\ntwo\n'
+
+
+class _Checkpoints:
+    """checkpoint.save / wait / remove_unfinished stood in for: an asynchronous save whose write
+    fails while `down` (a transient error, as orbax re-raises it), the steps finished, the calls."""
+
+    def __init__(self):
+        self.down, self.finished, self.calls, self.saved_states = False, [], [], {}
+        self.started = None
+
+    def save(self, manager, step, state, force=False, extra_metadata=None):
+        self.calls.append(('save', step, force))
+        self.started = (step, jax.device_get(state))
+        return True
+
+    def wait(self, manager):
+        if self.started is None:
+            return
+        step, state = self.started
+        self.started = None
+        if self.down:
+            time.sleep(0.05)
+            error = checkpoint.CheckpointError(f'saving checkpoint {step} failed')
+            error.__cause__ = OSError(errno.ECONNRESET, 'connection reset')
+            raise error
+        self.finished.append(step)
+        self.saved_states[step] = state
+
+    def remove_unfinished(self, directory, steps):
+        self.calls.append(('remove_unfinished', tuple(steps)))
+
+
+class _Writer:
+    logdir = 'gs://b/run'
+
+    def __init__(self):
+        self.behind = {}
+
+    def mark(self):
+        return {}
+
+    def written(self, seconds, mark=None):
+        return not self.behind
+
+    def unwritten(self):
+        return self.behind
+
+
+@pytest.fixture
+def saver_parts(monkeypatch):
+    fake = _Checkpoints()
+    for name in ('save', 'wait', 'remove_unfinished'):
+        monkeypatch.setattr(checkpoint, name, getattr(fake, name))
+    monkeypatch.setattr(checkpoint, 'latest_step', lambda m: fake.finished[-1]
+                        if fake.finished else None)
+    orbax = types.SimpleNamespace(all_steps=lambda: list(fake.finished),
+                                  should_save=lambda step: True, reload=lambda: None)
+    manager = types.SimpleNamespace(manager=orbax, directory=epath.Path('gs://b/run/checkpoints'))
+    return fake, manager
+
+
+def _state(step):
+    return {'w': jnp.full((4,), float(step)), 'step': jnp.asarray(step)}
+
+
+class _Iterator:
+    def get_state(self):
+        return {'position': 1}
+
+
+def test_a_save_the_storage_refuses_is_retried_in_the_background_while_training_goes_on(
+        saver_parts, monkeypatch):
+    fake, manager = saver_parts
+    lines = []
+    monkeypatch.setattr(outage, 'PREEMPTION_GRACE_S', 0.3)
+    monkeypatch.setattr(outage, 'MAX_DELAY_S', 0.2)  # the back-off between tries
+    writer = _Writer()
+    saver = outage.Saver(manager, 60.0, writer, lines.append)
+    assert saver.background
+    fake.down = True
+    state = _state(3)
+    began = time.monotonic()
+    saver.save(3, state, _Iterator(), {})
+    assert time.monotonic() - began < 1.0  # the loop goes on; the save is the thread's
+    time.sleep(0.2)
+    saver.check()  # failing, not past the limit: nothing to raise
+    assert saver.durable is None and fake.finished == []
+    # A preemption now: the pending save is not reported saved; one line says what is not.
+    writer.behind = {'gs://b/run/metrics.jsonl': 12}
+    assert saver.finish(_state(4), ended=True, preempted=True) is False
+    assert lines[-1] == ('not yet in storage after 0 s: checkpoint 3, 12 bytes of metrics '
+                         '(metrics.jsonl), redone from the checkpoint; the last checkpoint in '
+                         'storage is none'), lines
+    # The storage answers again: checkpoint 3 is saved from the host copy of step 3's state;
+    # the next due save waits for it, never two in flight.
+    fake.down, writer.behind = False, {}
+    saver.save(6, _state(6), _Iterator(), {})
+    assert fake.finished[:1] == [3] and fake.saved_states[3]['w'].tolist() == [3.0] * 4
+    assert ('remove_unfinished', (3,)) in fake.calls and ('save', 3, True) in fake.calls
+    assert any(re.fullmatch(r'checkpoint 3 saved after \d+ s of storage failures', x)
+               for x in lines), lines
+    assert saver.finish(_state(6), ended=True, preempted=False)
+    assert fake.finished == [3, 6] and saver.durable == 6
+
+
+def test_a_save_refused_past_the_limit_ends_the_run_naming_it_and_the_last_durable_step(
+        saver_parts):
+    fake, manager = saver_parts
+    saver = outage.Saver(manager, 1.5, _Writer(), lambda line: None)
+    saver.save(3, _state(3), _Iterator(), {})
+    assert saver.finish(_state(3), ended=True, preempted=False) and saver.durable == 3
+    fake.down = True
+    saver.save(6, _state(6), _Iterator(), {})
+    deadline = time.monotonic() + 30
+    with pytest.raises(wd.StorageError) as error:
+        while time.monotonic() < deadline:
+            saver.check()  # the loop's call at every step
+            time.sleep(0.05)
+    assert re.fullmatch(r'saving checkpoint gs://b/run/checkpoints/6 failed for \d+ s '
+                        r'\(storage_outage_limit_s=1\.5\): ConnectionResetError: \[Errno 104\] '
+                        r'connection reset; the last checkpoint saved is step 3',
+                        str(error.value)), error.value
+    assert fake.finished == [3]

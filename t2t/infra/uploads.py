@@ -99,12 +99,7 @@ class Queue:
             raise self.limit_error(f'writing {path}', since, error)
 
     def limit_error(self, what: str, since: float, error) -> wd.StorageError:
-        durable = self.last_durable()
-        return wd.StorageError(
-            f'{what} failed for {time.monotonic() - since:.0f} s (storage_outage_limit_s='
-            f'{self.limit_s:g}): {wd.describe(error)}; '
-            + (f'the last checkpoint saved is step {durable}' if durable is not None else
-               'no checkpoint was saved before'))
+        return limit_error(what, since, error, self.limit_s, self.last_durable())
 
     def make_room(self) -> None:
         """Returns once the queue holds at most max_bytes: at once unless it is full; then waits
@@ -130,6 +125,16 @@ class Queue:
 
 
 QUEUE = Queue()
+
+
+def limit_error(what: str, since: float, error, limit_s: float, durable) -> wd.StorageError:
+    """The one line of a run that its storage ends: what failed since when, the limit, the
+    error and the last checkpoint in storage (None: none)."""
+    return wd.StorageError(
+        f'{what} failed for {time.monotonic() - since:.0f} s (storage_outage_limit_s='
+        f'{limit_s:g}): {wd.describe(error)}; '
+        + (f'the last checkpoint saved is step {durable}' if durable is not None else
+           'no checkpoint was saved before'))
 
 
 class _File:

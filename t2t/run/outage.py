@@ -214,7 +214,7 @@ class Saver:
         return True
 
     def _run(self, step, host, shardings, meta, mark, started) -> None:
-        start, delay, error = time.monotonic(), 1.0, None
+        start, delay, error = time.monotonic(), min(1.0, MAX_DELAY_S), None
         try:
             if started:
                 try:
@@ -234,11 +234,12 @@ class Saver:
                 if not self.writer.written(max(0.0, self.limit_s - (time.monotonic() - start)),
                                            mark) or time.monotonic() - start >= self.limit_s:
                     failing = uploads.QUEUE.failing()
-                    raise uploads.QUEUE.limit_error(
+                    raise uploads.limit_error(
                         f'saving checkpoint {self.manager.directory / str(step)}', start,
                         wd.transient_cause(error) or error if error is not None else
                         failing[1] if failing else
-                        TimeoutError('the metrics before it were not written'))
+                        TimeoutError('the metrics before it were not written'),
+                        self.limit_s, self.durable)
                 if error is not None:
                     time.sleep(min(delay, max(0.0, self.limit_s - (time.monotonic() - start))))
                     delay = min(2 * delay, MAX_DELAY_S)
