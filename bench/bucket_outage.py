@@ -9,7 +9,9 @@ every request is answered 503 for --outage_s seconds from --outage_at_s seconds 
 step line. Per run: exit status, wall time, the goodput report's goodput and its largest badputs,
 storage backpressure (the loop's waits for room in the write queue), the background writes and
 the write queue's peak (the memory the queue held), and the steps trained while the outage lasted
-(step lines timed as they arrive). One RESULT line of JSON per run at the end.
+(step lines timed as they arrive); the goodput table after each run, one RESULT line of JSON per
+run at the end. A run shorter than --outage_at_s + --outage_s of training ends inside the outage
+and waits for it at its last save (a checkpoint is not reported saved before it is in storage).
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ def _run(args, url: str, bucket: str, data_dir: str, outage: bool) -> dict:
         within = [s for t, s in step_times if lo < t <= hi]
         during = (max(within) - max(at or [0])) if within else 0
     r = goodput_report.report(workdir)
+    if r is not None:
+        print(goodput_report.format_report(r), flush=True)
     result = {'outage_s': args.outage_s if outage else 0, 'exit': proc.returncode,
               'wall_s': round(wall, 1), 'steps': args.steps,
               'steps_trained_during_outage': during,
@@ -108,7 +112,6 @@ def main(argv=None) -> None:
             print(f'run {"with a " + str(args.outage_s) + " s outage" if outage else "without"}',
                   flush=True)
             results.append(_run(args, url, f'bench-{int(outage)}', data_dir, outage))
-            print(f'  {results[-1]["summary"]}', flush=True)
     for r in results:
         print('RESULT ' + json.dumps(r), flush=True)
 
