@@ -85,7 +85,7 @@ def test_report_splits_the_wall_time_and_finds_the_steps_trained_again(tmp_path)
     assert (second['cause'], second['lost_steps'], second['goodput']) == ('finished', 0, 0.3)
     text = goodput_report.format_report(r)
     assert 'goodput of' in text and '23.3% of 30.0 s' in text
-    assert '(2 steps trained again)' in text.splitlines()[11]
+    assert '(2 steps trained again)' in text.splitlines()[12]
     assert goodput_report.report(tmp_path, process_index=1)['attempts'] == 1
 
 

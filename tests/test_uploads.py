@@ -151,7 +151,11 @@ class _Writer:
         return {}
 
     def written(self, seconds, mark=None):
-        return not self.behind
+        """The records before a save (a mark) are written; `behind` stands for later ones."""
+        deadline = time.monotonic() + seconds
+        while mark is None and self.behind and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return mark is not None or not self.behind
 
     def unwritten(self):
         return self.behind
