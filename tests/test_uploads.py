@@ -119,7 +119,7 @@ class _Checkpoints:
         self.down, self.finished, self.calls, self.saved_states = False, [], [], {}
         self.started = None
 
-    def save(self, manager, step, state, force=False, extra_metadata=None):
+    def save(self, manager, step, state, force=False, extra_metadata=None, data_iter=None):
         self.calls.append(('save', step, force))
         self.started = (step, jax.device_get(state))
         return True
@@ -170,7 +170,8 @@ def saver_parts(monkeypatch):
                         if fake.finished else None)
     orbax = types.SimpleNamespace(all_steps=lambda: list(fake.finished),
                                   should_save=lambda step: True, reload=lambda: None)
-    manager = types.SimpleNamespace(manager=orbax, directory=epath.Path('gs://b/run/checkpoints'))
+    manager = types.SimpleNamespace(manager=orbax, directory=epath.Path('gs://b/run/checkpoints'),
+                                    pending=[])
     return fake, manager
 
 
@@ -236,3 +237,23 @@ def test_a_save_refused_past_the_limit_ends_the_run_naming_it_and_the_last_durab
                         r'connection reset; the last checkpoint saved is step 3',
                         str(error.value)), error.value
     assert fake.finished == [3]
+
+
+def test_without_an_outage_limit_a_save_waits_for_the_metrics_as_long_as_the_storage_retries(
+        saver_parts, monkeypatch):
+    """storage_outage_limit_s=0 (not retried): no background saves; a due save waits for the
+    records before it as long as one write's retries (before, a limit of 0 waited no time)."""
+    fake, manager = saver_parts
+    asked = []
+
+    class Writer(_Writer):
+        def written(self, seconds, mark=None):
+            asked.append(seconds)
+            return True
+
+    monkeypatch.setattr(wd, 'RETRY_BUDGET_S', 7.0)
+    saver = outage.Saver(manager, 0.0, Writer(), lambda line: None)
+    assert not saver.background
+    saver.save(3, _state(3), _Iterator(), {})
+    assert asked == [7.0] and fake.calls == [('save', 3, False)]
+    assert saver.finish(_state(3), ended=True, preempted=False) and fake.finished == [3]

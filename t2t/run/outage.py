@@ -163,9 +163,11 @@ class Saver:
         """Saves `state` as checkpoint `step` (see the class doc). preempted: the previous save
         is waited for PREEMPTION_GRACE_S at most; still pending, this one is not begun."""
         if not self.background:  # the records first, then the synchronous retry of a failure
-            if not self.writer.written(self.limit_s):
+            wait_s = max(self.limit_s, wd.RETRY_BUDGET_S)  # limit 0: the storage layer's retries
+            if not self.writer.written(wait_s):
                 raise wd.StorageError(f'writing the metrics to {self.writer.logdir} failed for '
-                                      f'{self.limit_s:g} s (storage_outage_limit_s)')
+                                      f'{wait_s:g} s (storage_outage_limit_s='
+                                      f'{self.limit_s:g})')
             distributed.wait_for('metrics-flushed', 'process 0 writes the metrics',
                                  self.limit_s + 600, processes=[0])
             self._save_args = dict(data_iter=data_iter, extra_metadata=extra_metadata)
