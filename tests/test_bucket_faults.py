@@ -5,16 +5,20 @@ Three runs at once (most of their time is waiting on the storage), against an un
 begun before them (once it has prepared the data and compiled, so that they read both back):
 - weather: 5% of requests answered 503, 2% dropped after they took effect: the same parameters
   bit for bit, each step in metrics.jsonl once;
-- an outage of 50 s begun at step 5, when metrics, events and the checkpoint of step 6 are due:
-  no traceback, training waits then goes on, the records arrive later, the same parameters;
+- an outage of 60 s begun at step 5, when metrics, events and the checkpoint of step 6 are due
+  (this run saves every 6 steps): no traceback; training goes on through it (the writes and
+  checkpoint 6 wait in the background) until checkpoint 12 waits for checkpoint 6; every record
+  arrives once and in order, the checkpoints after the outage hold the same parameters, and a
+  resume from the last one trains on to the same parameters as the uninterrupted run;
 - an outage longer than storage_outage_limit_s, begun at the save of step 6: one line naming the
   checkpoint, exit 5 with no further write tried, and checkpoint 3 (the last good one) intact.
 The last two retry each read and write for RETRY_S instead of workdir.RETRY_BUDGET_S's minute
 (T2T_STORAGE_RETRY_S), so an outage outlasts the storage clients' retries (gcsfs's six tries
-take about 31-36 s) sooner: 50 s, not the 90 s the minute needs; the limit run's exit, whose
+take about 31-36 s) sooner: 60 s, not the 90 s the minute needs; the limit run's exit, whose
 every write fails, is shorter too.
 """
 
+import json
 import re
 import time
 
@@ -22,22 +26,25 @@ import pytest
 
 from t2t.goodput import report as goodput_report
 from t2t.infra import exits, metrics
+from t2t.infra import workdir as wd
 from tests import chaos_run, fault_front, gcs_server
 from tests.helpers import start_script
 
 pytestmark = pytest.mark.xdist_group(__name__)
 
 STEPS = 12  # checkpoints every 3 (chaos_run.train_flags)
-OUTAGE_S = 50.0
+OUTAGE_S = 60.0
+RESUMED = STEPS + 3  # the outage run resumed from its last checkpoint to here
+OUTAGE_EVERY = 6  # the outage run's checkpoints: one due in the outage, the next after steps
 LIMIT_S = 10.0
 RETRY_S = 5.0
 
 
-def _train(logs, workdir, data_dir, env, *extra):
+def _train(logs, workdir, data_dir, env, *extra, steps=STEPS):
     """train.py on tiny, its stdout and stderr in logs.out and logs.err."""
     with open(f'{logs}.out', 'wb') as out, open(f'{logs}.err', 'wb') as err:
         return start_script('train.py', '--config=configs/tiny.py', f'--workdir={workdir}',
-                            *chaos_run.train_flags(STEPS, data_dir), *extra, env=env,
+                            *chaos_run.train_flags(steps, data_dir), *extra, env=env,
                             stdout=out, stderr=err)
 
 
@@ -59,18 +66,24 @@ def _wait_for_line(proc, logs, pattern: str, timeout_s: float) -> None:
         time.sleep(0.01)
 
 
-def _steps_once(workdir) -> None:
-    assert chaos_run.step_counts(workdir) == dict.fromkeys(range(1, STEPS + 1), 1)
+def _steps_once(workdir, steps=STEPS) -> None:
+    """Each step's training record once, in order, in metrics.jsonl and the events."""
+    assert chaos_run.step_counts(workdir) == dict.fromkeys(range(1, steps + 1), 1)
+    text = wd.read_text(wd.path(workdir, metrics.JSONL_NAME))
+    in_order = [r['step'] for r in map(json.loads, text.splitlines()) if 'loss' in r]
+    assert in_order == list(range(1, steps + 1)), in_order
     losses = [s for tag, s, _ in metrics.read_events(workdir) if tag == 'loss']
-    assert sorted(losses) == list(range(1, STEPS + 1)), losses
+    assert sorted(losses) == list(range(1, steps + 1)), losses
 
 
 def test_faults_an_outage_and_one_past_the_limit(tmp_path):
     data_dir = str(tmp_path / 'data')
     with gcs_server.serve() as url:
-        # Prepares the data and compiles first; keeps checkpoint 3 to compare with.
+        # Prepares the data and compiles first; keeps every checkpoint to compare with, and trains
+        # on to where the outage run is resumed to.
         reference = _train(tmp_path / 'reference', tmp_path / 'reference', data_dir,
-                           gcs_server.environment(url), '--config.keep_checkpoints=10')
+                           gcs_server.environment(url), '--config.keep_checkpoints=10',
+                           steps=RESUMED)
         _wait_for_line(reference, tmp_path / 'reference', r'^step 1 \|', 300)
         fronts = {'weather': fault_front.start(url, seed=1, p_503=0.05, p_drop=0.02),
                   'outage': fault_front.start(url, seed=2, p_503=0.0, p_drop=0.0),
@@ -83,11 +96,18 @@ def test_faults_an_outage_and_one_past_the_limit(tmp_path):
                                  {**gcs_server.environment(front.url),
                                   **(retry if name != 'weather' else {})},
                                  *([f'--config.storage_outage_limit_s={LIMIT_S}']
-                                   if name == 'limit' else []))
+                                   if name == 'limit' else []),
+                                 *([f'--config.checkpoint_every_steps={OUTAGE_EVERY}']
+                                   if name == 'outage' else []))
                     for name, front in fronts.items()}
             _wait_for_line(runs['outage'], tmp_path / 'outage', r'^step 5 \|', 300)
             fronts['outage'].outage(OUTAGE_S)
             began = time.monotonic()
+            # The loop does not wait for the bucket: steps 6-11 are trained during the outage
+            # (checkpoint 12 then waits for checkpoint 6, which waits for the bucket).
+            _wait_for_line(runs['outage'], tmp_path / 'outage', r'^step 11 \|', OUTAGE_S)
+            trained_within = time.monotonic() - began
+            assert fronts['outage'].in_outage(), trained_within
             status, _, err = _finish(reference, tmp_path / 'reference')
             assert status == 0, err[-3000:]
             results = {}
@@ -108,41 +128,57 @@ def test_faults_an_outage_and_one_past_the_limit(tmp_path):
                                            workdirs['weather'], STEPS) == []
             _steps_once(workdirs['weather'])
 
-            # The outage: said in a line when it begins and when it ends, waited out.
+            # The outage: said in a line when it begins and when it ends, ridden out.
             status, out, err, took = results['outage']
             assert status == 0 and 'Traceback' not in err, err[-3000:]
             assert took > OUTAGE_S and fronts['outage'].counts['outage_503'] > 5
             # A save the outage failed leaves no orbax thread waiting out its five-minute
             # coordination timeout (t2t/run/checkpoint.py): the process ends with its run.
             assert took < OUTAGE_S + 150, took
-            failed = re.search(r'^metrics: writing to \S+ failed \((\w+): .*training goes on$',
+            failed = re.search(r'^metrics: writing \S+ failed \((\w+): .*training goes on$',
                                err, re.M)
             assert failed and failed.group(1) == 'HttpError', err[-3000:]
-            assert re.search(r'^metrics: writing to \S+ works again after \d+ s; every record '
-                             r'is written$', err, re.M), err[-3000:]
-            assert chaos_run.params_differ(str(tmp_path / 'reference'),
-                                           workdirs['outage'], STEPS) == []
+            assert re.search(r'^metrics: writing works again after \d+ s; every record kept is '
+                             r'written$', err, re.M), err[-3000:]
+            assert re.search(r'^saving checkpoint 6 .*; it is saved in the background for up to '
+                             r'\d+ s \(storage_outage_limit_s\), training goes on$', out, re.M), out
+            assert re.search(r'^checkpoint 6 saved after \d+ s of storage failures$', out, re.M)
+            assert re.search(r'^checkpoint 12 is due while checkpoint 6 is still being saved',
+                             out, re.M), out
             _steps_once(workdirs['outage'])
+            # The checkpoints written after the outage hold the uninterrupted run's parameters.
+            for step in (OUTAGE_EVERY, STEPS):
+                assert chaos_run.params_differ(str(tmp_path / 'reference'), workdirs['outage'],
+                                               step) == [], step
             # The metrics writes the outage held are no training and no straggling step.
             assert 'watchdog:' not in err, err[-3000:]
-            # Its account is whole: the last records, which the ledger's uploader may still hold
-            # in gcsfs's back-off when the run ends, are waited for (t2t/goodput/ledger.py).
+            # Its account is whole (the last records are waited for, t2t/goodput/ledger.py), the
+            # loop hardly waited for the metrics, and their writes are booked as background.
             ledger = goodput_report.report(workdirs['outage'])
             assert [a['cause'] for a in ledger['per_attempt']] == ['finished'], ledger
-            assert ledger['seconds']['logging'] > RETRY_S, ledger['seconds']
+            assert ledger['seconds']['logging'] < 2.0, ledger['seconds']
+            assert ledger['seconds']['storage_backpressure'] == 0.0, ledger['seconds']
+            assert ledger['background_writes']['written_bytes'] > 10_000, ledger
             assert ledger['per_attempt'][0]['findings'] == []
+            # Resumed from its last checkpoint, it trains on as the uninterrupted run did.
+            resumed = _train(tmp_path / 'resumed', workdirs['outage'], data_dir,
+                             gcs_server.environment(url), steps=RESUMED)
+            status, out, err = _finish(resumed, tmp_path / 'resumed')
+            assert status == 0, err[-3000:]
+            assert re.search(rf'^resuming from checkpoint {STEPS} in ', out, re.M), out
+            assert chaos_run.params_differ(str(tmp_path / 'reference'), workdirs['outage'],
+                                           RESUMED) == []
+            _steps_once(workdirs['outage'], RESUMED)
 
             # Past the limit: one line, exit 5, the last good checkpoint restores.
             status, out, err, _ = results['limit']
             assert status == exits.STORAGE and 'Traceback' not in err, err[-3000:]
             last = err.strip().splitlines()[-1]
+            # Checkpoint 6's save retried in the background, or the metrics written beside it.
             assert re.fullmatch(
-                rf'train\.py: storage: saving checkpoint {workdirs["limit"]}/checkpoints/6 failed '
-                rf'for \d+ s \(storage_outage_limit_s={LIMIT_S:g}\): HttpError: .+; the last '
-                r'checkpoint saved is step 3', last), last
-            # Ending on its storage, the run tries no more writes there (each would wait out
-            # gcsfs's six tries): its records after checkpoint 3 are redone by the next attempt.
-            assert 'metrics: writing' not in err, err[-3000:]
+                rf'train\.py: storage: (saving checkpoint {workdirs["limit"]}/checkpoints/6|'
+                rf'writing {workdirs["limit"]}/\S+) failed for \d+ s \(storage_outage_limit_s='
+                rf'{LIMIT_S:g}\): HttpError: .+; the last checkpoint saved is step 3', last), last
             # Begun by the first request about checkpoint 6: its write, or orbax's listing first.
             assert len(limit_end) == 1 and re.search(r'\brun/checkpoints/6\b',
                                                      limit_end[0][2]), limit_end

@@ -92,6 +92,17 @@ BAD_VALUES = [
     ('length_penalty_alpha', -0.6, 'length_penalty_alpha=-0.6 must be >= 0'),
     ('max_decode_extra', -1, 'max_decode_extra=-1 must be >= 0'),
     ('max_decode_len', 0, 'max_decode_len=0 must be >= 1'),
+    # storage (t2t/infra/uploads.py)
+    ('storage_queue_mb', 0, 'storage_queue_mb=0.0 must be > 0: the MiB of writes kept for a '
+                            'storage that does not answer'),
+    ('storage_queue_mb', -1.0, 'storage_queue_mb=-1.0 must be > 0: the MiB of writes kept for a '
+                               'storage that does not answer'),
+    ('storage_outage_limit_s', 5.0, 'storage_outage_limit_s=5.0 must be 0 (not retried) or >= '
+                                    '8 s, the longest wait between two tries of a failed write '
+                                    '(a shorter limit ends the run before its second try)'),
+    ('storage_outage_limit_s', -1.0, 'storage_outage_limit_s=-1.0 must be 0 (not retried) or >= '
+                                     '8 s, the longest wait between two tries of a failed write '
+                                     '(a shorter limit ends the run before its second try)'),
 ]
 
 

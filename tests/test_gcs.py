@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from t2t.infra import exits, metrics
+from t2t.infra import exits, metrics, uploads
 from t2t.infra import workdir as wd
 from t2t.run import cli, startup
 from tests import fault_front, gcs_server
@@ -123,7 +123,7 @@ def test_bounded_appender_never_holds_its_caller_through_an_outage(bucket, monke
     monkeypatch.setattr(wd, '_fs', lambda p: through_front)
     target = wd.path(bucket, 'bounded', 'attempt.jsonl')
     try:
-        appender = wd.BoundedAppender(target, wait_s=0.5)
+        appender = uploads.BoundedAppender(target, wait_s=0.5)
         assert appender.append('one\n')  # a bucket that answers: written on return
         assert direct(target).cat_file(os.fspath(target)) == b'one\n'
         front.outage(4.0)
@@ -155,7 +155,7 @@ def test_closing_a_bounded_appender_ends_its_back_off_and_writes_at_once(monkeyp
 
     monkeypatch.setattr(wd, 'read_text', lambda p: '')
     monkeypatch.setattr(wd, 'write_atomic', write_atomic)
-    appender = wd.BoundedAppender('gs://bucket/goodput/attempt.jsonl', wait_s=0.1)
+    appender = uploads.BoundedAppender('gs://bucket/goodput/attempt.jsonl', wait_s=0.1)
     assert not appender.append('one\n')
     while len(tries) < 2:  # the first try, then one more after the 1 s back-off
         time.sleep(0.01)
@@ -163,7 +163,7 @@ def test_closing_a_bounded_appender_ends_its_back_off_and_writes_at_once(monkeyp
     down[0] = False
     began = time.monotonic()
     assert appender.close(wait_s=1.0)
-    assert time.monotonic() - began < 0.5 and written == ['one\n'] and len(tries) == 3
+    assert time.monotonic() - began < 0.5 and written == [b'one\n'] and len(tries) == 3
     assert tries[2] - tries[1] < 1.0  # not after the 2 s back-off
 
 

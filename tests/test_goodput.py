@@ -72,7 +72,7 @@ def test_report_splits_the_wall_time_and_finds_the_steps_trained_again(tmp_path)
     assert r['seconds'] == {'productive': 7.0, 'initialization': 13.0, 'compile': 2.0,
                             'restore': 2.0, 'checkpoint': 1.0, 'evaluation': 0.0,
                             'data_wait': 1.0, 'profiling': 0.0, 'logging': 0.0,
-                            'lost_progress': 2.0, 'idle': 2.0}
+                            'storage_backpressure': 0.0, 'lost_progress': 2.0, 'idle': 2.0}
     assert r['unaccounted_s'] == 0.0 and r['goodput'] == 7.0 / 30.0 and r['lost_steps'] == 2
     first, second = r['per_attempt']
     assert first['cause'] == 'killed after a watchdog finding (step)'
@@ -85,7 +85,7 @@ def test_report_splits_the_wall_time_and_finds_the_steps_trained_again(tmp_path)
     assert (second['cause'], second['lost_steps'], second['goodput']) == ('finished', 0, 0.3)
     text = goodput_report.format_report(r)
     assert 'goodput of' in text and '23.3% of 30.0 s' in text
-    assert '(2 steps trained again)' in text.splitlines()[11]
+    assert '(2 steps trained again)' in text.splitlines()[12]
     assert goodput_report.report(tmp_path, process_index=1)['attempts'] == 1
 
 

@@ -14,12 +14,13 @@ import threading
 import time
 import typing
 
+from t2t.infra import uploads
 from t2t.infra import workdir as wd
 from t2t.run import compile_cache
 
 DIRNAME = 'goodput'
 PHASES = ('startup', 'setup', 'data', 'restore', 'compile', 'train', 'data_wait', 'checkpoint',
-          'eval', 'profile', 'logging')
+          'eval', 'profile', 'logging', 'backpressure')
 _STEP_PHASES = ('train', 'data_wait')  # a step timed across other phases is not a step time
 BUCKET_RATIO = 1.02  # step-time histogram buckets: [1.02^k, 1.02^(k+1)) seconds
 _LOG_RATIO = math.log(BUCKET_RATIO)
@@ -36,7 +37,8 @@ _JAX_STAGES = {'/jax/core/compile/jaxpr_trace_duration': 'trace',
 _active = None  # the ledger of the attempt running in this process
 _opened = None  # the _Opened start record that train.py wrote before the process's Ledger
 LAUNCH_ENV = 'T2T_ATTEMPT'  # '<launch id>:<n>', set by a launcher that restarts (n from 0)
-# The longest a ledger write holds the loop while a bucket answers; while it does not, none.
+# How long the end of an attempt that its storage ended waits for its last records (the storage is
+# known to be down). A ledger write never holds the loop: its uploader writes in the background.
 WRITE_WAIT_S = 5.0
 
 
@@ -106,7 +108,7 @@ def open_attempt(workdir, process_index: int | None, process_count: int = 1,
     start = _process_start()
     try:
         path = attempt_path(workdir, start, process_index)
-        appender = wd.BoundedAppender(path, WRITE_WAIT_S)
+        appender = uploads.BoundedAppender(path, 0.0)
         appender.append(json.dumps(_start_record(start, process_index, process_count)) + '\n')
     except Exception as e:  # noqa: BLE001 - the Ledger tries again; the run's own checks speak
         logging.warning('goodput: writing the start record failed (%s: %s)', type(e).__name__,
@@ -139,9 +141,11 @@ class Ledger:
 
     The loop calls `mark(phase)` where a phase starts, `next_step()` at the top of every step,
     `flush(at)` where a slice is due; `compiling(fn)` and `timed(phase)` wrap functions.
-    Writes never stop training: in a bucket one waits WRITE_WAIT_S at most and none waits while
-    the bucket fails (the records are kept and written when it answers again, t2t/infra/
-    workdir.py's BoundedAppender); a failed local write is logged once and retried with the next.
+    Writes never stop training: in a bucket a writer thread writes them (kept while the bucket
+    fails and written when it answers again, t2t/infra/uploads.py); a failed local write is
+    logged once and retried with the next. `waited(seconds)` books the loop's waits for room in
+    the write queue as 'backpressure'; each slice also records the background writes since the
+    previous one (uploads.QUEUE.stats(): bytes, the writers' seconds, the queue's peak).
     """
 
     def __init__(self, workdir, process_index: int = 0, process_count: int = 1,
@@ -175,7 +179,7 @@ class Ledger:
             self._appender, self.path = opened.appender, opened.path
         elif enabled:
             self.path = attempt_path(workdir, self.start, process_index)
-            self._appender = wd.BoundedAppender(self.path, WRITE_WAIT_S)
+            self._appender = uploads.BoundedAppender(self.path, 0.0)
             self._write(_start_record(self.start, process_index, process_count))
         # The start-up so far as a slice: a kill from here on still leaves its time accounted.
         self.flush('ledger', startup={k: round(v, 6) for k, v in _startup.items()})
@@ -225,6 +229,13 @@ class Ledger:
         self._step_start, self._clean = now, True
         self.step = (self.step or 0) + 1
 
+    def waited(self, seconds: float) -> None:
+        """The loop waited `seconds` (just now, inside the current phase) for room in the write
+        queue: they move from the current phase to 'backpressure'. Called by uploads.QUEUE."""
+        self._seconds['backpressure'] += seconds
+        self._seconds[self._phase] -= seconds
+        self._clean = False
+
     def compiling(self, fn):
         """fn, whose first call is timed as 'compile' (then back to the phase it was called in)."""
         first = True
@@ -265,6 +276,10 @@ class Ledger:
         self._since = now
         record = {'at': at, 't': round(time.time(), 3), 'step': self.step,
                   'seconds': {k: round(v, 6) for k, v in self._seconds.items() if v > 0}}
+        background = uploads.QUEUE.stats()
+        if background['written_bytes'] or background['peak_queue_bytes']:
+            record['background_writes'] = background
+            uploads.QUEUE.reset_stats()
         if self._stages:
             record['compile_stages'] = {k: round(v, 6) for k, v in self._stages.items()}
             self._stages.clear()

@@ -31,12 +31,15 @@ CATEGORIES = {
     'data_wait': ('data_wait',),
     'profiling': ('profile',),
     'logging': ('logging',),
+    'storage_backpressure': ('backpressure',),
     'lost_progress': (),
     'idle': (),
 }
 STAGES = ('trace', 'lower', 'xla', 'load', 'store')  # of compile (t2t/goodput/ledger.py)
+# The writer threads' work beside the loop (t2t/infra/uploads.py): not wall time of the loop.
+BACKGROUND = ('written_bytes', 'write_s', 'peak_queue_bytes', 'waited_s')
 LABELS = {'productive': 'productive training', 'data_wait': 'data wait',
-          'logging': 'metrics writes',
+          'logging': 'metrics writes', 'storage_backpressure': 'storage backpressure',
           'lost_progress': 'lost progress', 'idle': 'idle between attempts'}
 
 
@@ -74,6 +77,7 @@ def _attempt(name: str, records: list[dict]) -> dict:
     start = records[0]['t']
     phases = dict.fromkeys(goodput.PHASES, 0.0)
     slices, hist, findings, stages = [], {}, [], {}
+    background = dict.fromkeys(BACKGROUND, 0.0)
     max_step, previous, first_step, last_step, cause = 0.0, None, None, None, 'killed'
     for r in records[1:]:
         if r['at'] == 'finding':
@@ -93,6 +97,9 @@ def _attempt(name: str, records: list[dict]) -> dict:
         for k, n in r.get('step_times', {}).items():
             hist[int(k)] = hist.get(int(k), 0) + n
         max_step = max(max_step, r.get('max_step_s', 0.0))
+        for k, v in r.get('background_writes', {}).items():
+            background[k] = max(background[k], v) if k == 'peak_queue_bytes' else \
+                background[k] + v
         if r['at'] == 'end':
             cause = r['cause']
     if cause == 'killed' and records[-1]['at'] == 'finding':
@@ -103,6 +110,7 @@ def _attempt(name: str, records: list[dict]) -> dict:
             'step_times': {'steps': sum(hist.values()), 'median_s': _quantile(hist, 0.5),
                            'p90_s': _quantile(hist, 0.9), 'max_s': max_step or None},
             'findings': findings, 'attempt': records[0].get('attempt'),
+            'background_writes': background,
             'startup': next((r['startup'] for r in records if 'startup' in r), {}),
             'compile_stages': {k: stages.get(k, 0.0) for k in STAGES}}
 
@@ -144,7 +152,8 @@ def report(workdir, process_index: int = 0) -> dict | None:
             'wall_s': wall, 'seconds': seconds,
             'goodput': seconds['productive'] / wall if wall > 0 else None,
             'startup': a['startup'], 'compile_stages': a['compile_stages'],
-            'step_times': a['step_times'], 'findings': a['findings']})
+            'step_times': a['step_times'], 'findings': a['findings'],
+            'background_writes': a['background_writes']})
     wall = max(a['end'] for a in attempts) - attempts[0]['start']
     accounted = sum(totals.values())
     unrecorded = _unrecorded(attempts)
@@ -158,6 +167,9 @@ def report(workdir, process_index: int = 0) -> dict | None:
         'unaccounted_s': wall - accounted,  # clock drift; negative if attempts overlapped
         'goodput': totals['productive'] / wall if wall > 0 else None,
         'lost_steps': lost_steps_total,
+        'background_writes': {
+            k: max(a['background_writes'][k] for a in attempts) if k == 'peak_queue_bytes'
+            else sum(a['background_writes'][k] for a in attempts) for k in BACKGROUND},
         'steps': [ranges[0][0], max(hi for _, hi in ranges)] if ranges else [None, None],
         'per_attempt': per_attempt,
     }
@@ -197,6 +209,12 @@ def format_report(r: dict) -> str:
     for c, s in r['seconds'].items():
         note = f'   ({r["lost_steps"]} steps trained again)' if c == 'lost_progress' else ''
         lines.append(f'  {LABELS.get(c, c):24}{_s(s):>10}{_pct(r["shares"][c]):>8}{note}')
+    bg = r['background_writes']
+    if bg['written_bytes']:
+        lines.append(f'  background writes (beside training, not in the rows above): '
+                     f'{bg["written_bytes"] / 2**20:.2f} MiB in {_s(bg["write_s"])} s of the '
+                     f'writer threads; the write queue\'s peak '
+                     f'{bg["peak_queue_bytes"] / 2**20:.2f} MiB')
     if r['unrecorded_attempts']:
         n = len(r['unrecorded_attempts'])
         lines.append(f'  ({n} attempt{"s" if n != 1 else ""} ended before writing a record: '
@@ -207,7 +225,8 @@ def format_report(r: dict) -> str:
     columns = [('train', 'productive'), ('init', 'initialization'), ('compile', 'compile'),
                ('xla', 'xla'), ('load', 'load'), ('restore', 'restore'), ('ckpt', 'checkpoint'),
                ('eval', 'evaluation'), ('data', 'data_wait'), ('prof', 'profiling'),
-               ('log', 'logging'), ('lost', 'lost_progress'), ('idle', 'idle')]
+               ('log', 'logging'), ('wait', 'storage_backpressure'), ('lost', 'lost_progress'),
+               ('idle', 'idle')]
     lines.append('per attempt (seconds; xla: the part of compile that XLA compiled or loaded from '
                  "jax's cache; load: a stored executable's load; step times from 2% buckets):")
     lines.append('  #  start                 steps      ' + ''.join(f'{h:>8}' for h, _ in columns)

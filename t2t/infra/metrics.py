@@ -15,16 +15,15 @@ event), so no step ever holds two values.
 Only the writer with enabled=True writes (pass enabled=jax.process_index() == 0).
 
 DIR may be a bucket URL (gs://...): every file goes through t2t/infra/workdir.py. A bucket cannot
-append, so metrics.jsonl is rewritten whole at each call, and the event file is written by
-tensorboardX in a local staging directory and uploaded (rewritten) after each call: a crash loses at
-most the call in flight there too.
-
-A bucket write that still fails after workdir's retries does not stop training: the records stay
-in memory (the staged event file, metrics.jsonl's content) and go up with the next call's write,
-which then makes one attempt only, so training is not held back while the bucket is down. It is
-said once when it starts and once when the writes work again. `flush(limit_s)` waits (retrying)
-until everything is up: the loop calls it before each checkpoint save, so the records up to a
-saved step are never behind it; after limit_s it raises workdir.StorageError naming the object.
+append, so metrics.jsonl is kept in memory and its object rewritten whole, and the event file is
+written by tensorboardX in a local staging directory and uploaded whole; both by the writer thread
+of an uploads.Uploader (t2t/infra/uploads.py), so a call returns without waiting for the bucket:
+the event first, then the record (a record in metrics.jsonl means its call is complete:
+evaluate.py --watch relies on it). While the bucket fails the records stay in memory and are
+written when it answers again, said once when that begins and once when it ends. A call waits only
+when the process's write queue is full (storage_queue_mb), and ends the run when the bucket has
+failed longer than storage_outage_limit_s (workdir.StorageError). `written(seconds)` waits for
+every record so far; `close` waits up to its limit for the rest.
 """
 
 import dataclasses
@@ -42,6 +41,7 @@ from collections.abc import Iterator, Mapping
 import jax
 import numpy as np
 
+from t2t.infra import uploads
 from t2t.infra import workdir as wd
 
 JSONL_NAME = 'metrics.jsonl'
@@ -65,6 +65,10 @@ def _tensorboardx():
     return tensorboardX
 
 
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def _to_float(value) -> float:
     return float(np.asarray(jax.device_get(value)))
 
@@ -83,14 +87,19 @@ class MetricWriter:
         self._jsonl = None
         self._tb = None
         self._staging = None  # a local directory for the event file of a bucket logdir
-        self._failing = None  # (since when, the first error) while bucket writes fail
+        self._staged = {}  # bytes of each staged event file given to the uploader
+        self._uploader = None  # a bucket logdir's writer thread
         self._bucket = wd.is_url(self.logdir)
         if not enabled:
             return
         wd.makedirs(self.logdir)
         if start_step is not None:
             truncate(self.logdir, start_step, redo_at_start)
-        self._jsonl = wd.Appender(self.logdir / JSONL_NAME)
+        if self._bucket:
+            self._uploader = uploads.Uploader('metrics', say=_stderr)
+            self._jsonl_base = wd.read_bytes(self.logdir / JSONL_NAME) or b''
+        else:
+            self._jsonl = wd.Appender(self.logdir / JSONL_NAME)
         if tensorboard:
             SummaryWriter = _tensorboardx().SummaryWriter  # lazily: it pulls in protobuf
             if wd.is_url(self.logdir):
@@ -119,63 +128,56 @@ class MetricWriter:
         if not self._bucket:
             self._jsonl.append(json.dumps(record) + '\n')
             return
-        self._jsonl.keep(json.dumps(record) + '\n')
-        self._upload(wd.RETRY_BUDGET_S if self._failing is None else 0.0)
+        self._stage_events()  # first: the uploader writes files in the order first given
+        self._uploader.track(self.logdir / JSONL_NAME, self._jsonl_base)
+        self._uploader.add(self.logdir / JSONL_NAME, (json.dumps(record) + '\n').encode())
+        uploads.QUEUE.check()  # storage down past storage_outage_limit_s: the run ends
+        uploads.QUEUE.make_room()  # waits only when the write queue is full
 
-    def _upload(self, budget_s: float) -> bool:
-        """A bucket logdir: the staged event file, then metrics.jsonl (a record there means its
-        call is complete: evaluate.py --watch relies on it), each rewritten whole. False, and
-        said once, when the bucket refused; the next call tries again."""
-        try:
-            for name in os.listdir(self._staging) if self._staging else ():
-                with open(os.path.join(self._staging, name), 'rb') as f:
-                    wd.write_atomic(self.logdir / name, f.read(), budget_s)
-            self._jsonl.flush(budget_s)
-        except Exception as e:
-            if not wd.is_storage_error(e):
-                raise
-            if self._failing is None:
-                self._failing = (time.monotonic(), e)
-                print(f'metrics: writing to {self.logdir} failed ({wd.describe(e)}); the records '
-                      'are kept and written with the next ones, training goes on',
-                      file=sys.stderr, flush=True)
-            return False
-        if self._failing is not None:
-            print(f'metrics: writing to {self.logdir} works again after '
-                  f'{time.monotonic() - self._failing[0]:.0f} s; every record is written',
-                  file=sys.stderr, flush=True)
-            self._failing = None
-        return True
+    def _stage_events(self) -> None:
+        """Gives the uploader what tensorboardX appended to the staged event files."""
+        for name in sorted(os.listdir(self._staging)) if self._staging else ():
+            with open(os.path.join(self._staging, name), 'rb') as f:
+                f.seek(self._staged.get(name, 0))
+                new = f.read()
+            self._staged[name] = self._staged.get(name, 0) + len(new)
+            if new:
+                self._uploader.add(self.logdir / name, new)
 
-    def flush(self, limit_s: float) -> None:
-        """Returns once every record is in the bucket, retrying for up to limit_s; then raises
-        workdir.StorageError naming the object (a local logdir is always flushed)."""
-        if not self._bucket or self._failing is None or self._jsonl is None:
-            return
-        deadline, delay = time.monotonic() + limit_s, 1.0
-        while not self._upload(max(0.0, min(wd.RETRY_BUDGET_S, deadline - time.monotonic()))):
-            if time.monotonic() >= deadline:
-                raise wd.StorageError(
-                    f'writing the metrics to {self.logdir} failed for {limit_s:.0f} s '
-                    f'(storage_outage_limit_s): {wd.describe(self._failing[1])}')
-            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-            delay = min(2 * delay, 30.0)
+    def mark(self) -> dict | None:
+        """The records so far, for `written` (None: a local logdir, always written)."""
+        return None if self._uploader is None else self._uploader.mark()
+
+    def written(self, seconds: float, mark: dict | None = None) -> bool:
+        """Waits up to `seconds` for the records up to `mark` (default: all so far) to be in
+        storage: True when they are (a local logdir always is)."""
+        return self._uploader is None or self._uploader.wait(seconds, mark)
+
+    def unwritten(self) -> dict[str, int]:
+        """{object: bytes kept and not yet in the bucket}."""
+        return {} if self._uploader is None else self._uploader.unwritten()
 
     def close(self, limit_s: float = 0.0, quiet: bool = False, upload: bool = True) -> None:
-        """Closes the files; in a bucket, uploads what is left, retrying for up to limit_s (then
-        workdir.StorageError). quiet=True (a run ending on an error, whose steps after its last
-        checkpoint are redone anyway): one try unless already failing, and no error.
-        upload=False (a run ending because its storage failed): not even that one try, whose
-        requests would each wait out the storage client's own retries."""
+        """Closes the files; in a bucket, waits up to limit_s (at least the storage layer's
+        retries) for the records not yet written (then workdir.StorageError naming them).
+        quiet=True (a run ending on an error, whose steps after its last checkpoint are redone
+        anyway): a few seconds, and no error.
+        upload=False (a run ending because its storage failed): no wait at all."""
         if self._tb is not None:
             self._tb.close()
             self._tb = None
         try:
-            if self._bucket and self._jsonl is not None and upload:
-                if self._failing is None:
-                    self._upload(wd.RETRY_BUDGET_S)  # the last records
-                if not quiet:
-                    self.flush(limit_s)  # a no-op unless they failed
+            if self._uploader is not None:
+                self._stage_events()
+                # the storage layer's retries at least (limit 0: a write is not retried further)
+                wait_s = 0.0 if not upload else 5.0 if quiet else max(limit_s, wd.RETRY_BUDGET_S)
+                began = time.monotonic()
+                left = self._uploader.unwritten()
+                if not self._uploader.close(wait_s) and upload and not quiet:
+                    raise wd.StorageError(
+                        f'writing the metrics to {self.logdir} failed for '
+                        f'{time.monotonic() - began:.0f} s (storage_outage_limit_s): '
+                        f'{", ".join(sorted(os.path.basename(p) for p in left))} not written')
         finally:
             if self._jsonl is not None:
                 self._jsonl.close()

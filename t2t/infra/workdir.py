@@ -36,7 +36,6 @@ import os
 import random
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -389,101 +388,3 @@ class Appender:
         if self._file is not None:
             self._file.close()
             self._file = None
-
-
-class BoundedAppender(Appender):
-    """An Appender whose bucket writes never hold the caller for more than `wait_s` (the goodput
-    ledger: bookkeeping must not stop training during a bucket outage).
-
-    Locally as Appender. In a bucket, one uploader thread rewrites the object until it holds
-    every line kept; `append` waits for that up to wait_s while the bucket answers, and not at
-    all once a write has run past wait_s or failed, until one completes again (the thread keeps
-    trying with backoff, said once in the log). With a healthy bucket a line is written when
-    `append` returns, as with Appender.
-    """
-
-    def __init__(self, p, wait_s: float):
-        super().__init__(p)
-        self.wait_s = wait_s
-        self._written = 0  # characters of _content in the bucket
-        self._behind = False  # a wait ran out, or a write failed, since the last write completed
-        self._closed, self._deadline = False, float('inf')  # set by close()
-        self._changed = threading.Condition()
-        self._thread = None
-        if self._content is not None:
-            self._written = len(self._content)
-            self._thread = threading.Thread(target=self._upload, daemon=True,
-                                            name=f't2t-upload-{self.path.name}')
-            self._thread.start()
-
-    def append(self, text: str, budget_s: float = RETRY_BUDGET_S) -> bool:
-        """Keeps `text`; in a bucket waits for it to be written (see the class doc). True when
-        every line kept is written. budget_s is not used: the uploader retries until close."""
-        del budget_s
-        if self._content is None:
-            self.keep(text)
-            return True
-        with self._changed:
-            self._content += text
-            self._changed.notify_all()
-        return self.flush()
-
-    def flush(self, budget_s: float = RETRY_BUDGET_S) -> bool:
-        del budget_s
-        if self._content is None:
-            return True
-        written = self._wait(0.0 if self._behind else self.wait_s)
-        self._behind = self._behind or not written
-        return written
-
-    def _wait(self, seconds: float) -> bool:
-        with self._changed:
-            return self._changed.wait_for(lambda: self._written == len(self._content),
-                                          timeout=seconds)
-
-    def _upload(self) -> None:
-        delay, failing = 1.0, False
-        while True:
-            with self._changed:
-                self._changed.wait_for(
-                    lambda: self._closed or self._written < len(self._content))
-                if self._written == len(self._content):
-                    return  # closed with everything written
-                content = self._content
-            try:
-                write_atomic(self.path, content, budget_s=0.0)
-            except Exception as e:  # noqa: BLE001 - kept and tried again; never raised
-                if not failing:
-                    logging.warning('writing %s failed (%s); its lines are kept and written '
-                                    'again in the background', self.path, describe(e))
-                failing, self._behind = True, True
-                with self._changed:  # the back-off; close() cuts short the one under way
-                    self._changed.wait_for(
-                        lambda closed=self._closed: self._closed != closed,
-                        timeout=min(delay, max(0.0, self._deadline - time.monotonic())))
-                    if self._closed and time.monotonic() >= self._deadline:
-                        return
-                delay = min(2 * delay, 16.0)
-                continue
-            if failing:
-                logging.warning('writing %s works again', self.path)
-            delay, failing = 1.0, False
-            with self._changed:
-                self._written = len(content)
-                if self._written == len(self._content):
-                    self._behind = False
-                self._changed.notify_all()
-
-    def close(self, wait_s: float = RETRY_BUDGET_S) -> bool:
-        """Waits up to wait_s for every line to be written, then stops the uploader: True when
-        all were written."""
-        if self._thread is None:
-            super().close()
-            return True
-        with self._changed:  # first, so that a back-off under way ends and the next try is now
-            self._deadline = time.monotonic() + wait_s
-            self._closed = True
-            self._changed.notify_all()
-        written = self._wait(wait_s)
-        self._thread.join(timeout=max(0.0, self._deadline - time.monotonic()) + 1.0)
-        return written

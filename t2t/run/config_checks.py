@@ -26,6 +26,7 @@ from typing import Any
 from t2t import inference, loss, model, sharding, train_lib
 from t2t.data import mixture, sources
 from t2t.data.tokenizer import MIN_VOCAB_SIZE
+from t2t.infra import uploads
 from t2t.run import best
 
 # Every length a config asks the model to handle; positions 0 .. length - 1 index the table.
@@ -189,7 +190,12 @@ def _rules() -> tuple[Rule, ...]:
         Rule('straggler_factor', _at_least(0), 'must be >= 0 (0: off)'),
         Rule('straggler_min_s', _at_least(0), ge0),
         Rule('slow_save_s', _at_least(0), 'must be >= 0 (0: off)'),
-        Rule('storage_outage_limit_s', _at_least(0), 'must be >= 0 (0: not retried)'),
+        Rule('storage_outage_limit_s', lambda v, c: v == 0 or v >= uploads.BACKOFF_MAX_S,
+             f'must be 0 (not retried) or >= {uploads.BACKOFF_MAX_S:g} s, the longest wait '
+             'between two tries of a failed write (a shorter limit ends the run before its '
+             'second try)'),
+        Rule('storage_queue_mb', lambda v, c: v > 0,
+             'must be > 0: the MiB of writes kept for a storage that does not answer'),
         # decoding: inference.DecodeConfig's own check (`problem`)
         # devices
         Rule('mesh_shape', lambda v, c: _mesh(v, c, allow_rest=True),

@@ -27,7 +27,7 @@ import numpy as np
 
 from t2t import flops, goodput, optim, sharding, train_lib
 from t2t.data import identity
-from t2t.infra import distributed, metrics
+from t2t.infra import distributed, metrics, uploads
 from t2t.infra import workdir as wd
 from t2t.infra.preemption import Interrupted, PreemptionFlag
 from t2t.run import best, checkpoint, compile_cache, outage, profiling, run_record, startup
@@ -328,7 +328,8 @@ def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> Tra
 
     interval = _Interval(meta.get('unlogged_metrics'))
     outage_limit_s = config.get('storage_outage_limit_s', 0.0)
-    ended, save_args = False, None
+    saver = _storage_writes(config, manager, writer, ledger, outage_limit_s)
+    ended = False
     stopped_by = 'num_train_steps'
     train_summary, eval_summary = {}, {}
     preemption = PreemptionFlag().install()
@@ -360,6 +361,7 @@ def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> Tra
             step += 1
             interval.add(step, step_metrics)
             guards.check_run(config, step, step_metrics, train_iter)  # may raise Rollback
+            saver.check()  # a save retried in the background failed past the limit
 
             is_last = step == config.num_train_steps
             logged = step % config.log_every_steps == 0 or is_last
@@ -399,18 +401,12 @@ def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> Tra
                 interval.check_finite(config.skip_nonfinite)  # never save a non-finite state
                 ledger.mark('checkpoint')
                 dog.mark('save', step)
-                # The records up to a saved step are never behind it; the other processes wait
-                # here for process 0 (a bucket outage), not in the save's barriers.
-                writer.flush(outage_limit_s)
-                distributed.wait_for('metrics-flushed', 'process 0 writes the metrics',
-                                     outage_limit_s + 600, processes=[0])
-                save_args = dict(data_iter=train_iter, extra_metadata={
+                saver.save(step, state, train_iter, preempted=preempted, extra_metadata={
                     'train_seconds': train_seconds(),
                     'unlogged_metrics': interval.unlogged(),
                     'evaluation_pending': evaluation_pending,
                     best.META_KEY: tracker.record(),
                     identity.DATA_KEY: data_identity})
-                outage.save(manager, step, state, outage_limit_s, _say, **save_args)
                 ledger.mark('train', flush='checkpoint')
             if stopping:
                 break
@@ -423,20 +419,27 @@ def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> Tra
         dog.mark('save', step)  # the last asynchronous save is watched too
         try:
             preemption.uninstall()
-            if ended and save_args is not None:  # the last save's storage failure is retried
-                outage.wait(manager, step, state, outage_limit_s, _say, **save_args)
-            else:
-                checkpoint.wait(manager)
-            checkpoint.close(manager)
+            if saver.finish(state, ended, preempted=stopped_by == 'preemption'):
+                checkpoint.close(manager)  # else a save still under way: the process ends
         finally:
             dog.close()
             error = sys.exc_info()[1]  # what ends the run, if not its last step
-            writer.close(outage_limit_s, quiet=not ended,
+            writer.close(outage_limit_s, quiet=not ended or stopped_by == 'preemption',
                          upload=wd.storage_failure(error) is None)
     if stopped_by != 'preemption':
         run_record.mark_finished(workdir, step, stopped_by)
     return TrainResult(step=step, stopped_by=stopped_by, train_metrics=train_summary,
                        eval_metrics=eval_summary)
+
+
+def _storage_writes(config, manager, writer, ledger, outage_limit_s) -> outage.Saver:
+    """The run's settings of the write queue (storage_queue_mb; its waits are the ledger's
+    storage backpressure) and its checkpoint saver (t2t/run/outage.py)."""
+    saver = outage.Saver(manager, outage_limit_s, writer, _say)
+    uploads.QUEUE.configure(int(config.get('storage_queue_mb', uploads.DEFAULT_QUEUE_MB) * 2**20),
+                            outage_limit_s, on_wait=ledger.waited,
+                            last_durable=lambda: saver.durable)
+    return saver
 
 
 def _training_data(config, workdir, rows):
