@@ -18,9 +18,11 @@ and cuDNN's support matrix:
   the capability of the GPU of the process that traces the step: a CPU host compiling for a GPU
   ahead of time has none, and jax then applies the limit of the GPUs before Hopper;
 - no dropout on the attention weights (t2t drops them only in the written-out softmax);
-- packed rows (segment ids) reach cuDNN as the dense mask, which jax turns into an additive bias
-  [B, 1, Q, K]; with a bias the training step needs even query and key lengths (max_len). Padded
-  rows without segment ids pass sequence lengths: no mask is materialized.
+- even query and key lengths in the training step (max_len): jax's backward pass passes cuDNN a
+  bias operand, even an empty one, and cuDNN's backward with a bias takes even lengths only.
+  Training rows carry segment ids (packed or not, t2t/data/pipeline.py) and reach cuDNN as the
+  dense mask, which jax turns into that bias [B, 1, Q, K]; evaluation batches and the encoder
+  pass of beam search pass sequence lengths (no mask materialized), in any length.
 The sharding conditions (no split of the length or head-dim axes) always hold under t2t's rules
 (t2t/sharding.py). Beam search's cached steps (one query a row over the keys/values cache) run the
 written-out attention under every attention_impl (MultiHeadAttention._decode_attention): a step is
@@ -75,17 +77,15 @@ def cudnn_problem(config, compute_capability: tuple[int, int] | None = None) -> 
     if config.attention_dropout_rate > 0:
         return (f'attention_dropout_rate={config.attention_dropout_rate}: only the written-out '
                 'softmax (xla) drops attention weights')
-    if config.get('pack', False) and config.max_len % 2:
-        return (f'max_len={config.max_len} with packed rows: their mask reaches cuDNN as a bias, '
-                'whose training step needs even lengths')
+    if config.max_len % 2:
+        return f'max_len={config.max_len}: the training step of cuDNN needs even lengths'
     return None
 
 
 def _cudnn_summary(config) -> str:
-    masks = ('packed rows by a mask (bias), padding by sequence lengths' if config.get('pack')
-             else 'padding by sequence lengths')
-    return (f'{config.dtype}, head dim {config.d_model // config.num_heads}, {masks}; beam '
-            "search's cached steps (one query a row) use the written-out softmax")
+    return (f'{config.dtype}, head dim {config.d_model // config.num_heads}; training rows '
+            "masked by segment ids (a bias), evaluation and search by lengths; beam search's "
+            'cached steps (one query a row) use the written-out softmax')
 
 
 def resolve_attention_impl(config, platform: str,
@@ -93,7 +93,7 @@ def resolve_attention_impl(config, platform: str,
     """(the kernel config.attention_impl comes to on `platform`, a one-line reason).
 
     config: the experiment's ConfigDict (reads attention_impl, dtype, d_model, num_heads,
-    attention_dropout_rate, pack, max_len). platform: where the step runs, jax.default_backend()
+    attention_dropout_rate, max_len). platform: where the step runs, jax.default_backend()
     of the process ('cpu', 'gpu', 'tpu') or a dry run's target ('gpu', 'tpu').
     compute_capability: as for cudnn_problem. A kernel named where it cannot run: ValueError, one
     line naming the key, the kernel and what to use instead.
