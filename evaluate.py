@@ -73,7 +73,7 @@ def main(argv):
         sys.exit(f'evaluate.py: {e}')
     import jax
 
-    cli.check_platform(_CONFIG.value, jax.default_backend(), 'evaluate.py')
+    cli.check_devices(_CONFIG.value, 'evaluate.py')
     compile_cache.setup(_CONFIG.value)
     if not flags.FLAGS['verbosity'].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO

@@ -71,7 +71,7 @@ def main(argv):
     goodput.note_startup('distributed_init', started)
     import jax
 
-    cli.check_platform(config, jax.default_backend(), 'train.py')
+    cli.check_devices(config, 'train.py')
     compile_cache.setup(config)
     if not flags.FLAGS['verbosity'].present:
         absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save at INFO

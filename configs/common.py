@@ -77,11 +77,13 @@ def base_config() -> ml_collections.ConfigDict:
     c.share_embeddings = True  # one embedding for source and target
     c.tie_output = True  # the output projection is the (target) embedding transposed
     c.dtype = 'float32'  # compute dtype: 'float32' or 'bfloat16' (parameters stay float32)
-    # 'xla' (einsum + softmax), 'dot_product' (jax.nn.dot_product_attention, jax picks the kernel),
+    # 'auto' (cuDNN flash attention on an NVIDIA GPU where cuDNN takes the config, else 'xla';
+    # chosen once the devices are known, the reason printed: t2t/attention_choice.py), 'xla'
+    # (einsum + softmax), 'dot_product' (jax.nn.dot_product_attention, jax picks the kernel),
     # 'cudnn' (the same, forced to cuDNN flash attention with sequence lengths and the causal
     # flag: GPU with bfloat16 only; packed rows fall back to a mask) or 'splash' (the Pallas
     # splash attention kernel with segment ids: TPU only)
-    c.attention_impl = 'xla'
+    c.attention_impl = 'auto'
     # What the written-out attention's backward pass keeps of the softmax: 'float32' (autodiff of
     # the float32 softmax: its output and sums) or 'compute' (only the weights in the compute
     # dtype, the gradient still in float32: less memory traffic in bfloat16, gradients differing

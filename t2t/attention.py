@@ -29,6 +29,8 @@ from flax import struct
 from t2t.dropout import dropout
 
 Array = jax.Array
+# attention_impl's kernels (t2t/attention_choice.py resolves 'auto' to one of them)
+KERNELS = ('xla', 'dot_product', 'cudnn', 'splash')
 
 
 # ----------------------------------------------------------------------------------------------

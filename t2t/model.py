@@ -7,9 +7,10 @@ no biases in its projections (attention_bias=True adds them, as older checkpoint
 cover what ablations ask for: pre-LN, learned, rotary or no positions, head count, no 1/sqrt(d_k)
 scaling, separate embeddings, bfloat16 compute (parameters stay float32) and the attention
 kernel (attention_impl: 'xla', 'dot_product', 'cudnn' = cuDNN flash attention on GPU, 'splash' =
-the Pallas splash attention kernel on TPU). Speed/memory options that never change the results:
-rematerialization of each layer (remat) and one nn.scan over the identical layers of each stack
-(scan_layers: parameters stacked with a leading 'layers' axis, see t2t/run/layers_convert.py).
+the Pallas splash attention kernel on TPU; a config's 'auto' is cuDNN where it runs, else 'xla',
+t2t/attention_choice.py). Speed/memory options that never change the results: rematerialization
+of each layer (remat) and one nn.scan over the identical layers of each stack (scan_layers:
+parameters stacked with a leading 'layers' axis, see t2t/run/layers_convert.py).
 Dropout draws 16 random bits per element (t2t/dropout.py: keep probability within 2^-17 of
 1 - rate, kept values scaled by its exact inverse).
 
@@ -41,8 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from t2t import sharding
-from t2t.attention import AttentionConfig, MultiHeadAttention, make_attention_mask
+from t2t import attention_choice, sharding
+from t2t.attention import KERNELS, AttentionConfig, MultiHeadAttention, make_attention_mask
 from t2t.dropout import Dropout
 from t2t.ids import PAD_ID
 from t2t.tables import TokenTable, TokenTables
@@ -50,7 +51,7 @@ from t2t.tables import TokenTable, TokenTables
 Array = jax.Array
 _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 _POSITIONS = ('sinusoidal', 'learned', 'rope', 'none')
-_ATTENTION_IMPLS = ('xla', 'dot_product', 'cudnn', 'splash')
+_ATTENTION_IMPLS = KERNELS
 SOFTMAX_RESIDUALS = ('float32', 'compute')
 _REMAT_POLICIES = {'none': None, 'full': None,
                    'dots_saveable': jax.checkpoint_policies.dots_saveable}
@@ -96,6 +97,9 @@ class TransformerConfig:
                 f'd_model={self.d_model} is not divisible by num_heads={self.num_heads}')
         if self.position_embedding not in _POSITIONS:
             raise ValueError(f'position_embedding={self.position_embedding!r}; one of {_POSITIONS}')
+        if self.attention_impl == 'auto':
+            raise ValueError("attention_impl='auto' names no kernel: resolve it for the devices "
+                             '(TransformerConfig.from_config, t2t/attention_choice.py)')
         if self.attention_impl not in _ATTENTION_IMPLS:
             raise ValueError(f'attention_impl={self.attention_impl!r}; one of {_ATTENTION_IMPLS}')
         if self.softmax_residual not in SOFTMAX_RESIDUALS:
@@ -119,11 +123,18 @@ class TransformerConfig:
 
     @classmethod
     def from_config(cls, config, **overrides) -> TransformerConfig:
-        """The boundary from a ConfigDict (never passed to jitted code) to this frozen dataclass."""
+        """The boundary from a ConfigDict (never passed to jitted code) to this frozen dataclass.
+
+        attention_impl='auto' becomes the kernel for this process's devices; the entry points
+        and the dry runs resolve it first, for the devices the step runs on, and print why
+        (t2t/attention_choice.py).
+        """
         if config.dtype not in _DTYPES:
             raise ValueError(f'dtype={config.dtype!r}; one of {tuple(_DTYPES)}')
         kwargs = {f.name: config[f.name] for f in dataclasses.fields(cls) if f.name in config}
         kwargs['dtype'] = _DTYPES[config.dtype]
+        if kwargs.get('attention_impl') == 'auto' and 'attention_impl' not in overrides:
+            kwargs['attention_impl'] = attention_choice.resolve_for_this_process(config)[0]
         kwargs.update(overrides)
         return cls(**kwargs)
 

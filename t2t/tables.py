@@ -39,9 +39,19 @@ class TokenTable:
         return cls(w_VD if shards == 1 else sharding.per_batch_shard(w_VD, shards))
 
     def lookup(self, ids_BL: Array) -> Array:
-        """The rows of `ids_BL`: [B, L, D] float32."""
+        """The rows of `ids_BL`: [B, L, D] float32.
+
+        The lookup reads the table whole along D: under fsdp, where D is split over the devices
+        that split the batch, from the all-gather of the table that the tied output projection
+        makes too, then a gather of each device's own rows. Left to itself XLA gathered every
+        device's D-slice of the rows of the whole batch and redistributed them by all-to-all, in
+        both lookups and their gradients. Only the lookup's read is constrained: constraining
+        the projection's as well made its dW an all-reduce of the whole table on top of the
+        reduce-scatter (bench/RESULTS.md, "The fsdp all-to-alls").
+        """
         if self.w.ndim == 2:
-            return jnp.take(self.w, ids_BL, axis=0)
+            w_VD = nn.with_logical_constraint(self.w, ('vocab', None))
+            return jnp.take(w_VD, ids_BL, axis=0)
         s, b, length = self.w.shape[0], *ids_BL.shape
         ids_SBL = nn.with_logical_constraint(ids_BL.reshape(s, b // s, length),
                                              ('batch', None, 'length'))

@@ -54,7 +54,13 @@ BAD_VALUES = [
     ('dropout_rate', 1.5, 'dropout_rate=1.5 must be in [0, 1)'),
     ('d_model', 30, 'd_model=30 must be divisible by num_heads=4'),
     ('attention_impl', 'flash',
-     "attention_impl='flash' must be one of ('xla', 'dot_product', 'cudnn', 'splash')"),
+     "attention_impl='flash' must be one of ('auto', 'xla', 'dot_product', 'cudnn', 'splash')"),
+    ('attention_impl', 'cudnn', "attention_impl='cudnn' cannot run: dtype=float32: cuDNN flash "
+                                'attention takes bfloat16 or float16 (use auto or xla)'),
+    ('attention_impl', 'cudnn', "attention_impl='cudnn' cannot run: head dim 12 (d_model=48 / "
+                                'num_heads=4): cuDNN takes multiples of 8 up to 256 on compute '
+                                'capability 9.0 (use auto or xla)',
+     {'dtype': 'bfloat16', 'd_model': 48}),
     ('beam_size', 0, 'beam_size=0 must be >= 1'),
     ('beam_shrink_floor', -1, 'beam_shrink_floor=-1 must be >= 0 (0: no compaction)'),
     ('beam_stop', 'never', "beam_stop='never' must be one of ('bound', 'k_finished')"),
@@ -73,9 +79,9 @@ BAD_VALUES = [
     ('num_heads', 0, 'num_heads=0 must be >= 1'),  # no ZeroDivisionError from d_model % 0
     ('batch_size', 15, 'batch_size=15 must be a multiple of grad_accum_steps=2',
      {'grad_accum_steps': 2}),
-    ('attention_dropout_rate', 0.1, "attention_dropout_rate=0.1 needs attention_impl=xla "
-                                    "(attention_impl='dot_product' has no dropout on attention "
-                                    "weights)", {'attention_impl': 'dot_product'}),
+    ('attention_dropout_rate', 0.1, "attention_dropout_rate=0.1 needs attention_impl=xla or "
+                                    "auto (attention_impl='dot_product' has no dropout on "
+                                    "attention weights)", {'attention_impl': 'dot_product'}),
     ('position_embedding', 'rope', "position_embedding='rope' needs an even head dimension: "
                                    "d_model=36 / num_heads=4", {'d_model': 36}),
     ('rng_impl', 'philox', "rng_impl='philox' must be one of ('threefry', 'rbg', 'unsafe_rbg')"),
@@ -168,15 +174,18 @@ def test_train_py_says_it_in_one_line_before_data_or_compile(tmp_path, flag, lin
 @pytest.mark.parametrize('impl, platform, ok', [
     ('splash', 'cpu', False), ('splash', 'tpu', True), ('cudnn', 'cpu', False),
     ('cudnn', 'gpu', True), ('cudnn', 'tpu', False), ('dot_product', 'cpu', True)])
-def test_attention_kernels_need_their_platform(impl, platform, ok):
+def test_attention_kernels_need_their_platform(impl, platform, ok, capsys):
     config = tiny.get_config()
-    config.attention_impl = impl
+    config.attention_impl, config.dtype = impl, 'bfloat16'
     if ok:
-        cli.check_platform(config, platform, 'evaluate.py', [])
+        cli.check_platform(config, platform, 'evaluate.py')
+        assert config.attention_impl == impl
+        assert capsys.readouterr().out.startswith(f'evaluate.py: attention_impl={impl} -> {impl} (')
     else:
-        line = _exit_line(cli.check_platform, config, platform, 'evaluate.py', [])
+        line = _exit_line(cli.check_platform, config, platform, 'evaluate.py')
         assert line.startswith(f'evaluate.py: --config.attention_impl={impl}: ')
-        assert f'this process has {platform} devices (use xla or dot_product)' in line
+        assert line.endswith(f'the target is {platform} (use auto, xla, dot_product'
+                             + (', splash)' if platform == 'tpu' else ')'))
 
 
 def test_unknown_key_and_missing_config_file_from_the_command_line(tmp_path):

@@ -165,7 +165,7 @@ def test_cudnn_for_a_tpu_slice_is_one_line_before_libtpu():
     with pytest.raises(ValueError) as e:
         aot.plan(config, 'v5e:2x2')  # raises before the slice's devices are asked for
     assert str(e.value) == ('--config.attention_impl=cudnn: cuDNN flash attention runs on '
-                            'NVIDIA GPUs only, a TPU slice has none (use xla, dot_product or '
+                            'NVIDIA GPUs only, the target is tpu (use auto, xla, dot_product, '
                             'splash)')
 
 

@@ -115,6 +115,8 @@ def tpu_dry_run(config, plan, *, find_max_batch: bool = False, max_tries: int = 
         f'{tpu.chips} chips on {plan.hosts} host{"s" if plan.hosts > 1 else ""}, '
         f'{plan.device_kind}, {_size(hbm)} HBM per chip')
     out(f'mesh: {" ".join(f"{k}={v}" for k, v in shape.items())} ({mesh.size} devices)')
+    if plan.attention:
+        out(f'attention: {plan.attention}')
     out(f'memory: XLA memory_analysis per device; total = arguments + outputs - aliased + '
         f'temporaries + code; a fit leaves >= {100 * margin:.0f}% of HBM free for what XLA '
         'does not count (runtime reservation, input buffers, fragmentation)')

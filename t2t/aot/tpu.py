@@ -39,7 +39,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from t2t import inference, optim, sharding, train_lib
+from t2t import attention_choice, inference, optim, sharding, train_lib
 from t2t.aot import cost, hlo
 from t2t.aot import memory as hlo_memory
 from t2t.aot.cost import Estimate, Roofline, roofline_lines  # noqa: F401 (aot.roofline_lines)
@@ -179,6 +179,7 @@ class Plan:
     tpu: TpuSlice
     mesh: jax.sharding.Mesh
     batch_step: int  # batch sizes tried by the search are multiples of this
+    attention: str = ''  # the attention kernel and why (check_tpu_kernel)
 
     @property
     def hosts(self) -> int:
@@ -189,16 +190,14 @@ class Plan:
         return self.mesh.devices.flat[0].device_kind
 
 
-def check_tpu_kernel(config) -> None:
-    """ValueError (one line) for an attention kernel a TPU does not have (the table of which
-    kernel runs where is t2t/run/cli.py's, the one the entry points check at run time)."""
-    from t2t.run import cli
-
-    impl = config.get('attention_impl', 'xla')
-    missing = cli.kernel_missing(impl, 'tpu')
-    if missing:
-        raise ValueError(f'--config.attention_impl={impl}: {missing}, a TPU slice has none '
-                         '(use xla, dot_product or splash)')
+def check_tpu_kernel(config) -> str:
+    """config.attention_impl resolved for a TPU slice and written back (t2t/attention_choice.py);
+    returns the line saying which kernel and why. ValueError (one line) for a kernel a TPU does
+    not have."""
+    configured = config.get('attention_impl', 'xla')
+    impl, reason = attention_choice.resolve_attention_impl(config, 'tpu')
+    config.attention_impl = impl
+    return attention_choice.describe(configured, impl, reason)
 
 
 def plan(config, slice_name: str, batch_step: int = 0) -> Plan:
@@ -209,7 +208,7 @@ def plan(config, slice_name: str, batch_step: int = 0) -> Plan:
     a multiple of batch_unit (0: batch_unit itself).
     """
     tpu = parse_slice(slice_name)
-    check_tpu_kernel(config)
+    attention = check_tpu_kernel(config)
     try:
         shape = sharding.resolve_mesh_shape(config.mesh_shape, tpu.chips)
     except ValueError as e:
@@ -222,7 +221,7 @@ def plan(config, slice_name: str, batch_step: int = 0) -> Plan:
 
     mesh = sharding.make_mesh(config.mesh_shape, devices=topology_devices(tpu))
     startup.check_training_config(config, mesh)
-    return Plan(tpu, mesh, batch_step or unit)
+    return Plan(tpu, mesh, batch_step or unit, attention)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -8,8 +8,14 @@ before data is read or anything compiles (not absl's or ml_collections' tracebac
     train.py: --config.dropout_rate=abc: could not convert string to float: 'abc'
     train.py: dropout_rate=1.5 must be in [0, 1)
     train.py: num_eval_batches=0 must be >= 1, or -1 for all
-    train.py: --config.attention_impl=splash: splash attention runs on TPU only, this process has
-        cpu devices (use xla or dot_product)
+    train.py: --config.attention_impl=splash: splash attention runs on TPU only, the target is
+        cpu (use auto, xla, dot_product)
+    train.py: --config.attention_impl=cudnn: dtype=float32: cuDNN flash attention takes bfloat16
+        or float16 (use auto or xla)
+
+Once the devices are known, the attention kernel a config gets is one line on stdout:
+
+    train.py: attention_impl=auto -> cudnn (cuDNN flash attention: bfloat16, head dim 64, ...)
 
 The value rules live in one table, t2t/run/config_checks.py.
 
@@ -28,11 +34,6 @@ import sys
 from typing import NoReturn
 
 from absl import app, flags
-
-# attention_impl -> the jax platforms whose kernels it calls
-_KERNEL_PLATFORMS = {'cudnn': ('gpu', 'cuda'), 'splash': ('tpu',)}
-_KERNEL_NAMES = {'cudnn': 'cuDNN flash attention runs on NVIDIA GPUs only',
-                 'splash': 'splash attention runs on TPU only'}
 
 
 def _overrides(argv) -> list[tuple[str, str]]:
@@ -146,19 +147,31 @@ def check_values(config, prog: str) -> None:
         sys.exit(f'{prog}: {line}')
 
 
-def kernel_missing(impl: str, platform: str) -> str | None:
-    """Why attention_impl's kernel does not run on `platform` ('cpu', 'gpu', 'tpu'), or None."""
-    if impl in _KERNEL_PLATFORMS and platform not in _KERNEL_PLATFORMS[impl]:
-        return _KERNEL_NAMES[impl]
-    return None
+def check_platform(config, platform: str, prog: str,
+                   compute_capability: tuple[int, int] | None = None, echo: bool = True) -> None:
+    """The attention kernel for this process's devices (platform: jax.default_backend(),
+    compute_capability: its GPU's), written into config.attention_impl, with its reason printed
+    when echo; one line and exit 1 for a kernel named where it cannot run
+    (t2t/attention_choice.py). Not for ahead-of-time compiles, which run on the CPU."""
+    from t2t import attention_choice
+
+    configured = config.get('attention_impl', 'xla')
+    try:
+        impl, reason = attention_choice.resolve_attention_impl(config, platform,
+                                                               compute_capability)
+    except ValueError as e:
+        sys.exit(f'{prog}: {e}')
+    config.attention_impl = impl
+    if echo:
+        print(f'{prog}: {attention_choice.describe(configured, impl, reason)}', flush=True)
 
 
-def check_platform(config, platform: str, prog: str, argv=None) -> None:
-    """attention_impl's kernel exists on this process's devices (platform: jax.default_backend());
-    one line and exit 1 if not. Not for ahead-of-time TPU compiles, which run on the CPU."""
-    argv = sys.argv if argv is None else argv
-    impl = config.get('attention_impl', 'xla')
-    missing = kernel_missing(impl, platform)
-    if missing:
-        sys.exit(f'{prog}: --config.attention_impl={impl}: {missing}, this process '
-                 f'has {platform} devices (use xla or dot_product)')
+def check_devices(config, prog: str) -> None:
+    """check_platform for the devices of this process (after jax.distributed's start), the line
+    printed by process 0."""
+    import jax
+
+    from t2t import attention_choice
+
+    platform, capability = attention_choice.this_process()
+    check_platform(config, platform, prog, capability, echo=jax.process_index() == 0)

@@ -23,7 +23,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from t2t import inference, loss, model, sharding, train_lib
+from t2t import attention_choice, inference, loss, model, sharding, train_lib
 from t2t.data import mixture, sources
 from t2t.data.tokenizer import MIN_VOCAB_SIZE
 from t2t.infra import uploads
@@ -79,6 +79,13 @@ class _Why(str):
 
     def format(self, *args, **kwargs) -> str:
         return self.why(kwargs['c'])
+
+
+def _cudnn_problem(config) -> str | None:
+    """What keeps cuDNN flash attention from config on every GPU (the newest's limits)."""
+    if config.d_model < 1 or config.num_heads < 1:
+        return None  # their own rules answer
+    return attention_choice.cudnn_problem(config, attention_choice.HOPPER)
 
 
 def _rules() -> tuple[Rule, ...]:
@@ -137,11 +144,15 @@ def _rules() -> tuple[Rule, ...]:
         Rule('position_embedding', lambda v, c: v != 'rope' or c.num_heads < 1
              or c.d_model // c.num_heads % 2 == 0,
              'needs an even head dimension: d_model={c.d_model} / num_heads={c.num_heads}'),
-        Rule('attention_impl', *_one_of(model._ATTENTION_IMPLS)),
+        Rule('attention_impl', *_one_of(attention_choice.IMPLS)),
+        # cuDNN's conditions that no GPU meets; the device's own (platform, head dim on older
+        # GPUs) are checked once the devices are known (cli.check_platform)
+        Rule('attention_impl', lambda v, c: v != 'cudnn' or _cudnn_problem(c) is None,
+             _Why(lambda c: f'cannot run: {_cudnn_problem(c)} (use auto or xla)')),
         Rule('softmax_residual', *_one_of(model.SOFTMAX_RESIDUALS)),
-        Rule('attention_dropout_rate', lambda v, c: v == 0 or c.attention_impl == 'xla',
-             'needs attention_impl=xla (attention_impl={c.attention_impl!r} has no dropout on '
-             'attention weights)'),
+        Rule('attention_dropout_rate', lambda v, c: v == 0 or c.attention_impl in ('xla', 'auto'),
+             'needs attention_impl=xla or auto (attention_impl={c.attention_impl!r} has no '
+             'dropout on attention weights)'),
         Rule('remat', *_one_of(tuple(model._REMAT_POLICIES))),
         Rule('dtype', *_one_of(tuple(model._DTYPES))),
         Rule('loss_chunk_len', _at_least(0), 'must be >= 0 (0: one chunk)'),
@@ -220,6 +231,11 @@ def problem(config, keys=None) -> str | None:
             if line:
                 return line
     if keys is None:
+        if config.get('attention_impl') == attention_choice.AUTO:
+            # The kernel is chosen once the devices are known; asking jax for them here would
+            # start its backends before jax.distributed (cli.check_platform resolves it).
+            config = config.copy_and_resolve_references()
+            config.attention_impl = 'xla'
         for make in (inference.DecodeConfig.from_config, train_lib.StepConfig.from_config):
             try:
                 make(config)
