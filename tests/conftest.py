@@ -6,6 +6,8 @@ import shutil
 import sys
 import tempfile
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -35,6 +37,14 @@ if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
     os.environ['JAX_COMPILATION_CACHE_DIR'] = _cache
     os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
     os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '-1'
+
+
+@pytest.fixture(scope='session')
+def trained_tiny(tmp_path_factory) -> dict:
+    """configs/tiny.py trained on the toy corpus, once per process (tests/trained_tiny.py)."""
+    from tests import trained_tiny
+
+    return trained_tiny.train(tmp_path_factory.mktemp('trained'))
 
 
 def one_device_env() -> dict:
