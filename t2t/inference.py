@@ -80,7 +80,7 @@ class Prediction:
     constraints_met_B: jax.Array | None = None
 
 
-Predict = Callable[[object, object], Prediction]
+Predict = Callable[..., Prediction]  # (params, inputs_BS[, constraints_BCP])
 
 
 # Beam search's first cache length over the bucket's source length. On the demo model, 300 test
@@ -366,18 +366,18 @@ def make_predict_fn(model_config: TransformerConfig | tuple[TransformerConfig, .
     if mesh is None:
         return jax.jit(predict)
 
-    def predict_block(params, inputs_BS, constraints_BCP) -> Prediction:
+    def predict_rows(params, inputs_BS, constraints_BCP) -> Prediction:
         with nn.logical_axis_rules(()):  # constraints are no-ops: every mesh axis is manual here
             return predict(params, inputs_BS, constraints_BCP)
 
     rows = PartitionSpec(sharding.MESH_AXES)  # each device: its own rows, the whole search
-    blocks = jax.shard_map(predict_block, mesh=mesh, in_specs=(PartitionSpec(), rows, rows),
+    blocks = jax.shard_map(predict_rows, mesh=mesh, in_specs=(PartitionSpec(), rows, rows),
                            out_specs=rows, check_vma=False)
 
-    def predict_sharded(params, inputs_BS, constraints_BCP=None) -> Prediction:
-        return blocks(params, inputs_BS, constraints_BCP)
+    def predict_block(params, inputs_BS, constraints_BCP=None) -> Prediction:
+        return blocks(params, inputs_BS, constraints_BCP)  # shard_map takes no default
 
-    return jax.jit(predict_sharded)
+    return jax.jit(predict_block)
 
 
 def config_predict_fn(config, model_config: TransformerConfig | tuple[TransformerConfig, ...],
