@@ -98,6 +98,25 @@ def test_terminology_through_evaluate_py(trained_tiny, tmp_path):
     assert f'{pairs} of {pairs} phrases' in proc.stdout and 'term accuracy 100.00%' in proc.stdout
 
 
+def test_translate_a_file_with_a_constraints_file(trained_tiny, tmp_path):
+    # --translate --constraints in-process: lines without phrases, a blank line, a phrase the
+    # model would not write; the output keeps the input's lines, each with its phrases.
+    m = trained_tiny
+    sources = ['red dog sees the cat .', '', 'one small tree .', 'the bird finds a stone .']
+    wanted = [['HOUND', 'SEES'], [], [], ['GREEN STONE']]
+    src, out, jsonl = tmp_path / 'in.txt', tmp_path / 'out.txt', tmp_path / 'c.jsonl'
+    src.write_text(''.join(f'{s}\n' for s in sources), encoding='utf-8')
+    jsonl.write_text(''.join(json.dumps(w) + '\n' for w in wanted), encoding='utf-8')
+    evaluation.run(m['config'], m['workdir'], translate=True, input_path=str(src),
+                   output_path=str(out), constraints=str(jsonl), progress=False,
+                   echo=lambda _: None)
+    outputs = out.read_text(encoding='utf-8').split('\n')[:-1]
+    assert len(outputs) == len(sources) and outputs[1] == ''
+    for output, phrases in zip(outputs, wanted, strict=True):
+        assert all(p in output for p in phrases), (output, phrases)
+    assert outputs[2] == toy_corpus.translate(sources[2])  # unconstrained: the model's own
+
+
 def test_bad_or_over_long_constraints_are_one_line_errors_before_decoding(trained_tiny, tmp_path):
     m = trained_tiny
     config = m['config']
