@@ -149,6 +149,27 @@ def test_bad_or_over_long_constraints_are_one_line_errors_before_decoding(traine
                        terminology=str(tsv))
 
 
+class _NoSnowman:
+    """A vocabulary without byte fallback: a snowman is sentencepiece's unknown piece (2)."""
+
+    def encode(self, text):
+        return [2 if c == '\u2603' else 3 + ord(c) % 50 for c in text.replace(' ', '')]
+
+
+def test_a_term_the_vocabulary_cannot_write_is_a_one_line_error(tmp_path):
+    tsv = tmp_path / 'terms.tsv'
+    tsv.write_text('dog\tHOUND\ncat\tKATZE \u2603\n', encoding='utf-8')
+    config = ConfigDict({'decode_strategy': 'beam', 'max_decode_len': 64, 'max_decode_extra': 10})
+    with pytest.raises(EvalError, match=r"target term 'KATZE \u2603' \(of 'cat'\) has characters "
+                       'the vocabulary cannot write'):
+        terms.load(config, _NoSnowman(), terminology_path=str(tsv), num_lines=0)
+    lines = tmp_path / 'c.jsonl'
+    lines.write_text('["HUND"]\n["\u2603"]\n', encoding='utf-8')
+    loaded = terms.load(config, _NoSnowman(), constraints_path=str(lines), num_lines=2)
+    with pytest.raises(EvalError, match=f'--constraints {lines} line 2: phrase'):
+        terms.lines(loaded, 0, ['a', 'b'], [[5, 1], [6, 1]])
+
+
 def test_terms_match_whole_words_and_shapes_round_up():
     found = terms.match_terms([('cat', 'KATZE'), ('red cat', 'ROTE KATZE'), ('at', 'BEI')],
                               ['the red cat .', 'a category', 'cat at home', 'red  cat'])

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 from t2t.eval.checkpoints import EvalError
-from t2t.ids import PAD_ID
+from t2t.ids import PAD_ID, UNK_ID
 
 
 def read_constraints(path: str, num_lines: int) -> list[list[str]]:
@@ -83,8 +83,8 @@ def tokenize(tokenizer, phrases: list[list[str]], what: str,
     for n, (line_phrases, src) in enumerate(zip(phrases, source_ids, strict=True), first + 1):
         ids = [tokenizer.encode(p) for p in line_phrases]
         for p, tokens in zip(line_phrases, ids, strict=True):
-            if not tokens:
-                raise EvalError(f'{what} line {n}: phrase {p!r} has no tokens')
+            if problem := _unwritable(tokens):
+                raise EvalError(f'{what} line {n}: phrase {p!r} {problem}')
         need = sum(map(len, ids)) + 1
         limit = min(len(src) + max_decode_extra, max_decode_len)
         if ids and src and need > limit:
@@ -94,6 +94,16 @@ def tokenize(tokenizer, phrases: list[list[str]], what: str,
                 f'max_decode_extra={max_decode_extra}, at most max_decode_len={max_decode_len})')
         out.append(ids)
     return out
+
+
+def _unwritable(tokens: list[int]) -> str:
+    """Why a phrase's tokens cannot appear in a translation as its text, or ''."""
+    if not tokens:
+        return 'has no tokens'
+    if UNK_ID in tokens:
+        return ('has characters the vocabulary cannot write (sentencepiece\'s unknown piece): no '
+                'output would show it')
+    return ''
 
 
 def _power_of_two(n: int, least: int) -> int:
@@ -196,4 +206,8 @@ def load(config, tokenizer, *, constraints_path: str = '', terminology_path: str
             loaded = {'terms': read_terminology(terminology_path)}
     except (OSError, UnicodeDecodeError) as e:
         raise EvalError(f'{what}: {e}') from e
+    for source_term, target_term in loaded.get('terms', ()):
+        if problem := _unwritable(tokenizer.encode(target_term)):
+            raise EvalError(f'{what}: the target term {target_term!r} (of {source_term!r}) '
+                            f'{problem}')
     return Constraints(what, tokenizer, config.max_decode_len, config.max_decode_extra, **loaded)
