@@ -13,8 +13,8 @@
    says: without constraints, then with --terminology=terms.tsv.
 3. For both: term accuracy (t2t/eval/terms.py: the target term in the hypothesis, over every
    (line, term) pair whose line holds the source term), sacreBLEU and chrF of the whole split,
-   decoding seconds per sentence (the first run includes its compiles, so each is run twice and
-   the second is timed).
+   decoding seconds per sentence: of the last of --runs runs (the first includes its compiles;
+   --runs=2 times a warm second run).
 The checkpoint is read from --workdir; everything written (hypotheses, scores) goes to --out_dir,
 whose checkpoints/ and vocab.model link to the workdir's, which is never written.
 """
@@ -36,6 +36,7 @@ _CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Exper
 _WORKDIR = flags.DEFINE_string('workdir', None, 'A trained workdir (read only).')
 _STEP = flags.DEFINE_integer('step', None, 'The checkpoint (default: the latest).')
 _OUT_DIR = flags.DEFINE_string('out_dir', '/tmp/t2t-terminology', 'Terms, hypotheses, scores.')
+_RUNS = flags.DEFINE_integer('runs', 1, 'Decodes of each setting; the last one is timed.')
 
 MIN_DICE = 0.3
 MIN_PAIRS = 3
@@ -103,7 +104,7 @@ def main(argv):
 
     rows = {}
     for name, extra in (('beam', {}), ('beam + terminology', {'terminology': tsv})):
-        for _ in range(2):  # the second run is warm: its time is decoding alone
+        for _ in range(_RUNS.value):
             (label, record), = evaluation.run(config, out_dir, step=_STEP.value, progress=False,
                                               echo=lambda _: None, **extra).items()
         with open(record['hypotheses_file'], encoding='utf-8') as f:
@@ -114,11 +115,13 @@ def main(argv):
                           sacrebleu=round(record['sacrebleu'], 2), chrf=round(record['chrf'], 2),
                           ms_per_sentence=round(1000 * record['decode_seconds']
                                                 / record['sentences'], 1),
+                          compiles_included=_RUNS.value == 1,
                           hit_length_limit=record['hit_length_limit'],
                           lacking_a_term=record.get('constraints', {}).get(
                               'hypotheses_lacking_a_phrase_token_level'))
         print('RESULT ' + json.dumps({'decoding': name, **rows[name]}))
-    print('| decoding | term accuracy | sacreBLEU | chrF | ms / sentence (warm) |')
+    timed = 'with compiles' if _RUNS.value == 1 else 'warm'
+    print(f'| decoding | term accuracy | sacreBLEU | chrF | ms / sentence ({timed}) |')
     print('|---|---|---|---|---|')
     for name, r in rows.items():
         print(f'| {name} | {r["term_accuracy"]:.2f}% ({r["terms_present"]}/{r["term_pairs"]}) '
