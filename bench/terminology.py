@@ -109,6 +109,8 @@ def main(argv):
                                               echo=lambda _: None, **extra).items()
         with open(record['hypotheses_file'], encoding='utf-8') as f:
             hypotheses = f.read().splitlines()
+        if len(hypotheses) != len(phrases):  # the split as evaluate.py read it: line for line
+            raise SystemExit(f'{len(hypotheses)} hypotheses for {len(phrases)} test lines')
         present, total = terms.term_accuracy(hypotheses, phrases)
         rows[name] = dict(checkpoint=label, term_accuracy=round(100 * present / total, 2),
                           terms_present=present, term_pairs=total,
