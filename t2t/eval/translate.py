@@ -40,6 +40,7 @@ import numpy as np
 from tqdm import tqdm
 
 from t2t import inference
+from t2t.eval import terms
 from t2t.ids import EOS_ID, PAD_ID
 from t2t.infra import workdir as wd
 
@@ -232,8 +233,6 @@ def translate_stream(predict: inference.Predict, params, tokenizer, input_path: 
             batches = window_batches(ids, max_len=max_len, token_budget=token_budget,
                                      multiple=multiple)
             if constraints is not None:
-                from t2t.eval import terms
-
                 batches = terms.lines(constraints, stats.lines, texts, ids).batches(batches)
             result = inference.translate_batches(predict, params, batches, tokenizer, len(ids),
                                                  progress=False, mesh=mesh)
