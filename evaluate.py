@@ -9,6 +9,9 @@
   any of them with --weights=ema|raw (default auto: the EMA of a run with ema_decay > 0, else raw)
   python evaluate.py --config=... --workdir=DIR --ensemble=DIR_OR_STEP,DIR_OR_STEP[,...]
       [--split=test | --translate ... | --score ...]   # the members together (t2t/eval/ensemble.py)
+  a split or --translate with --constraints=FILE (a JSON list of phrases per source line) or
+      --terminology=FILE.tsv (source term<TAB>target term): constrained beam search
+      (t2t/eval/terms.py)
 
 Several processes: the same command on each, with --coordinator_address/--num_processes/
 --process_id or --distributed as for train.py; they split the sentences, process 0 writes.
@@ -58,6 +61,15 @@ _ENSEMBLE = flags.DEFINE_string(
     'workdir (its latest checkpoint) or a step of --workdir; any sizes, one vocabulary. Each '
     'step reads the arithmetic mean of the members\' log-probabilities (not of their '
     'probabilities, as fairseq). Results go to --workdir.')
+# Lexically constrained decoding (t2t/eval/terms.py, t2t/constraints.py).
+_CONSTRAINTS = flags.DEFINE_string(
+    'constraints', '', 'A file of one JSON list of phrases per source line (of the split, or of '
+    '--input with --translate): each translation must contain its line\'s phrases (beam search '
+    'with dynamic beam allocation; fairseq\'s --constraints).')
+_TERMINOLOGY = flags.DEFINE_string(
+    'terminology', '', 'A TSV of "source term<TAB>target term" lines: the target term is a '
+    'constraint of every source line holding the source term as whole words.')
+
 _TIMEOUT = flags.DEFINE_float('timeout', 3600.0, 'With --watch: give up after this many seconds '
                               'without a new checkpoint.')
 _POLL = flags.DEFINE_float('poll', 5.0, 'With --watch: seconds between looks for a new checkpoint.')
@@ -85,6 +97,9 @@ def main(argv):
 
     workdir.quiet_transient_failures()
 
+    if (_CONSTRAINTS.value or _TERMINOLOGY.value) and (_SCORE.value or _WATCH.value):
+        sys.exit('evaluate.py: --constraints and --terminology shape a search: they take a '
+                 'split or --translate, not --score or --watch')
     if _ENSEMBLE.value and _WATCH.value:
         sys.exit('evaluate.py: --watch with --ensemble is not supported: --watch evaluates the '
                  'checkpoints of one run (--workdir) as they come')
@@ -108,7 +123,8 @@ def main(argv):
             average_last=_AVERAGE_LAST.value, write_averaged=_WRITE_AVERAGED.value,
             split=_SPLIT.value, translate=_TRANSLATE.value, input_path=_INPUT.value,
             output_path=_OUTPUT.value, truncate_long=_TRUNCATE_LONG.value,
-            weights=_WEIGHTS.value, nbest=_NBEST.value, ensemble=_ENSEMBLE.value)
+            weights=_WEIGHTS.value, nbest=_NBEST.value, ensemble=_ENSEMBLE.value,
+            constraints=_CONSTRAINTS.value, terminology=_TERMINOLOGY.value)
     except distributed.PeerLost as e:  # exit 4: another process of the job is gone
         distributed.exit_peer_lost(f'evaluate.py: {e}')
     except (EvalError, checkpoint.CheckpointError, startup.ConfigError, distributed.SyncError) as e:

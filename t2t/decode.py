@@ -38,6 +38,10 @@ steps then pays for the long ones with few rows instead of all of them. Rows are
 so the hypotheses are those of the one-stage search (up to the float rounding a matmul of
 another batch size may bring).
 
+Lexical constraints (beam_search's constraints_BCP): phrases each hypothesis must contain, by
+dynamic beam allocation over banks of constraint tokens met (t2t/constraints.py), in the same
+loop; without them the search is the plain one, operation for operation.
+
 Shape letters:
   B  batch size
   K  beam size
@@ -61,6 +65,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
+from t2t import constraints
 from t2t.ids import PAD_ID
 
 NEG_INF = float('-inf')
@@ -143,14 +148,18 @@ class BeamState:
     limit_B: jax.Array  # int32: the tokens this example may generate
     origin_B: jax.Array  # int32: the example's row in the batch beam_search was given
     constants: Any  # the model's per-row constants, leaves [N, ...] (or scalars)
+    # constraints.ConstraintState when searching with constraints (leaves [B, ...]), else None
+    constraints: Any = None
 
     def keep_examples(self, keep_E, beam_size: int) -> BeamState:
         """The state of examples keep_E only, in that order (rows [N, ...] move K at a time)."""
         rows_N = (keep_E[:, None] * beam_size + jnp.arange(beam_size)).ravel()
         per_example = {f.name: getattr(self, f.name)[keep_E] for f in dataclasses.fields(self)
-                       if f.name not in ('step', 'alive_cache', 'constants')}
+                       if f.name not in ('step', 'alive_cache', 'constants', 'constraints')}
         return self.replace(alive_cache=_take_rows(self.alive_cache, rows_N),
-                            constants=_take_rows(self.constants, rows_N), **per_example)
+                            constants=_take_rows(self.constants, rows_N),
+                            constraints=jax.tree.map(lambda x: x[keep_E], self.constraints),
+                            **per_example)
 
 
 def beam_search(
@@ -170,6 +179,7 @@ def beam_search(
     cache_lengths: tuple[int, ...] = (),
     grow_cache: Callable[[Any, int], Any] | None = None,
     log_probs: bool = False,
+    constraints_BCP=None,
 ):
     """Beam search with the GNMT length penalty (alive / finished, 2K top-k per step).
 
@@ -204,6 +214,12 @@ def beam_search(
       log_probs: static; tokens_to_logits returns log-probabilities already (an ensemble's mean
         of its members', t2t/eval/ensemble.py): summed as they are. A log_softmax would renormalize
         that mean, so a hypothesis' score would no longer be its members' mean score.
+      constraints_BCP: optional int32[B, C, P], each example's phrases (token sequences, 0 after
+        a phrase's end and in unused slots) that its hypotheses must contain: lexically
+        constrained search with dynamic beam allocation (t2t/constraints.py). A hypothesis may
+        emit EOS only once it holds all its example's phrases; one cut at its limit without them
+        is returned only when no hypothesis of the example has them all. None: the
+        unconstrained search, unchanged.
 
     A hypothesis ends when it emits EOS or reaches its example's limit; one cut at the limit is
     scored like one that emitted EOS there (|Y| = limit), so if no beam emits EOS the best
@@ -248,6 +264,11 @@ def beam_search(
         origin_B=jnp.arange(B, dtype=jnp.int32),
         constants=_per_row(constants, B, K),
     )
+    if constraints_BCP is not None:
+        if jnp.ndim(constraints_BCP) != 3 or jnp.shape(constraints_BCP)[0] != B:
+            raise ValueError(f'constraints_BCP has shape {jnp.shape(constraints_BCP)}, expected '
+                             f'({B}, phrases, tokens)')
+        state = state.replace(constraints=constraints.init(constraints_BCP, K))
 
     def searching(state: BeamState):
         """bool[B]: an alive beam of the example can still beat its worst finished one (and,
@@ -280,6 +301,9 @@ def beam_search(
         log_probs_BKV = log_probs_NV.reshape(B, K, V)
         log_probs_BKV = log_probs_BKV.at[:, :, PAD_ID].set(NEG_INF)  # never generated
         cand_log_probs_BKV = state.alive_log_probs_BK[:, :, None] + log_probs_BKV
+        if state.constraints is not None:
+            return _constrained_step(state, cand_log_probs_BKV, cache, searching(state),
+                                     alpha=alpha, eos_id=eos_id, unfinished=unfinished)
 
         # 2K candidates: at most K of them end in EOS, so K can always stay alive.
         top_log_probs_BC, top_flat_BC = lax.top_k(cand_log_probs_BKV.reshape(B, K * V), 2 * K)
@@ -353,6 +377,50 @@ def beam_search(
             state = state.keep_examples(
                 jnp.argsort(~searching(state), stable=True)[:next_rows], K)
     return out_seqs_BKT[:, :, 1:], out_scores_BK
+
+
+def _constrained_step(state: BeamState, cand_log_probs_BKV, cache, searching_B, *, alpha,
+                      eos_id: int, unfinished: str) -> BeamState:
+    """beam_search's step after the model with constraints (t2t/constraints.py): the alive beams
+    by dynamic beam allocation; finished, in classes each admitted only when the example has
+    none of an earlier class: EOS (its phrases all met), then (under 'fallback'; with EOS under
+    'compete') cut at the limit with all phrases, then cut without them."""
+    i, K = state.step, state.alive_log_probs_BK.shape[1]
+    held = state.constraints
+    cand_log_probs_BKV = constraints.block_eos(cand_log_probs_BKV, held, eos_id)
+    log_probs_BX, parent_BX, token_BX = constraints.candidates(cand_log_probs_BKV, held, eos_id)
+    progress_BXC, done_BXC, met_BX = constraints.advance(held, parent_BX, token_BX)
+    seqs_BXT = _gather_beams(state.alive_seqs_BKT, parent_BX).at[:, :, i + 1].set(token_BX)
+    length = i + 1
+    ended_BX = (token_BX == eos_id) | (length >= state.limit_B[:, None])
+    live_BX = log_probs_BX > NEG_INF
+    alive_pos_BK, alive_log_probs_BK = constraints.allocate(
+        log_probs_BX, live_BX & ~ended_BX, met_BX, K, constraints.num_banks(held.phrases_BCP))
+
+    new_BX = ended_BX & live_BX & searching_B[:, None]
+    met_all_BX = jnp.all(done_BXC, axis=-1)
+    first_BX = new_BX & ((token_BX == eos_id) if unfinished == 'fallback' else met_all_BX)
+    second_BX = new_BX & met_all_BX & ~first_BX
+    has_first_B = jnp.any(state.finished_flags_BK, axis=1) | jnp.any(first_BX, axis=1)
+    has_second_B = has_first_B | jnp.any(second_BX, axis=1)
+    new_BX = (first_BX | (second_BX & ~has_first_B[:, None])
+              | (new_BX & ~met_all_BX & ~has_second_B[:, None]))
+    new_scores_BX = jnp.where(new_BX, log_probs_BX / length_penalty(length, alpha), NEG_INF)
+    pool_scores_BM = jnp.concatenate([state.finished_scores_BK, new_scores_BX], axis=1)
+    pool_flags_BM = jnp.concatenate([state.finished_flags_BK, new_BX], axis=1)
+    pool_seqs_BMT = jnp.concatenate([state.finished_seqs_BKT, seqs_BXT], axis=1)
+    finished_scores_BK, finished_pos_BK = lax.top_k(pool_scores_BM, K)
+    return state.replace(
+        step=i + 1,
+        alive_seqs_BKT=_gather_beams(seqs_BXT, alive_pos_BK),
+        alive_log_probs_BK=alive_log_probs_BK,
+        alive_cache=_gather_cache(cache, jnp.take_along_axis(parent_BX, alive_pos_BK, axis=1)),
+        finished_seqs_BKT=_gather_beams(pool_seqs_BMT, finished_pos_BK),
+        finished_scores_BK=finished_scores_BK,
+        finished_flags_BK=_gather_beams(pool_flags_BM, finished_pos_BK),
+        constraints=held.replace(progress_BKC=_gather_beams(progress_BXC, alive_pos_BK),
+                                 done_BKC=_gather_beams(done_BXC, alive_pos_BK)),
+    )
 
 
 @struct.dataclass

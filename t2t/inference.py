@@ -58,7 +58,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec
 from tqdm import tqdm
 
-from t2t import decode, sharding
+from t2t import constraints, decode, sharding
 from t2t.ids import EOS_ID, PAD_ID
 from t2t.model import Transformer, TransformerConfig
 
@@ -76,9 +76,11 @@ class Prediction:
     # score_B's, -inf for an empty slot) float32 [B, N], best first; else None
     nbest_ids_BNL: jax.Array | None = None
     nbest_scores_BN: jax.Array | None = None
+    # predict(..., constraints_BCP): ids_BL holds every phrase of its row; else None
+    constraints_met_B: jax.Array | None = None
 
 
-Predict = Callable[[object, object], Prediction]
+Predict = Callable[..., Prediction]  # (params, inputs_BS[, constraints_BCP])
 
 
 # Beam search's first cache length over the bucket's source length. On the demo model, 300 test
@@ -276,8 +278,9 @@ class DecodeConfig:
 def make_predict_fn(model_config: TransformerConfig | tuple[TransformerConfig, ...],
                     decoding: DecodeConfig, *, num_valid_ids: int | None = None,
                     mesh=None) -> Predict:
-    """A jitted predict(params, inputs_BS) -> Prediction with the best beam (or greedy output,
-    or a sample), decoding as `decoding` says (DecodeConfig: its fields' comments).
+    """A jitted predict(params, inputs_BS, constraints_BCP=None) -> Prediction with the best beam
+    (or greedy output, or a sample), decoding as `decoding` says (DecodeConfig: its fields'
+    comments); constraints_BCP: each row's phrases, for beam search (decode.beam_search).
 
     mesh: decode on every device of it, the batch split over all its axes (inputs_BS: a global
     array whose rows divide by mesh.size, e.g. from `feed`), the parameters replicated inside
@@ -304,8 +307,10 @@ def make_predict_fn(model_config: TransformerConfig | tuple[TransformerConfig, .
     strategy, sampling, eos_id = decoding.decode_strategy, decoding.sampling, decoding.eos_id
     max_decode_len, max_decode_extra = decoding.max_decode_len, decoding.max_decode_extra
 
-    def predict(params, inputs_BS) -> Prediction:
+    def predict(params, inputs_BS, constraints_BCP=None) -> Prediction:
         B, S = inputs_BS.shape
+        if constraints_BCP is not None and strategy != 'beam':
+            raise ValueError(f'constraints need decode_strategy=beam, not {strategy!r}')
         L = min(max_decode_len, S + max_decode_extra)  # static: the longest limit in this bucket
         src_len_B = jnp.sum(inputs_BS != PAD_ID, axis=1).astype(jnp.int32)
         wanted_B = src_len_B + max_decode_extra
@@ -346,7 +351,7 @@ def make_predict_fn(model_config: TransformerConfig | tuple[TransformerConfig, .
                 max_lengths=limit_B, unfinished=decoding.beam_unfinished,
                 stop=decoding.beam_stop, constants=constants,
                 shrink_to=shrink_ladder(B, decoding.beam_shrink_floor), cache_lengths=(first,),
-                grow_cache=_grow_cache, log_probs=ensemble)
+                grow_cache=_grow_cache, log_probs=ensemble, constraints_BCP=constraints_BCP)
             ids_BL, score_B = seqs_BKL[:, 0], scores_BK[:, 0]
             if decoding.nbest > 1:
                 nbest_ids_BNL = seqs_BKL[:, :decoding.nbest]
@@ -354,18 +359,25 @@ def make_predict_fn(model_config: TransformerConfig | tuple[TransformerConfig, .
         hit_limit_B = ~jnp.any(ids_BL == eos_id, axis=1) & (src_len_B > 0)
         return Prediction(ids_BL=ids_BL, hit_limit_B=hit_limit_B,
                           capped_B=hit_limit_B & (wanted_B > max_decode_len), score_B=score_B,
-                          nbest_ids_BNL=nbest_ids_BNL, nbest_scores_BN=nbest_scores_BN)
+                          nbest_ids_BNL=nbest_ids_BNL, nbest_scores_BN=nbest_scores_BN,
+                          constraints_met_B=None if constraints_BCP is None else
+                          constraints.contains_all(ids_BL, constraints_BCP))
 
     if mesh is None:
         return jax.jit(predict)
 
-    def predict_block(params, inputs_BS) -> Prediction:
+    def predict_rows(params, inputs_BS, constraints_BCP) -> Prediction:
         with nn.logical_axis_rules(()):  # constraints are no-ops: every mesh axis is manual here
-            return predict(params, inputs_BS)
+            return predict(params, inputs_BS, constraints_BCP)
 
     rows = PartitionSpec(sharding.MESH_AXES)  # each device: its own rows, the whole search
-    return jax.jit(jax.shard_map(predict_block, mesh=mesh, in_specs=(PartitionSpec(), rows),
-                                 out_specs=rows, check_vma=False))
+    blocks = jax.shard_map(predict_rows, mesh=mesh, in_specs=(PartitionSpec(), rows, rows),
+                           out_specs=rows, check_vma=False)
+
+    def predict_block(params, inputs_BS, constraints_BCP=None) -> Prediction:
+        return blocks(params, inputs_BS, constraints_BCP)  # shard_map takes no default
+
+    return jax.jit(predict_block)
 
 
 def config_predict_fn(config, model_config: TransformerConfig | tuple[TransformerConfig, ...],
@@ -407,6 +419,8 @@ class Translations:
     # predict(nbest > 1): per index [(beam score, hypothesis)], best first (empty slots left
     # out), None where hypotheses has None; else None
     nbest: list[list[tuple[float, str]] | None] | None = None
+    # batches with constraints: the indices whose best hypothesis lacks one of its phrases
+    unmet_constraints: list[int] | None = None
 
     @property
     def num_translated(self) -> int:
@@ -423,12 +437,14 @@ def translate_batches(predict: Predict, params, batches: Iterable[dict], tokeniz
 
     Batches are dicts with `inputs` [B, S] and `index` [B] (-1 marks padding rows), as yielded by
     t2t.data EvalSplit.batches: global batches, the same on every process (which must all call
-    this with a mesh that spans them). The next batch is dispatched before the previous one is
-    fetched, so detokenizing overlaps with decoding.
+    this with a mesh that spans them); and optionally `constraints` [B, C, P], each row's phrases
+    (t2t/eval/terms.py). The next batch is dispatched before the previous one is fetched, so
+    detokenizing overlaps with decoding.
     """
     hypotheses: list[str | None] = [None] * num_examples
     nbest: list[list[tuple[float, str]] | None] = [None] * num_examples
-    hit_limit, capped = [], []
+    hit_limit, capped, unmet = [], [], []
+    constrained = False
     bar = tqdm(total=num_examples, unit='sent', desc='decoding', disable=not progress,
                dynamic_ncols=True)
 
@@ -450,13 +466,20 @@ def translate_batches(predict: Predict, params, batches: Iterable[dict], tokeniz
                 hit_limit.append(i)
             if capped_B[row]:
                 capped.append(i)
+            if got.constraints_met_B is not None and not got.constraints_met_B[row]:
+                unmet.append(i)
             done += 1
         bar.update(done)
 
     start = time.perf_counter()
     pending = None
     for batch in batches:
-        prediction = predict(params, feed(batch['inputs'], mesh))  # asynchronous dispatch
+        if 'constraints' in batch:
+            constrained = True
+            prediction = predict(params, feed(batch['inputs'], mesh),
+                                 feed(batch['constraints'], mesh))
+        else:
+            prediction = predict(params, feed(batch['inputs'], mesh))  # asynchronous dispatch
         if pending is not None:
             collect(*pending)
         pending = (batch['index'], prediction)
@@ -466,4 +489,4 @@ def translate_batches(predict: Predict, params, batches: Iterable[dict], tokeniz
     bar.close()
     has_nbest = any(entry is not None for entry in nbest)
     return Translations(hypotheses, sorted(hit_limit), sorted(capped), seconds,
-                        nbest if has_nbest else None)
+                        nbest if has_nbest else None, sorted(unmet) if constrained else None)

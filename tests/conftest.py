@@ -6,6 +6,8 @@ import shutil
 import sys
 import tempfile
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -45,6 +47,14 @@ from tests.compile_count import pytest_sessionfinish, pytest_testnodedown  # noq
 
 def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(compile_count.summary_line(_OWN_CACHE))
+
+
+@pytest.fixture(scope='session')
+def trained_tiny(tmp_path_factory) -> dict:
+    """configs/tiny.py trained on the toy corpus, once per process (tests/trained_tiny.py)."""
+    from tests import trained_tiny
+
+    return trained_tiny.train(tmp_path_factory.mktemp('trained'))
 
 
 def one_device_env() -> dict:

@@ -23,18 +23,15 @@ from flax.core import meta
 
 from t2t import decode, export, inference
 from t2t.data.tokenizer import train_tokenizer
-from t2t.eval import checkpoints as eval_checkpoints
-from t2t.eval import evaluation
 from t2t.export import ct2 as export_ct2
 from t2t.export import weights
 from t2t.ids import EOS_ID, PAD_ID
 from t2t.model import Transformer, TransformerConfig, shift_right, sinusoidal_table
-from t2t.train import loop
-from tests import toy_corpus
-from tests.helpers import tiny_config
+from tests import toy_corpus, trained_tiny
 
-# Its module fixtures are computed once: all its tests run on one xdist worker (--dist loadgroup).
-pytestmark = pytest.mark.xdist_group(__name__)
+# Its module fixtures are computed once, and the trained model is shared with the other modules of
+# its group: all their tests run on one xdist worker (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group(trained_tiny.GROUP)
 
 
 @pytest.fixture(scope='module')
@@ -210,35 +207,15 @@ def test_length_penalty_note_says_what_is_written(tokenizer, tmp_path):
 # ----------------------------------------------------------------------------------------------
 # Decoding a trained model: the same translations
 
-TRAIN_STEPS = 400  # ~0.03 s each on one CPU device; the compile is most of the fixture's time
-
-
 @pytest.fixture(scope='module')
-def trained(tmp_path_factory):
-    """configs/tiny.py trained on the toy corpus (reverse and upper-case), exported both ways by
-    t2t.export from its workdir, and 300 new sources of 1-12 words in one padded batch."""
-    root = tmp_path_factory.mktemp('trained')
-    corpus = toy_corpus.make_corpus(root, train=2000)
-    config = tiny_config(
-        corpus, num_train_steps=TRAIN_STEPS, checkpoint_every_steps=TRAIN_STEPS,
-        log_every_steps=100, eval_every_steps=10 * TRAIN_STEPS, eval_bleu_sentences=0,
-        num_eval_batches=1, mesh_shape=(1, 1, 1), batch_size=32, max_len=32, dropout_rate=0.0,
-        learning_rate_scale=1.0, warmup_steps=100)
-    workdir = str(root / 'run')
-    result = loop.train_and_evaluate(config, workdir, devices=jax.devices()[:1])
-    assert result.step == TRAIN_STEPS and result.train_metrics['accuracy'] > 0.8, result
-    outs = {fmt: export.export(config, workdir, fmt=fmt, output=str(root / fmt))
+def trained(trained_tiny, tmp_path_factory):
+    """The suite's trained tiny model (tests/trained_tiny.py), exported both ways by t2t.export
+    from its workdir."""
+    root = tmp_path_factory.mktemp('exported')
+    outs = {fmt: export.export(trained_tiny['config'], trained_tiny['workdir'], fmt=fmt,
+                               output=str(root / fmt))
             for fmt in export.FORMATS}
-    tokenizer = evaluation.workdir_tokenizer(config, workdir)
-    rng = random.Random(11)
-    sources = [toy_corpus.sentence(rng, 1, 12) for _ in range(300)]
-    ids = [tokenizer.encode(s) + [EOS_ID] for s in sources]
-    width = max(map(len, ids))
-    x = np.array([r + [PAD_ID] * (width - len(r)) for r in ids], np.int32)
-    return dict(cfg=TransformerConfig.from_config(config).replace(deterministic=True),
-                max_decode_len=config.max_decode_len, alpha=config.length_penalty_alpha,
-                params=eval_checkpoints.load_params(workdir, [TRAIN_STEPS], scan_layers=False),
-                tokenizer=tokenizer, sources=sources, x=x, **outs)
+    return {**trained_tiny, **outs}
 
 
 def _content(row):

@@ -79,11 +79,12 @@ def merge_json(path, label: str, record: dict) -> None:
 def evaluate_params(config, params, tokenizer, eval_split, *, split: str, label: str,
                     steps: list[int], workdir, progress: bool = True,
                     echo: Callable[[str], None] = print, mesh=None,
-                    weights: str = 'raw', members=None) -> dict:
+                    weights: str = 'raw', members=None, constraints=None) -> dict:
     """Decodes `eval_split` (on the devices of `mesh`, default one device), writes hypotheses
     (process 0) and scores, prints the report; returns the record. members: an ensemble's
     (t2t/eval/ensemble.py, params the tuple of theirs, already checked) instead of --config's
-    model."""
+    model. constraints: the split's phrases (t2t/eval/terms.py Lines), for a constrained
+    search."""
     from t2t.eval import ensemble
 
     if members:
@@ -94,9 +95,11 @@ def evaluate_params(config, params, tokenizer, eval_split, *, split: str, label:
     n = len(eval_split.sources)
     predict = inference.config_predict_fn(config, model_config,
                                           num_valid_ids=tokenizer.vocab_size, mesh=mesh)
-    result = inference.translate_batches(
-        predict, params, eval_split.batches(config.eval_batch_size), tokenizer, n,
-        progress=progress, mesh=mesh)
+    batches = eval_split.batches(config.eval_batch_size)
+    if constraints is not None:
+        batches = constraints.batches(batches)
+    result = inference.translate_batches(predict, params, batches, tokenizer, n,
+                                         progress=progress, mesh=mesh)
     missing = {i for i, h in enumerate(result.hypotheses) if h is None}
     if missing != set(eval_split.skipped):
         raise RuntimeError(f'{len(missing)} examples were not decoded but '
@@ -134,6 +137,8 @@ def evaluate_params(config, params, tokenizer, eval_split, *, split: str, label:
         'hypotheses_file': str(hyp_path),
         'references_file': str(ref_path),
     }
+    if constraints is not None:
+        record['constraints'] = constraints.record(hypotheses, result.unmet_constraints)
 
     decoding = inference.DecodeConfig.from_config(config).describe()
     echo(f'== {label} on {eval_split.name} ({n} sentences, {decoding}, '
@@ -146,6 +151,13 @@ def evaluate_params(config, params, tokenizer, eval_split, *, split: str, label:
     if result.capped:
         echo(f'WARNING: {len(result.capped)} hypotheses were truncated by max_decode_len; '
              'raise --config.max_decode_len')
+    if constraints is not None:
+        c = record['constraints']
+        echo(f'constraints ({c["source"]}): {c["phrases_in_hypotheses"]} of {c["phrases"]} '
+             f'phrases on {c["lines_with_phrases"]} lines appear in their hypotheses (term '
+             f'accuracy {c["term_accuracy"]:.2f}%); best hypotheses without all their phrases\' '
+             f'tokens (none with them fit the length limit): '
+             f'{c["hypotheses_lacking_a_phrase_token_level"]}')
     shown = [i for i in range(n) if i not in missing][:NUM_SHOWN]
     for i in shown:
         echo(f'  source     [{i}] {eval_split.sources[i]}')
@@ -215,11 +227,13 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
         translate: bool = False, input_path: str = '-', output_path: str = '-',
         truncate_long: bool = False, nbest: int = 1, progress: bool = True,
         echo: Callable[[str], None] = print, devices=None,
-        weights: str = 'auto', ensemble: str = '') -> dict[str, dict]:
+        weights: str = 'auto', ensemble: str = '', constraints: str = '',
+        terminology: str = '') -> dict[str, dict]:
     """Everything evaluate.py does; returns {label: record} (empty for --translate).
 
     Decodes on `devices` (default: all devices of all processes). ensemble: 'DIR_OR_STEP,...',
-    decode with those checkpoints together (t2t/eval/ensemble.py) instead of one.
+    decode with those checkpoints together (t2t/eval/ensemble.py) instead of one. constraints /
+    terminology: a file of phrases per source line / of terms (t2t/eval/terms.py).
     """
     startup.check_lengths(config)
     if not workdir:
@@ -243,7 +257,8 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
         return _run_ensemble(config, workdir, ensemble, split=split, translate=translate,
                              input_path=input_path, output_path=output_path,
                              truncate_long=truncate_long, nbest=nbest, progress=progress,
-                             echo=echo, devices=devices, weights=weights)
+                             echo=echo, devices=devices, weights=weights,
+                             phrases=(constraints, terminology))
     selection = select(workdir, step=step, all_steps=all_steps, average_last=average_last)
     tokenizer = workdir_tokenizer(config, workdir)
     mesh = sharding.make_mesh((-1, 1, 1), devices)  # decoding: every device its own rows
@@ -254,14 +269,16 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
         check_vocabulary(workdir, steps, tokenizer, label)
     if translate:
         label, steps = selection[0]
+        file_phrases = _constraints(config, tokenizer, constraints, terminology, input_path)
         params, _ = _params_for(config, workdir, label, steps, write_averaged, mesh, weights)
         check_params(params, TransformerConfig.from_config(config), tokenizer, label)
         translate_file(config, params, tokenizer, input_path, output_path, mesh,
-                       truncate_long=truncate_long, nbest=nbest)
+                       truncate_long=truncate_long, nbest=nbest, constraints=file_phrases)
         return {}
 
     split = split or config.test_split
     eval_split = _load_split(config, tokenizer, split)
+    split_phrases = _split_phrases(config, tokenizer, constraints, terminology, eval_split)
     json_path = scores_path(workdir, split)
     results = {}
     for label, steps in selection:
@@ -277,7 +294,7 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
         label = weights_label(label, used)
         record = evaluate_params(config, params, tokenizer, eval_split, split=split, label=label,
                                  steps=steps, workdir=workdir, progress=progress, echo=echo,
-                                 mesh=mesh, weights=used)
+                                 mesh=mesh, weights=used, constraints=split_phrases)
         if jax.process_index() == 0:
             merge_json(json_path, label, record)
         results[label] = record
@@ -289,7 +306,7 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
 
 def _run_ensemble(config, workdir, spec: str, *, split: str, translate: bool, input_path: str,
                   output_path: str, truncate_long: bool, nbest: int, progress: bool, echo,
-                  devices, weights: str) -> dict[str, dict]:
+                  devices, weights: str, phrases: tuple[str, str]) -> dict[str, dict]:
     """run() for --ensemble: its members decode together; results go to --workdir."""
     from t2t.eval import ensemble
 
@@ -298,24 +315,58 @@ def _run_ensemble(config, workdir, spec: str, *, split: str, translate: bool, in
     mesh = sharding.make_mesh((-1, 1, 1), devices)
     if jax.process_index() != 0:
         echo, progress = (lambda _: None), False
-    if not translate:
+    if translate:
+        file_phrases = _constraints(config, tokenizer, *phrases, input_path)
+    else:
         split = split or config.test_split
         eval_split = _load_split(config, tokenizer, split)
+        split_phrases = _split_phrases(config, tokenizer, *phrases, eval_split)
     params = ensemble.load_params(config, members, tokenizer, mesh)
     if translate:
         translate_file(config, params, tokenizer, input_path, output_path, mesh,
-                       truncate_long=truncate_long, nbest=nbest, members=members)
+                       truncate_long=truncate_long, nbest=nbest, members=members,
+                       constraints=file_phrases)
         return {}
     label = ensemble.label(members)
     record = evaluate_params(config, params, tokenizer, eval_split, split=split, label=label,
                              steps=[m.step for m in members], workdir=workdir,
                              progress=progress, echo=echo, mesh=mesh,
-                             weights='+'.join(m.weights for m in members), members=members)
+                             weights='+'.join(m.weights for m in members), members=members,
+                             constraints=split_phrases)
     json_path = scores_path(workdir, split)
     if jax.process_index() == 0:
         merge_json(json_path, label, record)
     echo(f'scores -> {json_path}')
     return {label: record}
+
+
+def _constraints(config, tokenizer, constraints_path: str, terminology_path: str,
+                 input_path: str):
+    """--constraints / --terminology for --translate --input (t2t/eval/terms.py), or None."""
+    from t2t.eval import terms
+
+    if (constraints_path or terminology_path) and input_path == '-':
+        raise EvalError('--constraints and --terminology read --input=FILE, not stdin')
+    num_lines = 0
+    if constraints_path:
+        from t2t.eval import translate
+
+        num_lines = translate.count_lines(input_path)
+    return terms.load(config, tokenizer, constraints_path=constraints_path,
+                      terminology_path=terminology_path, num_lines=num_lines)
+
+
+def _split_phrases(config, tokenizer, constraints_path: str, terminology_path: str, eval_split):
+    """--constraints / --terminology for a split: its lines' phrases, checked (or None)."""
+    from t2t.eval import terms
+
+    loaded = terms.load(config, tokenizer, constraints_path=constraints_path,
+                        terminology_path=terminology_path, num_lines=len(eval_split.sources))
+    if loaded is None:
+        return None
+    skipped = set(eval_split.skipped)
+    source_ids = [[] if i in skipped else ids for i, ids in enumerate(eval_split.inputs)]
+    return terms.lines(loaded, 0, eval_split.sources, source_ids)
 
 
 def _params_for(config, workdir, label, steps, write_averaged, mesh, weights='auto'):
@@ -336,11 +387,12 @@ def _params_for(config, workdir, label, steps, write_averaged, mesh, weights='au
 
 def translate_file(config, params, tokenizer, input_path: str, output_path: str,
                    mesh=None, truncate_long: bool = False, nbest: int = 1,
-                   members=None) -> None:
+                   members=None, constraints=None) -> None:
     """Translates the lines of a file (or stdin, '-') into a file (or stdout, '-'), in order,
     streamed and resumable (t2t/eval/translate.py); nbest > 1: beam search's best nbest per line as
     TSV. With several processes each reads the file and decodes its rows; process 0 writes.
-    members: an ensemble's (t2t/eval/ensemble.py), params the tuple of theirs."""
+    members: an ensemble's (t2t/eval/ensemble.py), params the tuple of theirs. constraints:
+    t2t/eval/terms.py Constraints, each line's phrases."""
     from t2t.eval import ensemble, translate
 
     if members:
@@ -357,7 +409,7 @@ def translate_file(config, params, tokenizer, input_path: str, output_path: str,
             token_budget=max(translate.DEFAULT_TOKEN_BUDGET, max_len),
             truncate_long=truncate_long, mesh=mesh, write=jax.process_index() == 0,
             nbest_alpha=config.length_penalty_alpha if nbest > 1 else None,
-            progress=output_path != '-' and jax.process_index() == 0)
+            progress=output_path != '-' and jax.process_index() == 0, constraints=constraints)
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise EvalError(f'--translate {input_path} -> {output_path}: {e}') from e
     if stats.too_long:
@@ -366,3 +418,6 @@ def translate_file(config, params, tokenizer, input_path: str, output_path: str,
     if stats.capped:
         logging.warning('%d translations were truncated by max_decode_len=%d', stats.capped,
                         config.max_decode_len)
+    if stats.unmet_constraints:
+        logging.warning('%d translations lack one of their phrases (%s): none with all of them '
+                        'fit the length limit', stats.unmet_constraints, constraints.what)

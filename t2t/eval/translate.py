@@ -40,6 +40,7 @@ import numpy as np
 from tqdm import tqdm
 
 from t2t import inference
+from t2t.eval import terms
 from t2t.ids import EOS_ID, PAD_ID
 from t2t.infra import workdir as wd
 
@@ -55,6 +56,7 @@ class StreamStats:
     too_long: int = 0  # lines over max_len (left empty, or truncated)
     hit_limit: int = 0  # hypotheses that ended at their length limit without EOS
     capped: int = 0  # of those, cut by max_decode_len
+    unmet_constraints: int = 0  # best hypotheses without all their line's phrases (terms.py)
     resumed_from: int = 0  # lines already done by an earlier run
     seconds: float = 0.0
 
@@ -183,10 +185,12 @@ def translate_stream(predict: inference.Predict, params, tokenizer, input_path: 
                      output_path: str, *, max_len: int, token_budget: int = DEFAULT_TOKEN_BUDGET,
                      window: int = DEFAULT_WINDOW, truncate_long: bool = False,
                      progress: bool = True, write: bool = True, nbest_alpha: float | None = None,
-                     mesh=None) -> StreamStats:
+                     mesh=None, constraints=None) -> StreamStats:
     """Translates `input_path` ('-': stdin) line by line into `output_path` ('-': stdout).
 
     nbest_alpha: the output is n-best TSV (predict built with nbest > 1 and this alpha).
+    constraints: t2t/eval/terms.py Constraints, the phrases each line's translation must hold
+    (each window's are checked against their lines' limits before it is decoded).
 
     write=False: decode (every process of a multi-host run must) but write nothing (processes
     other than 0). Raises ValueError for a bad progress file or a too small token budget.
@@ -228,11 +232,14 @@ def translate_stream(predict: inference.Predict, params, tokenizer, input_path: 
                     row_ids[:] = row_ids[:max_len - 1] + [EOS_ID] if truncate_long else []
             batches = window_batches(ids, max_len=max_len, token_budget=token_budget,
                                      multiple=multiple)
+            if constraints is not None:
+                batches = terms.lines(constraints, stats.lines, texts, ids).batches(batches)
             result = inference.translate_batches(predict, params, batches, tokenizer, len(ids),
                                                  progress=False, mesh=mesh)
             stats.translated += result.num_translated
             stats.hit_limit += len(result.hit_limit)
             stats.capped += len(result.capped)
+            stats.unmet_constraints += len(result.unmet_constraints or ())
             stats.lines += len(texts)
             if sink is not None:
                 if nbest_alpha is not None:
