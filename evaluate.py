@@ -9,6 +9,8 @@
   any of them with --weights=ema|raw (default auto: the EMA of a run with ema_decay > 0, else raw)
   python evaluate.py --config=... --workdir=DIR --ensemble=DIR_OR_STEP,DIR_OR_STEP[,...]
       [--split=test | --translate ... | --score ...]   # the members together (t2t/eval/ensemble.py)
+  evaluating or --translate: --mbr_samples=N [--mbr_candidates=sample|nbest]
+      [--mbr_utility=chrf|bleu]   # minimum Bayes risk decoding (t2t/eval/mbr.py)
 
 Several processes: the same command on each, with --coordinator_address/--num_processes/
 --process_id or --distributed as for train.py; they split the sentences, process 0 writes.
@@ -62,6 +64,30 @@ _TIMEOUT = flags.DEFINE_float('timeout', 3600.0, 'With --watch: give up after th
                               'without a new checkpoint.')
 _POLL = flags.DEFINE_float('poll', 5.0, 'With --watch: seconds between looks for a new checkpoint.')
 
+# Minimum Bayes risk decoding (t2t/eval/mbr.py)
+_MBR_SAMPLES = flags.DEFINE_integer(
+    'mbr_samples', 0, 'MBR decoding over N candidates per sentence: of them, the one of highest '
+    'mean utility against the others (0: off; labels end in -mbr-<candidates>N-<utility>).')
+_MBR_CANDIDATES = flags.DEFINE_enum(
+    'mbr_candidates', 'sample', ['sample', 'nbest'], 'sample: N draws with the config\'s '
+    'temperature, top_k, top_p, decode_seed; nbest: beam search\'s best N (N <= beam_size).')
+_MBR_UTILITY = flags.DEFINE_enum('mbr_utility', 'chrf', ['chrf', 'bleu'],
+                                 'MBR\'s utility: sacrebleu\'s sentence chrF or BLEU.')
+
+
+def _mbr():
+    """The MBR settings of the --mbr_* flags, or None."""
+    from t2t.eval import mbr
+
+    if not _MBR_SAMPLES.value:
+        return None
+    if _SCORE.value or _WATCH.value:
+        sys.exit('evaluate.py: --mbr_samples decodes: not with --score or --watch')
+    try:
+        return mbr.MBR(_MBR_SAMPLES.value, _MBR_CANDIDATES.value, _MBR_UTILITY.value)
+    except ValueError as e:
+        sys.exit(f'evaluate.py: {e}')
+
 
 def main(argv):
     if len(argv) > 1:
@@ -85,6 +111,7 @@ def main(argv):
 
     workdir.quiet_transient_failures()
 
+    mbr = _mbr()
     if _ENSEMBLE.value and _WATCH.value:
         sys.exit('evaluate.py: --watch with --ensemble is not supported: --watch evaluates the '
                  'checkpoints of one run (--workdir) as they come')
@@ -108,7 +135,7 @@ def main(argv):
             average_last=_AVERAGE_LAST.value, write_averaged=_WRITE_AVERAGED.value,
             split=_SPLIT.value, translate=_TRANSLATE.value, input_path=_INPUT.value,
             output_path=_OUTPUT.value, truncate_long=_TRUNCATE_LONG.value,
-            weights=_WEIGHTS.value, nbest=_NBEST.value, ensemble=_ENSEMBLE.value)
+            weights=_WEIGHTS.value, nbest=_NBEST.value, ensemble=_ENSEMBLE.value, mbr=mbr)
     except distributed.PeerLost as e:  # exit 4: another process of the job is gone
         distributed.exit_peer_lost(f'evaluate.py: {e}')
     except (EvalError, checkpoint.CheckpointError, startup.ConfigError, distributed.SyncError) as e:

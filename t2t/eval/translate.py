@@ -183,10 +183,11 @@ def translate_stream(predict: inference.Predict, params, tokenizer, input_path: 
                      output_path: str, *, max_len: int, token_budget: int = DEFAULT_TOKEN_BUDGET,
                      window: int = DEFAULT_WINDOW, truncate_long: bool = False,
                      progress: bool = True, write: bool = True, nbest_alpha: float | None = None,
-                     mesh=None) -> StreamStats:
+                     mesh=None, choose: inference.Choose | None = None) -> StreamStats:
     """Translates `input_path` ('-': stdin) line by line into `output_path` ('-': stdout).
 
     nbest_alpha: the output is n-best TSV (predict built with nbest > 1 and this alpha).
+    choose: each line's output is its candidate this picks (inference.translate_batches; MBR).
 
     write=False: decode (every process of a multi-host run must) but write nothing (processes
     other than 0). Raises ValueError for a bad progress file or a too small token budget.
@@ -229,7 +230,7 @@ def translate_stream(predict: inference.Predict, params, tokenizer, input_path: 
             batches = window_batches(ids, max_len=max_len, token_budget=token_budget,
                                      multiple=multiple)
             result = inference.translate_batches(predict, params, batches, tokenizer, len(ids),
-                                                 progress=False, mesh=mesh)
+                                                 progress=False, mesh=mesh, choose=choose)
             stats.translated += result.num_translated
             stats.hit_limit += len(result.hit_limit)
             stats.capped += len(result.capped)
