@@ -164,6 +164,13 @@ def base_config() -> ml_collections.ConfigDict:
     # restart of a single-process run traces nothing. Off by default: XLA:CPU's serialized
     # executables are young (docs/goodput.md).
     c.store_executables = False
+    # Where the logged scalars go besides stdout and WORKDIR/metrics.jsonl (t2t/infra/trackers.py):
+    # any of 'tensorboard' (event files in WORKDIR), 'wandb', 'trackio' (pip install
+    # 't2t[trackers]'). W&B runs offline unless wandb_mode='online' ('wandb sync' uploads later).
+    c.trackers = ('tensorboard',)
+    c.wandb_mode = 'offline'  # 'offline', 'online' or 'disabled'
+    c.tracker_project = ''  # the W&B / trackio project ('' : the workdir's name)
+    c.tracker_dir = ''  # where W&B and trackio write ('' : WORKDIR/trackers; a bucket needs one)
 
     # --- decoding
     c.decode_strategy = 'beam'  # 'beam' (beam_size, alpha), 'greedy' (argmax) or 'sample'

@@ -26,6 +26,7 @@ from typing import Any
 from t2t import inference, loss, model, sharding, train_lib
 from t2t.data import mixture, sources
 from t2t.data.tokenizer import MIN_VOCAB_SIZE
+from t2t.infra import trackers
 from t2t.run import best
 
 # Every length a config asks the model to handle; positions 0 .. length - 1 index the table.
@@ -190,6 +191,9 @@ def _rules() -> tuple[Rule, ...]:
         Rule('straggler_min_s', _at_least(0), ge0),
         Rule('slow_save_s', _at_least(0), 'must be >= 0 (0: off)'),
         Rule('storage_outage_limit_s', _at_least(0), 'must be >= 0 (0: not retried)'),
+        Rule('trackers', lambda v, c: trackers.problem(v) is None,
+             _Why(lambda c: trackers.problem(c.trackers))),
+        Rule('wandb_mode', *_one_of(trackers.WANDB_MODES)),
         # decoding: inference.DecodeConfig's own check (`problem`)
         # devices
         Rule('mesh_shape', lambda v, c: _mesh(v, c, allow_rest=True),
