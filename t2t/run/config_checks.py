@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from t2t import inference, loss, model, sharding, train_lib
-from t2t.data import mixture, sources
+from t2t.data import hf, mixture, sources
 from t2t.data.tokenizer import MIN_VOCAB_SIZE
 from t2t.infra import trackers
 from t2t.run import best
@@ -88,6 +88,8 @@ def _rules() -> tuple[Rule, ...]:
     rules = [
         # data
         Rule('dataset', *_one_of(sources.DATASETS)),
+        Rule('hf_path', lambda v, c: c.dataset != 'hf' or hf.check(c) is None,
+             _Why(lambda c: hf.check(c))),
         Rule('vocab_size', lambda v, c: c.dataset == 'recall' or v >= MIN_VOCAB_SIZE,
              f'must be >= {MIN_VOCAB_SIZE} (256 UTF-8 byte pieces, PAD/EOS/UNK and the '
              "corpus's characters)"),
