@@ -73,6 +73,11 @@ def test_an_ensemble_teacher_distills_into_a_smaller_student(run_dir, tmp_path):
     assert stamps == {name: os.stat(directory / name).st_mtime_ns for name in stamps}
 
 
-def test_the_command_says_what_it_needs_in_one_line():
-    out = run_script('scripts/distill.py', '--config=configs/tiny.py', '--workdir=/tmp/x')
+def test_the_command_says_what_it_needs_in_one_line(tmp_path):
+    out = run_script('scripts/distill.py', '--config=configs/tiny.py', f'--workdir={tmp_path}')
     assert out.returncode != 0 and '--teacher' in out.stderr
+    out = run_script('scripts/distill.py', '--config=configs/tiny.py', f'--workdir={tmp_path}',
+                     f'--teacher={tmp_path / "none"}')
+    assert out.returncode == 1 and out.stderr.strip().splitlines()[-1] == (
+        f'distill.py: workdir {tmp_path / "none"} does not exist')
+    assert not (tmp_path / distill.DIRNAME).exists()  # nothing read or written before

@@ -4,6 +4,7 @@ and evaluate.py's paths (one checkpoint, an average, an ensemble, --translate) o
 import itertools
 import json
 
+import jax
 import numpy as np
 import pytest
 import sacrebleu
@@ -11,13 +12,20 @@ import sacrebleu
 from t2t import inference
 from t2t.eval import mbr, translate
 from t2t.eval.checkpoints import EvalError
-from tests.test_evaluate import _run, run_dir  # noqa: F401  (a fixture: a random tiny workdir)
+from tests.test_evaluate import _run as _run_on_all
+from tests.test_evaluate import run_dir  # noqa: F401  (a fixture: a random tiny workdir)
 
 pytestmark = pytest.mark.xdist_group(__name__)  # its module fixture once
 
 # Four candidates of one sentence: index 2 shares the most with the others, index 1 the least.
 HAND = ['the small cat sat on a mat .', 'a dog barked all night !',
         'the small cat sat on the mat .', 'the cat sat on the mat .']
+
+
+def _run(run_dir, **kwargs):  # noqa: F811
+    """evaluation.run on one device (the sampler's keys do not depend on devices:
+    tests/test_sampling.py): fewer programs to compile."""
+    return _run_on_all(run_dir, devices=jax.devices()[:1], **kwargs)
 
 
 def _expected_by_hand(candidates, sentence_score):

@@ -98,6 +98,8 @@ def test_tracker_settings_are_one_line():
     assert config_checks.problem(config, keys=('trackers',)) == (
         "trackers=('tensorboard', 'mlflow') names 'mlflow': expected names from "
         "('tensorboard', 'wandb', 'trackio')")
+    assert trackers.names('tensorboard, wandb') == trackers.names(('tensorboard,wandb',)) == (
+        'tensorboard', 'wandb')  # --config.trackers=tensorboard,wandb: one string
     config = tiny_config(wandb_mode='cloud')
     assert config_checks.problem(config, keys=('wandb_mode',)).startswith(
         "wandb_mode='cloud' must be one of")

@@ -40,10 +40,15 @@ WANDB_MODES = ('offline', 'online', 'disabled')
 _PACKAGES = {'wandb': 'wandb', 'trackio': 'trackio'}
 
 
+def names(trackers) -> tuple[str, ...]:
+    """config.trackers as names: `--config.trackers=tensorboard,wandb` arrives as one string."""
+    items = (trackers,) if isinstance(trackers, str) else tuple(trackers)
+    return tuple(n.strip() for item in items for n in str(item).split(',') if n.strip())
+
+
 def problem(trackers) -> str | None:
     """What is wrong with config.trackers here (it follows 'trackers=VALUE '), else None."""
-    if isinstance(trackers, str):
-        return f"must be a tuple of names from {TRACKERS}, e.g. --config.trackers=tensorboard,wandb"
+    trackers = names(trackers)
     unknown = [t for t in trackers if t not in TRACKERS]
     if unknown:
         return f'names {unknown[0]!r}: expected names from {TRACKERS}'
@@ -61,7 +66,7 @@ def tracker_dir(config, workdir) -> str:
     if config.tracker_dir:
         return config.tracker_dir
     if wd.is_url(wd.path(workdir)):
-        raise ConfigError(f'trackers {tuple(config.trackers)} write locally: with the workdir '
+        raise ConfigError(f'trackers {names(config.trackers)} write locally: with the workdir '
                          f'{workdir} set --config.tracker_dir=LOCAL_DIR')
     return os.fspath(wd.path(workdir) / 'trackers')
 
@@ -133,7 +138,7 @@ def open_sinks(config, workdir, *, start_step: int, record: dict | None = None,
                enabled: bool = True) -> list:
     """The sinks of config.trackers other than 'tensorboard' (none where not enabled: processes
     other than 0). Call after `problem` passed (startup)."""
-    wanted = [t for t in config.trackers if t in _SINKS]
+    wanted = [t for t in names(config.trackers) if t in _SINKS]
     if not enabled or not wanted:
         return []
     directory = tracker_dir(config, workdir)

@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 from t2t import inference
 from t2t.data import sources
+from t2t.eval import checkpoints as eval_checkpoints
 from t2t.eval import evaluation
 from t2t.eval.translate import count_lines, one_line
 from t2t.infra import workdir as wd
@@ -87,6 +88,8 @@ def run(teacher_config, teacher_workdir: str, student, workdir: str, *, ensemble
     if not workdir or not teacher_workdir:
         raise evaluation.EvalError('distillation needs the teacher\'s workdir and the '
                                    'student\'s (--teacher, --workdir)')
+    if not ensemble:  # a missing teacher says so before the corpus is read
+        eval_checkpoints.select(teacher_workdir, step=step, average_last=average_last)
     directory = os.path.join(wd.path(workdir), DIRNAME)
     os.makedirs(directory, exist_ok=True)
     src = os.path.join(directory, 'train.src')

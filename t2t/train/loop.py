@@ -228,7 +228,7 @@ def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> Tra
     _say(f'mesh {dict(mesh.shape)} over {mesh.size} {mesh.devices.flat[0].platform} devices '
          f'({jax.process_count()} processes)')
     startup.check_training_config(config, mesh)
-    if set(config.trackers) - {'tensorboard'}:
+    if set(trackers.names(config.trackers)) - {'tensorboard'}:
         trackers.tracker_dir(config, workdir)  # a bucket workdir needs a local tracker_dir
     from t2t.infra import watchdog  # stacks of slow steps and saves
 
@@ -290,7 +290,7 @@ def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> Tra
     writer = metrics.MetricWriter(
         workdir, enabled=jax.process_index() == 0, start_step=step,
         redo_at_start=('eval_',) if meta.get('evaluation_pending') else (),
-        tensorboard='tensorboard' in config.trackers,
+        tensorboard='tensorboard' in trackers.names(config.trackers),
         sinks=trackers.open_sinks(config, workdir, start_step=step, record=record,
                                   enabled=jax.process_index() == 0))
     flops_per_step = flops.config_flops_per_step(config)
