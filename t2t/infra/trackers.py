@@ -14,7 +14,8 @@ the run record (t2t/run/run_record.py) once at the start. Only process 0 opens t
 Nothing leaves the machine unless asked: W&B runs with config.wandb_mode 'offline' by default
 (`wandb sync DIR` uploads later), in config.tracker_dir (default WORKDIR/trackers; a bucket
 workdir needs a local one); trackio writes its local database there too (its TRACKIO_DIR,
-unless the environment sets one). Their packages are optional (`pip install 't2t[trackers]'`):
+unless the environment sets one; trackio reads it once, at its import, so the first run of a
+process fixes it for that process). Their packages are optional (`pip install 't2t[trackers]'`):
 a tracker whose package is missing is a one-line error at startup, before any compile
 (`problem`).
 
