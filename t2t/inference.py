@@ -32,7 +32,9 @@ search with the mean of its members' log-probabilities at every step.
 Greedy decoding and sampling (decode_strategy 'greedy', 'sample': decode.greedy_search and
 decode.sample_search, one row per example, the whole buffer's cache from the start) replace the
 beam search; a sampled sentence's PRNG key comes from the seed and its own source tokens
-(`sample_keys`). nbest=N also returns beam search's best N hypotheses and their scores.
+(`sample_keys`). nbest=N also returns beam search's best N hypotheses and their scores;
+num_samples=N draws N samples per sentence in one search (`draw_keys`), for MBR's `choose`
+(translate_batches, t2t/eval/mbr.py).
 
 A hypothesis that ends at its length limit without EOS is never dropped nor silently cut: it is
 flagged (hit_limit), and flagged again (capped) when that limit was max_decode_len rather than
@@ -325,7 +327,6 @@ def make_predict_fn(model_config: TransformerConfig | tuple[TransformerConfig, .
     ensemble = isinstance(model_config, tuple)
     strategy, sampling, eos_id = decoding.decode_strategy, decoding.sampling, decoding.eos_id
     max_decode_len, max_decode_extra = decoding.max_decode_len, decoding.max_decode_extra
-
     num_samples = decoding.num_samples
 
     def predict(params, inputs_BS) -> Prediction:
