@@ -5,6 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TPU_STAMP := $(VENV)/.tpu-installed
 EXPORT_STAMP := $(VENV)/.export-installed
+EXTRAS_STAMP := $(VENV)/.extras-installed
 # torch's CPU-only build for the export extra: a 190 MB wheel, ~750 MB installed, ~40 s. PyPI's
 # Linux torch is the CUDA build, which does not import without its ~3 GB of nvidia-* wheels; pip
 # finds the CPU build where this machine keeps it, or with TORCH_PIP_ARGS='--index-url URL'
@@ -41,6 +42,11 @@ $(EXPORT_STAMP): $(STAMP)
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev,export]'
 	touch $(EXPORT_STAMP)
 
+# The hf and trackers extras (Hugging Face datasets, wandb, trackio) for their tests.
+$(EXTRAS_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev,hf,trackers]'
+	touch $(EXTRAS_STAMP)
+
 # The main job: prepare the embedded corpus, train within the config's time budget (a workdir
 # that already spent it is only re-evaluated), evaluate the average of the last 5 checkpoints
 # (the paper's averaging for base models) on the test split, plot the curve.
@@ -52,7 +58,7 @@ demo: $(STAMP)
 
 # --max-worker-restart=0: a worker that crashes ends the run with its test named; a replacement
 # worker would wait forever for the crashed one's group under --dist loadgroup.
-test: $(STAMP) $(TPU_STAMP) $(EXPORT_STAMP)
+test: $(STAMP) $(TPU_STAMP) $(EXPORT_STAMP) $(EXTRAS_STAMP)
 	JAX_PLATFORMS=cpu $(BIN)/pytest -n 2 --dist loadgroup --max-worker-restart=0 --durations=15 tests
 
 # The core and what an edit of the model, the loss, decoding or the optimizer can break, in

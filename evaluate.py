@@ -12,6 +12,8 @@
   a split or --translate with --constraints=FILE (a JSON list of phrases per source line) or
       --terminology=FILE.tsv (source term<TAB>target term): constrained beam search
       (t2t/eval/terms.py)
+  evaluating or --translate: --mbr_samples=N [--mbr_candidates=sample|nbest]
+      [--mbr_utility=chrf|bleu]   # minimum Bayes risk decoding (t2t/eval/mbr.py)
 
 Several processes: the same command on each, with --coordinator_address/--num_processes/
 --process_id or --distributed as for train.py; they split the sentences, process 0 writes.
@@ -74,6 +76,30 @@ _TIMEOUT = flags.DEFINE_float('timeout', 3600.0, 'With --watch: give up after th
                               'without a new checkpoint.')
 _POLL = flags.DEFINE_float('poll', 5.0, 'With --watch: seconds between looks for a new checkpoint.')
 
+# Minimum Bayes risk decoding (t2t/eval/mbr.py)
+_MBR_SAMPLES = flags.DEFINE_integer(
+    'mbr_samples', 0, 'MBR decoding over N candidates per sentence: of them, the one of highest '
+    'mean utility against the others (0: off; labels end in -mbr-<candidates>N-<utility>).')
+_MBR_CANDIDATES = flags.DEFINE_enum(
+    'mbr_candidates', 'sample', ['sample', 'nbest'], 'sample: N draws with the config\'s '
+    'temperature, top_k, top_p, decode_seed; nbest: beam search\'s best N (N <= beam_size).')
+_MBR_UTILITY = flags.DEFINE_enum('mbr_utility', 'chrf', ['chrf', 'bleu'],
+                                 'MBR\'s utility: sacrebleu\'s sentence chrF or BLEU.')
+
+
+def _mbr():
+    """The MBR settings of the --mbr_* flags, or None."""
+    from t2t.eval import mbr
+
+    if not _MBR_SAMPLES.value:
+        return None
+    if _SCORE.value or _WATCH.value:
+        sys.exit('evaluate.py: --mbr_samples decodes: not with --score or --watch')
+    try:
+        return mbr.MBR(_MBR_SAMPLES.value, _MBR_CANDIDATES.value, _MBR_UTILITY.value)
+    except ValueError as e:
+        sys.exit(f'evaluate.py: {e}')
+
 
 def main(argv):
     if len(argv) > 1:
@@ -100,6 +126,10 @@ def main(argv):
     if (_CONSTRAINTS.value or _TERMINOLOGY.value) and (_SCORE.value or _WATCH.value):
         sys.exit('evaluate.py: --constraints and --terminology shape a search: they take a '
                  'split or --translate, not --score or --watch')
+    mbr = _mbr()
+    if mbr and (_CONSTRAINTS.value or _TERMINOLOGY.value):
+        sys.exit('evaluate.py: --mbr_samples picks among unconstrained candidates: it takes no '
+                 '--constraints or --terminology')
     if _ENSEMBLE.value and _WATCH.value:
         sys.exit('evaluate.py: --watch with --ensemble is not supported: --watch evaluates the '
                  'checkpoints of one run (--workdir) as they come')
@@ -124,7 +154,7 @@ def main(argv):
             split=_SPLIT.value, translate=_TRANSLATE.value, input_path=_INPUT.value,
             output_path=_OUTPUT.value, truncate_long=_TRUNCATE_LONG.value,
             weights=_WEIGHTS.value, nbest=_NBEST.value, ensemble=_ENSEMBLE.value,
-            constraints=_CONSTRAINTS.value, terminology=_TERMINOLOGY.value)
+            constraints=_CONSTRAINTS.value, terminology=_TERMINOLOGY.value, mbr=mbr)
     except distributed.PeerLost as e:  # exit 4: another process of the job is gone
         distributed.exit_peer_lost(f'evaluate.py: {e}')
     except (EvalError, checkpoint.CheckpointError, startup.ConfigError, distributed.SyncError) as e:

@@ -12,7 +12,7 @@ def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
 
     # --- data
-    c.dataset = 'embedded'  # 'embedded' (Debian trans-de-en), 'tfds', 'tsv' or 'recall' (a toy)
+    c.dataset = 'embedded'  # 'embedded' (Debian trans-de-en), 'tfds', 'tsv', 'hf' or 'recall'
     c.tfds_name = 'wmt14_translate/de-en'
     c.source_lang = 'en'
     c.target_lang = 'de'
@@ -20,6 +20,14 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval_split = 'validation'
     c.test_split = 'test'
     c.tsv_files = ml_collections.ConfigDict({'train': '', 'validation': '', 'test': ''})
+    # dataset='hf' (t2t/data/hf.py): a directory saved by save_to_disk, or 'parquet', 'json',
+    # 'csv' with data files (paths or globs, comma-separated) per split; streamed or converted
+    # once to Arrow under data_dir; the fields ('' : translation.<source_lang> / <target_lang>)
+    c.hf_path = ''
+    c.hf_data_files = ml_collections.ConfigDict({'train': '', 'validation': '', 'test': ''})
+    c.hf_streaming = False
+    c.hf_source_field = ''
+    c.hf_target_field = ''
     c.data_dir = 'data'  # prepared datasets, tokenizers and packed caches live here
     # '' or a bucket (gs://...) all hosts read: process 0 uploads the prepared data there, the
     # other hosts copy it into their own data_dir and never tokenize (docs/data.md)
@@ -171,6 +179,13 @@ def base_config() -> ml_collections.ConfigDict:
     # restart of a single-process run traces nothing. Off by default: XLA:CPU's serialized
     # executables are young (docs/goodput.md).
     c.store_executables = False
+    # Where the logged scalars go besides stdout and WORKDIR/metrics.jsonl (t2t/infra/trackers.py):
+    # any of 'tensorboard' (event files in WORKDIR), 'wandb', 'trackio' (pip install
+    # 't2t[trackers]'). W&B runs offline unless wandb_mode='online' ('wandb sync' uploads later).
+    c.trackers = ('tensorboard',)
+    c.wandb_mode = 'offline'  # 'offline', 'online' or 'disabled'
+    c.tracker_project = ''  # the W&B / trackio project ('' : the workdir's name)
+    c.tracker_dir = ''  # where W&B and trackio write ('' : WORKDIR/trackers; a bucket needs one)
 
     # --- decoding
     c.decode_strategy = 'beam'  # 'beam' (beam_size, alpha), 'greedy' (argmax) or 'sample'

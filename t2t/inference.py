@@ -32,7 +32,9 @@ search with the mean of its members' log-probabilities at every step.
 Greedy decoding and sampling (decode_strategy 'greedy', 'sample': decode.greedy_search and
 decode.sample_search, one row per example, the whole buffer's cache from the start) replace the
 beam search; a sampled sentence's PRNG key comes from the seed and its own source tokens
-(`sample_keys`). nbest=N also returns beam search's best N hypotheses and their scores.
+(`sample_keys`). nbest=N also returns beam search's best N hypotheses and their scores;
+num_samples=N draws N samples per sentence in one search (`draw_keys`), for MBR's `choose`
+(translate_batches, t2t/eval/mbr.py).
 
 A hypothesis that ends at its length limit without EOS is never dropped nor silently cut: it is
 flagged (hit_limit), and flagged again (capped) when that limit was max_decode_len rather than
@@ -78,6 +80,11 @@ class Prediction:
     nbest_scores_BN: jax.Array | None = None
     # predict(..., constraints_BCP): ids_BL holds every phrase of its row; else None
     constraints_met_B: jax.Array | None = None
+    # DecodeConfig(num_samples=N > 1): every draw, int32 [B, N, L] (ids_BL is draw 0); else None
+    samples_BNL: jax.Array | None = None
+    # bool: the sentence's length limit is max_decode_len (its source + max_decode_extra is
+    # more), so any of its outputs that hit the limit was truncated (capped)
+    limit_is_cap_B: jax.Array | None = None
 
 
 Predict = Callable[..., Prediction]  # (params, inputs_BS[, constraints_BCP])
@@ -127,6 +134,18 @@ def sample_keys(inputs_BS, seed: int):
     hash_B = jnp.sum(inputs_BS.astype(jnp.uint32) * weights_S, axis=1, dtype=jnp.uint32)
     base = jax.random.key(seed, impl='threefry2x32')  # not rng_impl: the same on every backend
     return jax.vmap(jax.random.fold_in, (None, 0))(base, hash_B)
+
+
+def draw_keys(keys_B, num_samples: int):
+    """The keys of num_samples draws per row, [B * num_samples] (a row's draws adjacent): draw 0
+    keeps the row's key (the sentence's single sample), draw j > 0 folds j into it."""
+    keys_BN = jax.vmap(lambda key: jax.vmap(jax.random.fold_in, (None, 0))(
+        key, jnp.arange(num_samples)))(keys_B)
+    data_BN2 = jax.random.key_data(keys_BN)
+    first_BN = (jnp.arange(num_samples) == 0)[None, :, None]
+    data_BN2 = jnp.where(first_BN, jax.random.key_data(keys_B)[:, None], data_BN2)
+    return jax.random.wrap_key_data(data_BN2.reshape(-1, data_BN2.shape[-1]),
+                                    impl='threefry2x32')
 
 
 def shrink_ladder(rows: int, floor: int) -> tuple[int, ...]:
@@ -209,6 +228,7 @@ class DecodeConfig:
     top_k: int = 0
     top_p: float = 1.0
     decode_seed: int = 0  # decode_strategy='sample': with its source, a sentence's key
+    num_samples: int = 1  # decode_strategy='sample': draws per sentence (`draw_keys`; MBR)
     nbest: int = 1  # beam search's best nbest too (evaluate.py --nbest; no config key)
     eos_id: int = EOS_ID  # -1: no EOS, every hypothesis runs to its limit (benchmarks)
 
@@ -234,6 +254,9 @@ class DecodeConfig:
             (self.nbest == 1 or self.decode_strategy == 'beam', 'nbest',
              f'needs decode_strategy=beam (decode_strategy={self.decode_strategy!r} keeps one '
              'hypothesis)'),
+            (self.num_samples >= 1, 'num_samples', 'must be >= 1'),
+            (self.num_samples == 1 or self.decode_strategy == 'sample', 'num_samples',
+             f'needs decode_strategy=sample (not {self.decode_strategy!r})'),
         )
         for holds, key, needs in rules:
             if not holds:
@@ -268,7 +291,8 @@ class DecodeConfig:
         if self.decode_strategy == 'greedy':
             return 'greedy'
         if self.decode_strategy == 'sample':
-            return (f'sampling: temperature {self.temperature}, top_k {self.top_k}, top_p '
+            draws = f'{self.num_samples} draws, ' if self.num_samples > 1 else ''
+            return (f'sampling: {draws}temperature {self.temperature}, top_k {self.top_k}, top_p '
                     f'{self.top_p}, seed {self.decode_seed}')
         stop = '' if self.beam_stop == 'bound' else f', stop {self.beam_stop}'
         return f'beam {self.beam_size}, alpha {self.length_penalty_alpha}{stop}'
@@ -306,8 +330,15 @@ def make_predict_fn(model_config: TransformerConfig | tuple[TransformerConfig, .
     ensemble = isinstance(model_config, tuple)
     strategy, sampling, eos_id = decoding.decode_strategy, decoding.sampling, decoding.eos_id
     max_decode_len, max_decode_extra = decoding.max_decode_len, decoding.max_decode_extra
+    num_samples = decoding.num_samples
 
     def predict(params, inputs_BS, constraints_BCP=None) -> Prediction:
+        keys_B = samples_BNL = None
+        if strategy == 'sample':
+            keys_B = sample_keys(inputs_BS, decoding.decode_seed)
+        if num_samples > 1:  # each row num_samples times (adjacent), each with its draw's key
+            keys_B = draw_keys(keys_B, num_samples)
+            inputs_BS = jnp.repeat(inputs_BS, num_samples, axis=0)
         B, S = inputs_BS.shape
         if constraints_BCP is not None and strategy != 'beam':
             raise ValueError(f'constraints need decode_strategy=beam, not {strategy!r}')
@@ -337,7 +368,7 @@ def make_predict_fn(model_config: TransformerConfig | tuple[TransformerConfig, .
         score_B = nbest_ids_BNL = nbest_scores_BN = None
         if strategy == 'sample':
             ids_BL = decode.sample_search(
-                tokens_to_logits, cache, keys_B=sample_keys(inputs_BS, decoding.decode_seed),
+                tokens_to_logits, cache, keys_B=keys_B,
                 sampling=sampling, batch_size=B, eos_id=eos_id, max_decode_len=L,
                 max_lengths=limit_B, constants=constants)
         elif strategy == 'greedy':
@@ -356,10 +387,16 @@ def make_predict_fn(model_config: TransformerConfig | tuple[TransformerConfig, .
             if decoding.nbest > 1:
                 nbest_ids_BNL = seqs_BKL[:, :decoding.nbest]
                 nbest_scores_BN = scores_BK[:, :decoding.nbest]
+        limit_is_cap_B = wanted_B > max_decode_len
+        if num_samples > 1:  # back to one row per sentence: draw 0 the output, all draws beside
+            samples_BNL = ids_BL.reshape(-1, num_samples, L)
+            ids_BL, src_len_B = samples_BNL[:, 0], src_len_B[::num_samples]
+            limit_is_cap_B = limit_is_cap_B[::num_samples]
         hit_limit_B = ~jnp.any(ids_BL == eos_id, axis=1) & (src_len_B > 0)
         return Prediction(ids_BL=ids_BL, hit_limit_B=hit_limit_B,
-                          capped_B=hit_limit_B & (wanted_B > max_decode_len), score_B=score_B,
+                          capped_B=hit_limit_B & limit_is_cap_B, score_B=score_B,
                           nbest_ids_BNL=nbest_ids_BNL, nbest_scores_BN=nbest_scores_BN,
+                          samples_BNL=samples_BNL, limit_is_cap_B=limit_is_cap_B,
                           constraints_met_B=None if constraints_BCP is None else
                           constraints.contains_all(ids_BL, constraints_BCP))
 
@@ -431,15 +468,45 @@ class Translations:
         return self.num_translated / max(self.seconds, 1e-9)
 
 
+Choose = Callable[[list[list[str]]], list[int]]
+
+
+def _chosen(got: Prediction, rows: list[int], tokenizer, choose: Choose) -> Prediction:
+    """A fetched prediction whose output at each of `rows` is the candidate `choose` picks among
+    the row's draws (samples_BNL), else its n-best, else its one output; the limit flags follow
+    the chosen candidate, and score_B is dropped (a draw has none)."""
+    if got.samples_BNL is not None:
+        cands_BNL, valid_BN = got.samples_BNL, np.ones(got.samples_BNL.shape[:2], bool)
+    elif got.nbest_ids_BNL is not None:
+        cands_BNL, valid_BN = got.nbest_ids_BNL, got.nbest_scores_BN > -np.inf
+    else:
+        cands_BNL, valid_BN = got.ids_BL[:, None], np.ones((len(got.ids_BL), 1), bool)
+    slots = [np.flatnonzero(valid_BN[row]) for row in rows]
+    texts = [[tokenizer.decode(cands_BNL[row, k].tolist()) for k in ks]
+             for row, ks in zip(rows, slots, strict=True)]
+    ids_BL = np.array(got.ids_BL)
+    for row, ks, pick in zip(rows, slots, choose(texts), strict=True):
+        ids_BL[row] = cands_BNL[row, ks[pick]]
+    chosen_B = np.isin(np.arange(len(ids_BL)), rows)  # real sentences: a source, a limit > 0
+    hit_B = np.where(chosen_B, ~np.any(ids_BL == EOS_ID, axis=1), got.hit_limit_B)
+    return got.replace(ids_BL=ids_BL, hit_limit_B=hit_B, capped_B=hit_B & got.limit_is_cap_B,
+                       score_B=None)
+
+
 def translate_batches(predict: Predict, params, batches: Iterable[dict], tokenizer,
-                      num_examples: int, *, progress: bool = True, mesh=None) -> Translations:
+                      num_examples: int, *, progress: bool = True, mesh=None,
+                      choose: Choose | None = None) -> Translations:
     """Decodes every batch; the hypothesis of the row with `index` i lands at position i.
 
     Batches are dicts with `inputs` [B, S] and `index` [B] (-1 marks padding rows), as yielded by
     t2t.data EvalSplit.batches: global batches, the same on every process (which must all call
     this with a mesh that spans them); and optionally `constraints` [B, C, P], each row's phrases
     (t2t/eval/terms.py). The next batch is dispatched before the previous one is fetched, so
-    detokenizing overlaps with decoding.
+    detokenizing (and `choose`) overlaps with decoding.
+
+    choose: each batch's sentences' candidates (texts: a predict with num_samples > 1 gives its
+    draws, one with nbest > 1 its n-best) -> the index of the one to output per sentence (MBR,
+    t2t/eval/mbr.py).
     """
     hypotheses: list[str | None] = [None] * num_examples
     nbest: list[list[tuple[float, str]] | None] = [None] * num_examples
@@ -450,6 +517,9 @@ def translate_batches(predict: Predict, params, batches: Iterable[dict], tokeniz
 
     def collect(index_B, prediction: Prediction):
         got = fetch(prediction, len(index_B))
+        if choose is not None:
+            got = _chosen(got, [r for r, i in enumerate(np.asarray(index_B).tolist()) if i >= 0],
+                          tokenizer, choose)
         ids_BL, hit_B, capped_B = got.ids_BL, got.hit_limit_B, got.capped_B
         done = 0
         for row, i in enumerate(np.asarray(index_B).tolist()):

@@ -1,4 +1,4 @@
-"""Data: sources (embedded trans-de-en, TFDS WMT, TSV), the shared tokenizer, grain pipelines.
+"""Data: sources (embedded trans-de-en, TFDS WMT, TSV, HF datasets), the tokenizer, grain pipelines.
 
     tok = get_tokenizer(config)                  # prepares data, trains the vocabulary if missing
     it = train_iterator(config, tok, rows=sharding.process_rows(...))   # .get_state()/.set_state()

@@ -3,6 +3,8 @@
 - 'embedded': Debian trans-de-en (t2t/data/embedded.py), prepared once as a local TFDS dataset;
 - 'tfds': a TFDS translation dataset such as wmt14_translate/de-en (t2t/data/tfds_wmt.py);
 - 'tsv': your own files (t2t/data/tsv.py);
+- 'hf': Hugging Face datasets saved to disk, or parquet / JSON / CSV files, streamed or not
+  (t2t/data/hf.py);
 - 'recall': the generated recall toy, with its own fixed vocabulary (t2t/data/recall.py).
 
 `open_split` gives a random-access `Pairs`: len(), [i] -> (source, target) in the configured
@@ -20,10 +22,10 @@ from typing import Protocol
 
 import numpy as np
 
-from t2t.data import embedded, recall, tfds_wmt, tsv
+from t2t.data import embedded, hf, recall, tfds_wmt, tsv
 from t2t.data.tsv import Chunk
 
-DATASETS = ('embedded', 'tfds', 'tsv', 'recall')
+DATASETS = ('embedded', 'tfds', 'tsv', 'hf', 'recall')
 
 
 class Pairs(Protocol):
@@ -75,6 +77,8 @@ def open_split(config, split: str) -> Pairs:
     if config.dataset == 'recall':
         return ListPairs(recall.pairs(config, split), f'{recall.dataset_id(config)}/{split}',
                          collections.Counter())
+    if config.dataset == 'hf':
+        return hf.HFPairs(config, split)
     if config.dataset == 'tfds':
         pairs = tfds_wmt.open_split(config.tfds_name, config.data_dir, split, src, tgt)
     else:
@@ -106,6 +110,8 @@ def dataset_id(config) -> str:
         return config.tfds_name.replace('/', '-')
     if config.dataset == 'recall':
         return recall.dataset_id(config)
+    if config.dataset == 'hf':
+        return 'hf-' + hf.fingerprint(config, config.train_split)
     return 'tsv-' + _files_digest(config, config.train_split)
 
 
@@ -113,6 +119,8 @@ def split_fingerprint(config, split: str) -> str:
     """Changes whenever the texts of `split` change (the packed cache key): file contents."""
     if config.dataset == 'tsv':
         return 'tsv-' + _files_digest(config, split)
+    if config.dataset == 'hf':
+        return 'hf-' + hf.fingerprint(config, split)
     return f'{dataset_id(config)}|{split}'
 
 
@@ -122,6 +130,8 @@ def split_name(config, split: str) -> str:
         return f'tsv:{_tsv_spec(config, split)}'
     if config.dataset == 'recall':
         return f'{recall.dataset_id(config)}/{split}'
+    if config.dataset == 'hf':
+        return hf.split_name(config, split)
     if config.dataset == 'tfds':
         return f'{config.tfds_name}/{split}'
     return f'trans_de_en/{split}'
@@ -167,6 +177,9 @@ def read_chunk(config, split: str, chunk: Chunk, select: np.ndarray | None = Non
     pairs = _opened(config, split)
     if select is None:
         raw = pairs.read(chunk.first, chunk.first + chunk.lines)
+    elif getattr(pairs, 'sequential', False):  # a streamed split: one pass over the chunk
+        lines = pairs.read(chunk.first, chunk.first + chunk.lines)
+        raw = [lines[int(j)] for j in select]
     else:
         raw = [pairs[chunk.first + int(j)] for j in select]
     kept = [(s, t) for s, t in raw if s and t]

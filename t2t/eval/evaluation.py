@@ -61,7 +61,9 @@ def _load_split(config, tokenizer, split: str):
 
 def _write_lines(path, lines: list[str]) -> None:
     """One line per entry (a newline inside an entry would shift every later line), atomically."""
-    wd.write_atomic(path, ''.join(line.replace('\n', ' ') + '\n' for line in lines))
+    from t2t.eval.translate import one_line
+
+    wd.write_atomic(path, ''.join(one_line(line) + '\n' for line in lines))
 
 
 def merge_json(path, label: str, record: dict) -> None:
@@ -79,12 +81,12 @@ def merge_json(path, label: str, record: dict) -> None:
 def evaluate_params(config, params, tokenizer, eval_split, *, split: str, label: str,
                     steps: list[int], workdir, progress: bool = True,
                     echo: Callable[[str], None] = print, mesh=None,
-                    weights: str = 'raw', members=None, constraints=None) -> dict:
+                    weights: str = 'raw', members=None, constraints=None, mbr=None) -> dict:
     """Decodes `eval_split` (on the devices of `mesh`, default one device), writes hypotheses
     (process 0) and scores, prints the report; returns the record. members: an ensemble's
     (t2t/eval/ensemble.py, params the tuple of theirs, already checked) instead of --config's
     model. constraints: the split's phrases (t2t/eval/terms.py Lines), for a constrained
-    search."""
+    search. mbr: MBR decoding's settings (t2t/eval/mbr.py) instead of the config's decoding."""
     from t2t.eval import ensemble
 
     if members:
@@ -93,13 +95,15 @@ def evaluate_params(config, params, tokenizer, eval_split, *, split: str, label:
         model_config = TransformerConfig.from_config(config)
         check_params(params, model_config, tokenizer, label)
     n = len(eval_split.sources)
-    predict = inference.config_predict_fn(config, model_config,
-                                          num_valid_ids=tokenizer.vocab_size, mesh=mesh)
+    decoding = _decoding(config, mbr)
+    predict = inference.make_predict_fn(model_config, decoding,
+                                        num_valid_ids=tokenizer.vocab_size, mesh=mesh)
     batches = eval_split.batches(config.eval_batch_size)
     if constraints is not None:
         batches = constraints.batches(batches)
     result = inference.translate_batches(predict, params, batches, tokenizer, n,
-                                         progress=progress, mesh=mesh)
+                                         progress=progress, mesh=mesh,
+                                         choose=mbr.choose if mbr else None)
     missing = {i for i, h in enumerate(result.hypotheses) if h is None}
     if missing != set(eval_split.skipped):
         raise RuntimeError(f'{len(missing)} examples were not decoded but '
@@ -123,9 +127,10 @@ def evaluate_params(config, params, tokenizer, eval_split, *, split: str, label:
         'skipped_too_long': len(eval_split.skipped),
         'hit_length_limit': len(result.hit_limit),
         'capped_at_max_decode_len': len(result.capped),
-        'decode_strategy': config.decode_strategy,
+        'decode_strategy': 'mbr' if mbr else config.decode_strategy,
+        **(mbr.record() if mbr else {}),
         **({key: config[key] for key in ('temperature', 'top_k', 'top_p', 'decode_seed')}
-           if config.decode_strategy == 'sample' else {}),
+           if decoding.decode_strategy == 'sample' else {}),
         'beam_size': config.beam_size,
         'length_penalty_alpha': config.length_penalty_alpha,
         'beam_unfinished': config.beam_unfinished,
@@ -140,8 +145,8 @@ def evaluate_params(config, params, tokenizer, eval_split, *, split: str, label:
     if constraints is not None:
         record['constraints'] = constraints.record(hypotheses, result.unmet_constraints)
 
-    decoding = inference.DecodeConfig.from_config(config).describe()
-    echo(f'== {label} on {eval_split.name} ({n} sentences, {decoding}, '
+    described = mbr.describe(decoding) if mbr else decoding.describe()
+    echo(f'== {label} on {eval_split.name} ({n} sentences, {described}, '
          f'{result.sentences_per_s:.1f} sentences/s)')
     echo(bleu.format_report(scores))
     echo(f'skipped (longer than max_eval_len={config.max_eval_len}, scored as empty): '
@@ -165,6 +170,17 @@ def evaluate_params(config, params, tokenizer, eval_split, *, split: str, label:
         echo(f'  hypothesis [{i}] {hypotheses[i]}')
     echo(f'hypotheses -> {hyp_path} (references, line for line: {ref_path})')
     return record
+
+
+def _decoding(config, mbr=None) -> inference.DecodeConfig:
+    """The config's decoding, or the one that yields MBR's candidates."""
+    decoding = inference.DecodeConfig.from_config(config)
+    return mbr.decoding(decoding) if mbr else decoding
+
+
+def _mbr_label(label: str, mbr) -> str:
+    """An MBR evaluation's label (step-N-mbr-sample16-chrf): its files and scores apart."""
+    return f'{label}-{mbr.tag}' if mbr else label
 
 
 def _split_tag(split: str) -> str:
@@ -228,12 +244,13 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
         truncate_long: bool = False, nbest: int = 1, progress: bool = True,
         echo: Callable[[str], None] = print, devices=None,
         weights: str = 'auto', ensemble: str = '', constraints: str = '',
-        terminology: str = '') -> dict[str, dict]:
+        terminology: str = '', mbr=None) -> dict[str, dict]:
     """Everything evaluate.py does; returns {label: record} (empty for --translate).
 
     Decodes on `devices` (default: all devices of all processes). ensemble: 'DIR_OR_STEP,...',
     decode with those checkpoints together (t2t/eval/ensemble.py) instead of one. constraints /
-    terminology: a file of phrases per source line / of terms (t2t/eval/terms.py).
+    terminology: a file of phrases per source line / of terms (t2t/eval/terms.py). mbr: MBR
+    decoding (t2t/eval/mbr.py MBR) instead of the config's decoding.
     """
     startup.check_lengths(config)
     if not workdir:
@@ -244,8 +261,11 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
         raise EvalError('--translate takes one checkpoint: --step, --average_last or the latest')
     if nbest != 1 and not translate:
         raise EvalError(f'--nbest={nbest} needs --translate')
+    if mbr and nbest != 1:
+        raise EvalError('--nbest and --mbr_samples both choose the output: give one of them')
     try:
         inference.DecodeConfig.from_config(config, nbest=nbest)  # --nbest against the beam
+        _decoding(config, mbr)  # MBR's n-best against the beam
     except ValueError as e:
         raise EvalError(str(e)) from e
     if translate and input_path == '-' and jax.process_count() > 1:
@@ -258,7 +278,7 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
                              input_path=input_path, output_path=output_path,
                              truncate_long=truncate_long, nbest=nbest, progress=progress,
                              echo=echo, devices=devices, weights=weights,
-                             phrases=(constraints, terminology))
+                             phrases=(constraints, terminology), mbr=mbr)
     selection = select(workdir, step=step, all_steps=all_steps, average_last=average_last)
     tokenizer = workdir_tokenizer(config, workdir)
     mesh = sharding.make_mesh((-1, 1, 1), devices)  # decoding: every device its own rows
@@ -273,7 +293,8 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
         params, _ = _params_for(config, workdir, label, steps, write_averaged, mesh, weights)
         check_params(params, TransformerConfig.from_config(config), tokenizer, label)
         translate_file(config, params, tokenizer, input_path, output_path, mesh,
-                       truncate_long=truncate_long, nbest=nbest, constraints=file_phrases)
+                       truncate_long=truncate_long, nbest=nbest, constraints=file_phrases,
+                       mbr=mbr)
         return {}
 
     split = split or config.test_split
@@ -291,10 +312,10 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
             echo(f'== {label}: corrupt: {e}')  # --all: report it and go on
             results[label] = {'corrupt': str(e), 'steps': steps}
             continue
-        label = weights_label(label, used)
+        label = _mbr_label(weights_label(label, used), mbr)
         record = evaluate_params(config, params, tokenizer, eval_split, split=split, label=label,
                                  steps=steps, workdir=workdir, progress=progress, echo=echo,
-                                 mesh=mesh, weights=used, constraints=split_phrases)
+                                 mesh=mesh, weights=used, constraints=split_phrases, mbr=mbr)
         if jax.process_index() == 0:
             merge_json(json_path, label, record)
         results[label] = record
@@ -306,7 +327,7 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
 
 def _run_ensemble(config, workdir, spec: str, *, split: str, translate: bool, input_path: str,
                   output_path: str, truncate_long: bool, nbest: int, progress: bool, echo,
-                  devices, weights: str, phrases: tuple[str, str]) -> dict[str, dict]:
+                  devices, weights: str, phrases: tuple[str, str], mbr=None) -> dict[str, dict]:
     """run() for --ensemble: its members decode together; results go to --workdir."""
     from t2t.eval import ensemble
 
@@ -325,14 +346,14 @@ def _run_ensemble(config, workdir, spec: str, *, split: str, translate: bool, in
     if translate:
         translate_file(config, params, tokenizer, input_path, output_path, mesh,
                        truncate_long=truncate_long, nbest=nbest, members=members,
-                       constraints=file_phrases)
+                       constraints=file_phrases, mbr=mbr)
         return {}
-    label = ensemble.label(members)
+    label = _mbr_label(ensemble.label(members), mbr)
     record = evaluate_params(config, params, tokenizer, eval_split, split=split, label=label,
                              steps=[m.step for m in members], workdir=workdir,
                              progress=progress, echo=echo, mesh=mesh,
                              weights='+'.join(m.weights for m in members), members=members,
-                             constraints=split_phrases)
+                             constraints=split_phrases, mbr=mbr)
     json_path = scores_path(workdir, split)
     if jax.process_index() == 0:
         merge_json(json_path, label, record)
@@ -387,12 +408,13 @@ def _params_for(config, workdir, label, steps, write_averaged, mesh, weights='au
 
 def translate_file(config, params, tokenizer, input_path: str, output_path: str,
                    mesh=None, truncate_long: bool = False, nbest: int = 1,
-                   members=None, constraints=None) -> None:
+                   members=None, constraints=None, mbr=None) -> None:
     """Translates the lines of a file (or stdin, '-') into a file (or stdout, '-'), in order,
     streamed and resumable (t2t/eval/translate.py); nbest > 1: beam search's best nbest per line as
     TSV. With several processes each reads the file and decodes its rows; process 0 writes.
     members: an ensemble's (t2t/eval/ensemble.py), params the tuple of theirs. constraints:
-    t2t/eval/terms.py Constraints, each line's phrases."""
+    t2t/eval/terms.py Constraints, each line's phrases. mbr: each line's MBR choice
+    (t2t/eval/mbr.py)."""
     from t2t.eval import ensemble, translate
 
     if members:
@@ -401,15 +423,18 @@ def translate_file(config, params, tokenizer, input_path: str, output_path: str,
     else:
         model_config = TransformerConfig.from_config(config)
         max_len = config.max_position
-    predict = inference.config_predict_fn(config, model_config, nbest=nbest,
-                                          num_valid_ids=tokenizer.vocab_size, mesh=mesh)
+    decoding = _decoding(config, mbr) if mbr else inference.DecodeConfig.from_config(config,
+                                                                                      nbest=nbest)
+    predict = inference.make_predict_fn(model_config, decoding,
+                                        num_valid_ids=tokenizer.vocab_size, mesh=mesh)
     try:
         stats = translate.translate_stream(
             predict, params, tokenizer, input_path, output_path, max_len=max_len,
             token_budget=max(translate.DEFAULT_TOKEN_BUDGET, max_len),
             truncate_long=truncate_long, mesh=mesh, write=jax.process_index() == 0,
             nbest_alpha=config.length_penalty_alpha if nbest > 1 else None,
-            progress=output_path != '-' and jax.process_index() == 0, constraints=constraints)
+            progress=output_path != '-' and jax.process_index() == 0, constraints=constraints,
+            choose=mbr.choose if mbr else None)
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise EvalError(f'--translate {input_path} -> {output_path}: {e}') from e
     if stats.too_long:

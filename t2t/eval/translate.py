@@ -185,12 +185,14 @@ def translate_stream(predict: inference.Predict, params, tokenizer, input_path: 
                      output_path: str, *, max_len: int, token_budget: int = DEFAULT_TOKEN_BUDGET,
                      window: int = DEFAULT_WINDOW, truncate_long: bool = False,
                      progress: bool = True, write: bool = True, nbest_alpha: float | None = None,
-                     mesh=None, constraints=None) -> StreamStats:
+                     mesh=None, constraints=None,
+                     choose: inference.Choose | None = None) -> StreamStats:
     """Translates `input_path` ('-': stdin) line by line into `output_path` ('-': stdout).
 
     nbest_alpha: the output is n-best TSV (predict built with nbest > 1 and this alpha).
     constraints: t2t/eval/terms.py Constraints, the phrases each line's translation must hold
     (each window's are checked against their lines' limits before it is decoded).
+    choose: each line's output is its candidate this picks (inference.translate_batches; MBR).
 
     write=False: decode (every process of a multi-host run must) but write nothing (processes
     other than 0). Raises ValueError for a bad progress file or a too small token budget.
@@ -235,7 +237,7 @@ def translate_stream(predict: inference.Predict, params, tokenizer, input_path: 
             if constraints is not None:
                 batches = terms.lines(constraints, stats.lines, texts, ids).batches(batches)
             result = inference.translate_batches(predict, params, batches, tokenizer, len(ids),
-                                                 progress=False, mesh=mesh)
+                                                 progress=False, mesh=mesh, choose=choose)
             stats.translated += result.num_translated
             stats.hit_limit += len(result.hit_limit)
             stats.capped += len(result.capped)

@@ -79,10 +79,13 @@ def _format(value: float) -> str:
 
 class MetricWriter:
     def __init__(self, logdir, enabled: bool = True, tensorboard: bool = True, stream=None,
-                 start_step: int | None = None, redo_at_start: tuple[str, ...] = ()):
-        """start_step: the step this run starts from (0 fresh, S resumed): later records go."""
+                 start_step: int | None = None, redo_at_start: tuple[str, ...] = (), sinks=()):
+        """start_step: the step this run starts from (0 fresh, S resumed): later records go.
+        sinks: more trackers (t2t/infra/trackers.py), each given the same scalars: log(step,
+        values), close()."""
         self.logdir = wd.path(logdir)
         self.enabled = enabled
+        self._sinks = list(sinks)
         self._stream = stream
         self._jsonl = None
         self._tb = None
@@ -120,6 +123,8 @@ class MetricWriter:
         values = {k: _to_float(v) for k, v in scalars.items() if v is not None}
         line = ' | '.join([f'step {step}'] + [f'{k} {_format(v)}' for k, v in values.items()])
         print(line, file=self._stream or sys.stdout, flush=True)
+        for sink in self._sinks:
+            sink.log(step, values)
         if self._tb is not None:
             for k, v in values.items():
                 self._tb.add_scalar(k, v, step)
@@ -166,6 +171,8 @@ class MetricWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        while self._sinks:
+            self._sinks.pop().close()
         try:
             if self._uploader is not None:
                 self._stage_events()

@@ -24,9 +24,9 @@ from collections.abc import Callable
 from typing import Any
 
 from t2t import attention_choice, inference, loss, model, sharding, train_lib
-from t2t.data import mixture, sources
+from t2t.data import hf, mixture, sources
 from t2t.data.tokenizer import MIN_VOCAB_SIZE
-from t2t.infra import uploads
+from t2t.infra import trackers, uploads
 from t2t.run import best
 
 # Every length a config asks the model to handle; positions 0 .. length - 1 index the table.
@@ -95,6 +95,8 @@ def _rules() -> tuple[Rule, ...]:
     rules = [
         # data
         Rule('dataset', *_one_of(sources.DATASETS)),
+        Rule('hf_path', lambda v, c: c.dataset != 'hf' or hf.check(c) is None,
+             _Why(lambda c: hf.check(c))),
         Rule('vocab_size', lambda v, c: c.dataset == 'recall' or v >= MIN_VOCAB_SIZE,
              f'must be >= {MIN_VOCAB_SIZE} (256 UTF-8 byte pieces, PAD/EOS/UNK and the '
              "corpus's characters)"),
@@ -207,6 +209,9 @@ def _rules() -> tuple[Rule, ...]:
              'second try)'),
         Rule('storage_queue_mb', lambda v, c: v > 0,
              'must be > 0: the MiB of writes kept for a storage that does not answer'),
+        Rule('trackers', lambda v, c: trackers.problem(v) is None,
+             _Why(lambda c: trackers.problem(c.trackers))),
+        Rule('wandb_mode', *_one_of(trackers.WANDB_MODES)),
         # decoding: inference.DecodeConfig's own check (`problem`)
         # devices
         Rule('mesh_shape', lambda v, c: _mesh(v, c, allow_rest=True),

@@ -27,7 +27,7 @@ import numpy as np
 
 from t2t import flops, goodput, optim, sharding, train_lib
 from t2t.data import identity
-from t2t.infra import distributed, metrics, uploads
+from t2t.infra import distributed, metrics, trackers, uploads
 from t2t.infra import workdir as wd
 from t2t.infra.preemption import Interrupted, PreemptionFlag
 from t2t.run import best, checkpoint, compile_cache, outage, profiling, run_record, startup
@@ -228,9 +228,12 @@ def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> Tra
     _say(f'mesh {dict(mesh.shape)} over {mesh.size} {mesh.devices.flat[0].platform} devices '
          f'({jax.process_count()} processes)')
     startup.check_training_config(config, mesh)
+    if set(trackers.names(config.trackers)) - {'tensorboard'}:
+        trackers.tracker_dir(config, workdir)  # a bucket workdir needs a local tracker_dir
     from t2t.infra import watchdog  # stacks of slow steps and saves
 
-    run_record.write(workdir, run_record.record(config, mesh))  # what ran: WORKDIR/run-*.json
+    record = run_record.record(config, mesh)
+    run_record.write(workdir, record)  # what ran: WORKDIR/run-*.json
     batch_sharding = sharding.batch_sharding(mesh)
     rows = sharding.process_rows(batch_sharding, config.batch_size)
     _say(_batch_line(config, mesh, rows))
@@ -286,7 +289,10 @@ def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> Tra
     # A pending evaluation (see below) may have been written by a run killed after it.
     writer = metrics.MetricWriter(
         workdir, enabled=jax.process_index() == 0, start_step=step,
-        redo_at_start=('eval_',) if meta.get('evaluation_pending') else ())
+        redo_at_start=('eval_',) if meta.get('evaluation_pending') else (),
+        tensorboard='tensorboard' in trackers.names(config.trackers),
+        sinks=trackers.open_sinks(config, workdir, start_step=step, record=record,
+                                  enabled=jax.process_index() == 0))
     flops_per_step = flops.config_flops_per_step(config)
     flops_per_token = flops.config_flops_per_token(config)
     peak = metrics.peak_flops_per_device()
