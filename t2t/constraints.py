@@ -57,8 +57,11 @@ def _borders(phrases_BCP):
     return jnp.all(same_BCSJK, axis=-1) & (j <= s)[..., 0]
 
 
-def init(phrases_BCP, beam_size: int) -> ConstraintState:
+def init(phrases_BCP, beam_size: int, batch_size: int) -> ConstraintState:
     """The state before the first token: nothing matched, unused slots done."""
+    if jnp.ndim(phrases_BCP) != 3 or jnp.shape(phrases_BCP)[0] != batch_size:
+        raise ValueError(f'constraints_BCP has shape {jnp.shape(phrases_BCP)}, expected '
+                         f'({batch_size}, phrases, tokens)')
     phrases_BCP = jnp.asarray(phrases_BCP, jnp.int32)
     B, C, _ = phrases_BCP.shape
     lengths_BC = jnp.sum(phrases_BCP != PAD_ID, axis=-1).astype(jnp.int32)

@@ -184,56 +184,42 @@ def beam_search(
     """Beam search with the GNMT length penalty (alive / finished, 2K top-k per step).
 
     Args:
-      tokens_to_logits: (ids_N1 int32[N, 1], cache, constants) -> (logits_NV float[N, V],
-        new_cache), N = B*K.
-      cache: the decode cache for B sequences; leaves of ndim >= 1 have leading dim B, scalar
-        leaves are shared. Tiled to B * K rows here and gathered by parent beam every step.
-      batch_size, beam_size, max_decode_len, eos_id: static ints. max_decode_len is the buffer
-        length: the most tokens (EOS included) any hypothesis may have.
+      tokens_to_logits: (ids_N1 int32[N, 1], cache, constants) -> (logits_NV, new_cache), N = B*K.
+      cache: the decode cache of B sequences (leaves of ndim >= 1 lead with B; scalars shared),
+        tiled to B * K rows here and gathered by parent beam every step.
+      batch_size, beam_size, max_decode_len, eos_id: static ints; max_decode_len is the buffer
+        length, the most tokens (EOS included) a hypothesis may have.
       alpha: length-penalty exponent (0.6 in the paper); a float or a traced scalar.
-      max_lengths: optional int32[B], each example's own token limit (the paper: source length
-        + 50), clipped to [0, max_decode_len]; 0 decodes nothing (all slots -inf, sequences 0s).
-      unfinished: static, what a hypothesis cut at its example's limit without EOS counts for.
-        'fallback' (tensor2tensor's rule, the default): it is finished only if no hypothesis of
-        that example ended in EOS, so the best EOS hypothesis always wins when there is one.
-        'compete': it is finished like one that emitted EOS there and competes on score.
-      stop: static, when an example stops searching. 'bound' (tensor2tensor's, the default):
-        when no alive beam can still beat the worst of its K finished hypotheses, which never
-        changes the result. 'k_finished' (fairseq, CTranslate2, transformers' early_stopping):
-        as soon as K hypotheses have finished, earlier; an alive beam that would have won later
-        is lost.
-      constants: optional pytree the model reads per row but never changes; leaves of ndim >= 1
-        have leading dim B. Tiled to B * K rows once, handed to tokens_to_logits as they are.
-      shrink_to: static, decreasing batch sizes below batch_size that the search compacts to
-        once no more examples are still searching (module docstring); () searches in one stage.
-      cache_lengths, grow_cache: a model whose cache can grow (static increasing ints, and
-        (cache, length) -> cache): the cache handed in holds cache_lengths[0] positions; the
-        whole batch runs at most that many steps with it, then grow_cache extends it to the
-        next length, ..., and last to max_decode_len. Most sentences end early, and a short
-        cache is cheaper to reorder and attend over at every step.
-      log_probs: static; tokens_to_logits returns log-probabilities already (an ensemble's mean
-        of its members', t2t/eval/ensemble.py): summed as they are. A log_softmax would renormalize
-        that mean, so a hypothesis' score would no longer be its members' mean score.
-      constraints_BCP: optional int32[B, C, P], each example's phrases (token sequences, 0 after
-        a phrase's end and in unused slots) that its hypotheses must contain: lexically
-        constrained search with dynamic beam allocation (t2t/constraints.py). A hypothesis may
-        emit EOS only once it holds all its example's phrases; one cut at its limit without them
-        is returned only when no hypothesis of the example has them all. None: the
-        unconstrained search, unchanged.
+      max_lengths: optional int32[B], each example's token limit (the paper: source length + 50),
+        clipped to [0, max_decode_len]; 0 decodes nothing (all slots -inf, sequences 0s).
+      unfinished: static, what a hypothesis cut at its limit without EOS counts for. 'fallback'
+        (tensor2tensor's): finished only if no hypothesis of its example ended in EOS.
+        'compete': finished like one that emitted EOS there, competing on score.
+      stop: static. 'bound' (tensor2tensor's): an example stops once no alive beam can beat the
+        worst of its K finished (log-probs only fall: its best is its log-prob over the largest
+        penalty ahead), which never changes the result. 'k_finished' (fairseq, CTranslate2,
+        transformers' early_stopping): once K have finished, earlier; a later winner is lost.
+      constants: optional pytree the model reads per row and never changes (leaves lead with B),
+        tiled to B * K rows once.
+      shrink_to: static, decreasing batch sizes the search compacts to once fewer examples are
+        still searching (module docstring); () searches in one stage.
+      cache_lengths, grow_cache: a cache that grows (static increasing ints; (cache, length) ->
+        cache): the cache handed in holds cache_lengths[0] positions, the batch runs that many
+        steps at most, then grow_cache extends it to the next length, and last to max_decode_len.
+      log_probs: static; tokens_to_logits returns log-probabilities already (an ensemble's mean,
+        t2t/eval/ensemble.py), summed as they are (a log_softmax would renormalize the mean).
+      constraints_BCP: optional int32[B, C, P], each example's phrases (0-padded) its hypotheses
+        must contain (dynamic beam allocation, t2t/constraints.py): EOS only once all are held; a
+        hypothesis cut without them is returned only when none of its example has them all.
 
-    A hypothesis ends when it emits EOS or reaches its example's limit; one cut at the limit is
-    scored like one that emitted EOS there (|Y| = limit), so if no beam emits EOS the best
-    sequences at the limit are returned (under either rule). Under stop='bound' an example stops
-    searching as soon as no alive beam can still beat the worst of its K finished hypotheses
-    (log-probs only fall, so the best an alive beam can reach is its log-prob over the largest
-    penalty ahead): that early stop never changes the result. The loop stops when every example
-    has stopped, or at max_decode_len.
+    A hypothesis cut at its limit is scored as if it emitted EOS there (|Y| = limit). The loop
+    stops when every example has stopped, or at max_decode_len.
 
     Returns:
       sequences int32[B, K, max_decode_len]: generated tokens (BOS excluded), EOS, then 0s;
-      scores float32[B, K]: sum log-prob / length_penalty(|Y|, alpha), sorted best first.
-      A slot is -inf only when fewer than K hypotheses exist at all (a tiny vocabulary) or, under
-      'fallback', when fewer than K hypotheses ending in EOS were found (its sequence is 0s).
+      scores float32[B, K]: sum log-prob / length_penalty(|Y|, alpha), sorted best first. A slot
+      is -inf only when fewer than K hypotheses exist at all (a tiny vocabulary) or, under
+      'fallback', when fewer than K ending in EOS were found (its sequence is 0s).
     """
     if unfinished not in UNFINISHED_RULES:
         raise ValueError(f'unfinished={unfinished!r}, expected one of {UNFINISHED_RULES}')
@@ -265,10 +251,7 @@ def beam_search(
         constants=_per_row(constants, B, K),
     )
     if constraints_BCP is not None:
-        if jnp.ndim(constraints_BCP) != 3 or jnp.shape(constraints_BCP)[0] != B:
-            raise ValueError(f'constraints_BCP has shape {jnp.shape(constraints_BCP)}, expected '
-                             f'({B}, phrases, tokens)')
-        state = state.replace(constraints=constraints.init(constraints_BCP, K))
+        state = state.replace(constraints=constraints.init(constraints_BCP, K, B))
 
     def searching(state: BeamState):
         """bool[B]: an alive beam of the example can still beat its worst finished one (and,

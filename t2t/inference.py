@@ -299,6 +299,36 @@ class DecodeConfig:
 
 
 @functools.lru_cache(maxsize=32)
+def _search(decoding: DecodeConfig, tokens_to_logits, cache, constants, *, keys_B,
+            batch_size: int, L: int, limit_B, first: int, log_probs: bool, constraints_BCP):
+    """The decoding.decode_strategy search of one bucket: (ids_BL, score_B, nbest_ids_BNL,
+    nbest_scores_BN), the last three None where the strategy has none."""
+    strategy, sampling, eos_id = decoding.decode_strategy, decoding.sampling, decoding.eos_id
+    score_B = nbest_ids_BNL = nbest_scores_BN = None
+    if strategy == 'sample':
+        ids_BL = decode.sample_search(
+            tokens_to_logits, cache, keys_B=keys_B,
+            sampling=sampling, batch_size=batch_size, eos_id=eos_id, max_decode_len=L,
+            max_lengths=limit_B, constants=constants)
+    elif strategy == 'greedy':
+        ids_BL = decode.greedy_search(
+            tokens_to_logits, cache, batch_size=batch_size, eos_id=eos_id,
+            max_decode_len=L, max_lengths=limit_B, constants=constants)
+    else:
+        seqs_BKL, scores_BK = decode.beam_search(
+            tokens_to_logits, cache, batch_size=batch_size, beam_size=decoding.beam_size,
+            alpha=decoding.length_penalty_alpha, eos_id=eos_id, max_decode_len=L,
+            max_lengths=limit_B, unfinished=decoding.beam_unfinished,
+            stop=decoding.beam_stop, constants=constants,
+            shrink_to=shrink_ladder(batch_size, decoding.beam_shrink_floor), cache_lengths=(first,),
+            grow_cache=_grow_cache, log_probs=log_probs, constraints_BCP=constraints_BCP)
+        ids_BL, score_B = seqs_BKL[:, 0], scores_BK[:, 0]
+        if decoding.nbest > 1:
+            nbest_ids_BNL = seqs_BKL[:, :decoding.nbest]
+            nbest_scores_BN = scores_BK[:, :decoding.nbest]
+    return ids_BL, score_B, nbest_ids_BNL, nbest_scores_BN
+
+
 def make_predict_fn(model_config: TransformerConfig | tuple[TransformerConfig, ...],
                     decoding: DecodeConfig, *, num_valid_ids: int | None = None,
                     mesh=None) -> Predict:
@@ -328,7 +358,7 @@ def make_predict_fn(model_config: TransformerConfig | tuple[TransformerConfig, .
                              f'max_position={member.max_position}')
     members = [_Member(member, num_valid_ids) for member in configs]
     ensemble = isinstance(model_config, tuple)
-    strategy, sampling, eos_id = decoding.decode_strategy, decoding.sampling, decoding.eos_id
+    strategy, eos_id = decoding.decode_strategy, decoding.eos_id
     max_decode_len, max_decode_extra = decoding.max_decode_len, decoding.max_decode_extra
     num_samples = decoding.num_samples
 
@@ -365,28 +395,9 @@ def make_predict_fn(model_config: TransformerConfig | tuple[TransformerConfig, .
             cache, constants = members[0].start(params, inputs_BS, first)
             tokens_to_logits = functools.partial(members[0].step, params)
 
-        score_B = nbest_ids_BNL = nbest_scores_BN = None
-        if strategy == 'sample':
-            ids_BL = decode.sample_search(
-                tokens_to_logits, cache, keys_B=keys_B,
-                sampling=sampling, batch_size=B, eos_id=eos_id, max_decode_len=L,
-                max_lengths=limit_B, constants=constants)
-        elif strategy == 'greedy':
-            ids_BL = decode.greedy_search(
-                tokens_to_logits, cache, batch_size=B, eos_id=eos_id,
-                max_decode_len=L, max_lengths=limit_B, constants=constants)
-        else:
-            seqs_BKL, scores_BK = decode.beam_search(
-                tokens_to_logits, cache, batch_size=B, beam_size=decoding.beam_size,
-                alpha=decoding.length_penalty_alpha, eos_id=eos_id, max_decode_len=L,
-                max_lengths=limit_B, unfinished=decoding.beam_unfinished,
-                stop=decoding.beam_stop, constants=constants,
-                shrink_to=shrink_ladder(B, decoding.beam_shrink_floor), cache_lengths=(first,),
-                grow_cache=_grow_cache, log_probs=ensemble, constraints_BCP=constraints_BCP)
-            ids_BL, score_B = seqs_BKL[:, 0], scores_BK[:, 0]
-            if decoding.nbest > 1:
-                nbest_ids_BNL = seqs_BKL[:, :decoding.nbest]
-                nbest_scores_BN = scores_BK[:, :decoding.nbest]
+        ids_BL, score_B, nbest_ids_BNL, nbest_scores_BN = _search(
+            decoding, tokens_to_logits, cache, constants, keys_B=keys_B, batch_size=B, L=L,
+            limit_B=limit_B, first=first, log_probs=ensemble, constraints_BCP=constraints_BCP)
         limit_is_cap_B = wanted_B > max_decode_len
         if num_samples > 1:  # back to one row per sentence: draw 0 the output, all draws beside
             samples_BNL = ids_BL.reshape(-1, num_samples, L)

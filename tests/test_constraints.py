@@ -153,7 +153,7 @@ def test_the_matcher_finds_a_phrase_exactly_where_it_occurs(phrase):
     tokens_BT = np.zeros((B, T), np.int32)
     for b, s in enumerate(seqs):
         tokens_BT[b, :len(s)] = s
-    state = constraints.init(_phrases([[phrase]] * B, C=1, P=5), beam_size=1)
+    state = constraints.init(_phrases([[phrase]] * B, C=1, P=5), beam_size=1, batch_size=B)
     parent_B1 = jnp.zeros((B, 1), jnp.int32)
     done_BT = np.zeros((B, T), bool)
     advance = jax.jit(constraints.advance)

@@ -15,7 +15,6 @@ LIMIT = 100
 OVER_LIMIT = {
     'aot/report.py:tpu_dry_run': 102,
     'decode.py:beam_search': 200,
-    'run/config_checks.py:_rules': 120,
     'train/loop.py:_train_and_evaluate': 217,
 }
 

@@ -88,11 +88,12 @@ def _cudnn_problem(config) -> str | None:
     return attention_choice.cudnn_problem(config, attention_choice.HOPPER)
 
 
-def _rules() -> tuple[Rule, ...]:
-    ge1, ge0 = 'must be >= 1', 'must be >= 0'
-    unit = 'must be in [0, 1)'
-    axes = ', '.join(sharding.MESH_AXES)
-    rules = [
+GE1, GE0, UNIT = 'must be >= 1', 'must be >= 0', 'must be in [0, 1)'
+
+
+def _data_rules() -> list[Rule]:
+    """The corpus, its vocabulary, batches, mixtures and subword sampling."""
+    return [
         # data
         Rule('dataset', *_one_of(sources.DATASETS)),
         Rule('hf_path', lambda v, c: c.dataset != 'hf' or hf.check(c) is None,
@@ -100,14 +101,14 @@ def _rules() -> tuple[Rule, ...]:
         Rule('vocab_size', lambda v, c: c.dataset == 'recall' or v >= MIN_VOCAB_SIZE,
              f'must be >= {MIN_VOCAB_SIZE} (256 UTF-8 byte pieces, PAD/EOS/UNK and the '
              "corpus's characters)"),
-        Rule('tokenizer_sentences', _at_least(1), ge1),
+        Rule('tokenizer_sentences', _at_least(1), GE1),
         Rule('tokenizer_character_coverage', lambda v, c: 0 < v <= 1, 'must be in (0, 1]'),
         Rule('data_wait_timeout_s', lambda v, c: v > 0, 'must be > 0 (seconds)'),
-        Rule('batch_size', _at_least(1), ge1),
-        Rule('eval_batch_size', _at_least(1), ge1),
+        Rule('batch_size', _at_least(1), GE1),
+        Rule('eval_batch_size', _at_least(1), GE1),
         Rule('recall_length', _at_least(2), 'must be >= 2 (the first symbol and one other)'),
-        Rule('recall_train_examples', _at_least(1), ge1),
-        Rule('recall_eval_examples', _at_least(1), ge1),
+        Rule('recall_train_examples', _at_least(1), GE1),
+        Rule('recall_eval_examples', _at_least(1), GE1),
         # mixtures and subword regularization (t2t/data/mixture.py, t2t/data/subword.py)
         Rule('train_mixture', lambda v, c: mixture.problem(v) is None,
              _Why(lambda c: f'is unusable: {mixture.problem(c.train_mixture)} (expected '
@@ -122,26 +123,32 @@ def _rules() -> tuple[Rule, ...]:
              'needs a sentencepiece vocabulary (dataset=recall has fixed symbols)'),
         Rule('spm_nbest_size', lambda v, c: v == -1 or v >= 2,
              'must be -1 (sample among every segmentation) or >= 2 (among the n best)'),
+    ]
+
+
+def _model_rules() -> list[Rule]:
+    """The model: lengths, sizes, dropout, kernels, dtype and the loss."""
+    return [
         # model
-        Rule('max_position', _at_least(1), ge1),
+        Rule('max_position', _at_least(1), GE1),
         # (max_decode_len >= 1: inference.DecodeConfig)
-        *(Rule(key, _at_least(1), ge1) for key in ('max_len', 'max_eval_len')),
+        *(Rule(key, _at_least(1), GE1) for key in ('max_len', 'max_eval_len')),
         # Longer sequences would read positions beyond the table (the model refuses them at
         # trace time too: model.Embedder); checked for rotary positions as well, so that a
         # config is valid or not whatever its position_embedding.
         *(Rule(key, lambda v, c: v <= c.max_position,
                f'exceeds max_position={{c.max_position}} (--config.{key} or '
                '--config.max_position)') for key in LENGTH_KEYS),
-        Rule('d_model', _at_least(1), ge1),
-        Rule('d_ff', _at_least(1), ge1),
-        Rule('num_heads', _at_least(1), ge1),
+        Rule('d_model', _at_least(1), GE1),
+        Rule('d_ff', _at_least(1), GE1),
+        Rule('num_heads', _at_least(1), GE1),
         Rule('d_model', lambda v, c: c.num_heads < 1 or v % c.num_heads == 0,
              'must be divisible by num_heads={c.num_heads}'),
-        Rule('num_encoder_layers', _at_least(1), ge1),
-        Rule('num_decoder_layers', _at_least(1), ge1),
-        Rule('dropout_rate', _in_unit, unit),
-        Rule('attention_dropout_rate', _in_unit, unit),
-        Rule('relu_dropout_rate', _in_unit, unit),
+        Rule('num_encoder_layers', _at_least(1), GE1),
+        Rule('num_decoder_layers', _at_least(1), GE1),
+        Rule('dropout_rate', _in_unit, UNIT),
+        Rule('attention_dropout_rate', _in_unit, UNIT),
+        Rule('relu_dropout_rate', _in_unit, UNIT),
         Rule('position_embedding', *_one_of(model._POSITIONS)),
         Rule('position_embedding', lambda v, c: v != 'rope' or c.num_heads < 1
              or c.d_model // c.num_heads % 2 == 0,
@@ -162,26 +169,39 @@ def _rules() -> tuple[Rule, ...]:
         Rule('loss_impl', *_one_of(loss.IMPLS)),
         Rule('z_loss', _at_least(0), 'must be >= 0 (0: off)'),
         Rule('rng_impl', *_one_of(tuple(train_lib.RNG_IMPLS))),
+    ]
+
+
+def _optim_rules() -> list[Rule]:
+    """The optimizer and the schedule."""
+    return [
         # optimization
         Rule('learning_rate_scale', lambda v, c: v > 0, 'must be > 0'),
         Rule('warmup_steps', _at_least(1), 'must be >= 1 (the steps the learning rate rises over)'),
-        Rule('adam_b1', _in_unit, unit),
-        Rule('adam_b2', _in_unit, unit),
+        Rule('adam_b1', _in_unit, UNIT),
+        Rule('adam_b2', _in_unit, UNIT),
         Rule('adam_eps', lambda v, c: v > 0, 'must be > 0'),
-        Rule('weight_decay', _at_least(0), ge0),
+        Rule('weight_decay', _at_least(0), GE0),
         Rule('clip_grad_norm', _at_least(0), 'must be >= 0 (0: off)'),
-        Rule('label_smoothing', _in_unit, unit),
-        Rule('ema_decay', _in_unit, unit),
-        Rule('grad_accum_steps', _at_least(1), ge1),
+        Rule('label_smoothing', _in_unit, UNIT),
+        Rule('ema_decay', _in_unit, UNIT),
+        Rule('grad_accum_steps', _at_least(1), GE1),
         Rule('batch_size', lambda v, c: c.grad_accum_steps < 1 or v % c.grad_accum_steps == 0,
              'must be a multiple of grad_accum_steps={c.grad_accum_steps}'),
-        Rule('num_train_steps', _at_least(1), ge1),
+        Rule('num_train_steps', _at_least(1), GE1),
         Rule('train_time_budget_s', _at_least(0), 'must be >= 0 (0: no budget)'),
+    ]
+
+
+def _run_rules() -> list[Rule]:
+    """The loop, checkpoints, evaluation, guards, storage, trackers and the mesh."""
+    axes = ', '.join(sharding.MESH_AXES)
+    return [
         # loop, checkpoints, evaluation
-        Rule('log_every_steps', _at_least(1), ge1),
-        Rule('eval_every_steps', _at_least(1), ge1),
-        Rule('checkpoint_every_steps', _at_least(1), ge1),
-        Rule('keep_checkpoints', _at_least(1), ge1),
+        Rule('log_every_steps', _at_least(1), GE1),
+        Rule('eval_every_steps', _at_least(1), GE1),
+        Rule('checkpoint_every_steps', _at_least(1), GE1),
+        Rule('keep_checkpoints', _at_least(1), GE1),
         Rule('num_eval_batches', lambda v, c: v >= 1 or v == -1, 'must be >= 1, or -1 for all'),
         Rule('eval_bleu_sentences', _at_least(0), 'must be >= 0 (0: no BLEU during training)'),
         # divergence guards
@@ -201,7 +221,7 @@ def _rules() -> tuple[Rule, ...]:
         Rule('best_metric', lambda v, c: not best.enabled(c) or not v.endswith('_ema')
              or c.ema_decay > 0, 'needs ema_decay > 0 (the EMA weights it ranks)'),
         Rule('straggler_factor', _at_least(0), 'must be >= 0 (0: off)'),
-        Rule('straggler_min_s', _at_least(0), ge0),
+        Rule('straggler_min_s', _at_least(0), GE0),
         Rule('slow_save_s', _at_least(0), 'must be >= 0 (0: off)'),
         Rule('storage_outage_limit_s', lambda v, c: v == 0 or v >= uploads.BACKOFF_MAX_S,
              f'must be 0 (not retried) or >= {uploads.BACKOFF_MAX_S:g} s, the longest wait '
@@ -221,7 +241,10 @@ def _rules() -> tuple[Rule, ...]:
              f'must be {len(sharding.MESH_AXES)} sizes >= 1 ({axes}), e.g. '
              '--config.dcn_mesh_shape=2,1,1'),
     ]
-    return tuple(rules)
+
+
+def _rules() -> tuple[Rule, ...]:
+    return (*_data_rules(), *_model_rules(), *_optim_rules(), *_run_rules())
 
 
 RULES = _rules()
