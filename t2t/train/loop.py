@@ -369,7 +369,7 @@ def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> Tra
                 ledger.flush('log')
                 if distributed.process_0_decides(over_budget()) and not is_last:
                     stopped_by = 'time_budget'
-                    _say(f'the time budget (train_time_budget_s={config.train_time_budget_s:.0f}) '
+                    _say(f'the time budget (train_time_budget_s={config.train_time_budget_s:g}) '
                          f'cut the run at step {step} of num_train_steps='
                          f'{config.num_train_steps}: its scores are not the full schedule\'s')
             if preemption.reached(step, at_log_step=logged):
