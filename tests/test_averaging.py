@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from t2t import data, optim, sharding, train_lib
-from t2t.eval import averaging, evaluation
+from t2t.eval import averaging, evaluation, scoring
 from t2t.eval import checkpoints as eval_checkpoints
 from t2t.run import checkpoint, checkpoint_read
 from t2t.train import loop
@@ -96,6 +96,16 @@ def test_an_average_reaching_back_to_an_early_checkpoint_is_not_chosen(run):
     assert list(results) == ['avg2-2-40']
     warnings = [line for line in lines if line.startswith('WARNING: averaging')]
     assert warnings == [averaging.wide_window([2, 40], 0.25)]
+    # evaluate.py --score with the same window says the same line.
+    source, reference = (run['workdir'] + '/../source.txt', run['workdir'] + '/../reference.txt')
+    for path, text in ((source, 'red cat .\n'), (reference, '. CAT RED\n')):
+        with open(path, 'w', encoding='utf-8') as f:
+            f.write(text)
+    lines = []
+    scoring.run(run['config'], run['workdir'], input_path=source, references_path=reference,
+                output_path=run['workdir'] + '/../scores.tsv', average_last=2,
+                echo=lines.append)
+    assert lines[0] == averaging.wide_window([2, 40], 0.25) and len(lines) == 2
 
 
 def test_an_average_better_on_validation_is_chosen(run, tmp_path):

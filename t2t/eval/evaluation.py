@@ -4,6 +4,7 @@
     run(config, workdir, step=N)                  # one step
     run(config, workdir, all_steps=True)          # every checkpoint: a table step -> scores
     run(config, workdir, average_last=5, write_averaged=OUT)   # the paper's checkpoint average
+    run(config, workdir, average_final=True)      # the run's final part averaged, or the last one
     run(config, workdir, translate=True, input_path='-', output_path='-')
 
 Weights (weights='auto', 'ema' or 'raw'): a checkpoint of a run with ema_decay > 0 holds the moving
