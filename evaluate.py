@@ -1,7 +1,8 @@
 """Evaluate or use trained checkpoints (the logic lives in t2t/eval/evaluation.py).
 
   python evaluate.py --config=configs/default.py --workdir=DIR            # the latest checkpoint
-      [--step=N | --best | --all | --average_last=N [--write_averaged=OUT_DIR]] [--split=test]
+      [--step=N | --best | --all | --average_final | --average_last=N [--write_averaged=OUT_DIR]]
+      [--split=test]
   python evaluate.py --config=... --workdir=DIR --translate [--input=FILE|-] [--output=FILE|-]
       [--truncate_long] [--nbest=N]
   python evaluate.py --config=... --workdir=DIR --score --input=SRC --references=TGT [--output=FILE]
@@ -34,7 +35,12 @@ _BEST = flags.DEFINE_bool('best', False, 'Evaluate the best checkpoint of a run 
                           '(ranked by its best_metric during training).')
 _ALL = flags.DEFINE_bool('all', False, 'Evaluate every checkpoint: a table step -> scores.')
 _AVERAGE_LAST = flags.DEFINE_integer(
-    'average_last', 0, 'Evaluate the mean of the last N checkpoints (paper: 5 base, 20 big).')
+    'average_last', 0, 'Evaluate the mean of the last N checkpoints (paper: 5 base, 20 big); a '
+    'window reaching before the run\'s final average_fraction of steps warns.')
+_AVERAGE_FINAL = flags.DEFINE_bool(
+    'average_final', False, 'Evaluate the mean of the checkpoints of the run\'s final '
+    'config.average_fraction of steps, or the last checkpoint if its validation NLL is as low or '
+    'lower (both printed); make demo\'s choice.')
 _WRITE_AVERAGED = flags.DEFINE_string(
     'write_averaged', '', 'With --average_last: also write the averaged params to this workdir.')
 _SPLIT = flags.DEFINE_string('split', '', 'The split to decode (default: config.test_split).')
@@ -133,6 +139,9 @@ def main(argv):
     if _ENSEMBLE.value and _WATCH.value:
         sys.exit('evaluate.py: --watch with --ensemble is not supported: --watch evaluates the '
                  'checkpoints of one run (--workdir) as they come')
+    if _AVERAGE_FINAL.value and (_SCORE.value or _WATCH.value):
+        sys.exit('evaluate.py: --average_final chooses the checkpoint of a split\'s evaluation or '
+                 '--translate; --score takes --step or --average_last, --watch neither')
     try:
         step = _STEP.value
         if _BEST.value:
@@ -150,7 +159,8 @@ def main(argv):
             return
         evaluation.run(
             _CONFIG.value, _WORKDIR.value, step=step, all_steps=_ALL.value,
-            average_last=_AVERAGE_LAST.value, write_averaged=_WRITE_AVERAGED.value,
+            average_last=_AVERAGE_LAST.value, average_final=_AVERAGE_FINAL.value,
+            write_averaged=_WRITE_AVERAGED.value,
             split=_SPLIT.value, translate=_TRANSLATE.value, input_path=_INPUT.value,
             output_path=_OUTPUT.value, truncate_long=_TRUNCATE_LONG.value,
             weights=_WEIGHTS.value, nbest=_NBEST.value, ensemble=_ENSEMBLE.value,
@@ -168,9 +178,9 @@ def _best_step(workdir_path, process_index: int) -> int:
     from t2t.eval.checkpoints import EvalError
     from t2t.run import best
 
-    if _STEP.present or _ALL.value or _AVERAGE_LAST.value or _WATCH.value:
-        raise EvalError('--best takes the place of --step, --all, --average_last and --watch: '
-                        'give one of them')
+    if _STEP.present or _ALL.value or _AVERAGE_LAST.value or _AVERAGE_FINAL.value or _WATCH.value:
+        raise EvalError('--best takes the place of --step, --all, --average_last, '
+                        '--average_final and --watch: give one of them')
     if not workdir_path:
         raise EvalError('--workdir is required')
     step, what = best.best_step(workdir_path)

@@ -138,6 +138,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval_every_steps = 5000
     c.checkpoint_every_steps = 5000
     c.keep_checkpoints = 20
+    # Checkpoint averaging reads only checkpoints of the run's final fraction of steps (evaluate.py
+    # --average_final); --average_last=N reaching before it warns (t2t/eval/averaging.py).
+    c.average_fraction = 0.25
     c.num_eval_batches = 20  # validation batches for eval loss (-1 = all)
     c.eval_bleu_sentences = 256  # validation sentences decoded for BLEU at each eval (0 = off)
     # Best checkpoints and early stopping (t2t/run/best.py): evaluations ranked by best_metric, one

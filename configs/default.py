@@ -1,7 +1,10 @@
 """The embedded default: a CPU-sized Transformer on the Debian trans-de-en English->German corpus.
 
-`make demo` trains this within `train_time_budget_s` on a 2-core machine (about 2000 steps),
-then evaluates the average of its last 5 checkpoints (150 steps apart) on the held-out test split.
+`make demo` trains this for a fixed 1200 steps (past the step, about 1,050, after which the
+validation loss stops improving on this corpus), so that any machine prints the same scores; only
+the wall time depends on the machine, and `train_time_budget_s` is a safety limit that says so if
+it cuts the run. It then evaluates the better, on the validation split, of the last checkpoint and
+the average of the checkpoints of the run's final `average_fraction` of steps.
 """
 
 from configs import common
@@ -23,8 +26,8 @@ def get_config():
     c.max_position = 256
     c.learning_rate_scale = 0.8
     c.warmup_steps = 300
-    c.num_train_steps = 100_000
-    c.train_time_budget_s = 1000.0
+    c.num_train_steps = 1200
+    c.train_time_budget_s = 7200.0  # a safety limit for a very slow machine, not the schedule
     c.log_every_steps = 25
     c.eval_every_steps = 150
     c.checkpoint_every_steps = 150

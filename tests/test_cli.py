@@ -88,6 +88,8 @@ BAD_VALUES = [
     ('dtype', 'float16', "dtype='float16' must be one of ('float32', 'bfloat16')"),
     ('loss_impl', 'chunked', "loss_impl='chunked' must be one of ('plain', 'fused')"),
     ('z_loss', -1e-4, 'z_loss=-0.0001 must be >= 0 (0: off)'),
+    ('average_fraction', 0.0, 'average_fraction=0.0 must be in (0, 1] (the final part of a run '
+                              'whose checkpoints are averaged)'),
     # decoding: inference.DecodeConfig's own check, made once at startup
     ('decode_strategy', 'nucleus',
      "decode_strategy='nucleus' must be one of ('beam', 'greedy', 'sample')"),

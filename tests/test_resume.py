@@ -157,6 +157,8 @@ def test_sigterm_in_the_final_evaluation_of_a_time_budget_stop_leaves_it_pending
     preempted = _drive(corpus, workdir, 'sigterm_in_eval', at=1, overrides=budget)
     assert preempted.returncode == 0, preempted.stderr[-2000:]
     assert json.loads(preempted.stdout.splitlines()[-1]) == {'step': 2, 'stopped_by': 'preemption'}
+    assert (f'the time budget (train_time_budget_s=0.3) cut the run at step 2 of num_train_steps='
+            f'{SETTINGS["num_train_steps"]}' in preempted.stdout.splitlines())
     assert checkpoint_read.read_metadata(workdir, 2)['evaluation_pending'] is True
     assert run_record.read_finished(workdir) is None
     # The resumed run evaluates step 2 first, then finds the budget spent.

@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import orbax.checkpoint as ocp
 
+from t2t.eval import averaging
 from t2t.infra import workdir as wd
 from t2t.model import TransformerConfig, abstract_params, attention_bias_mismatch
 from t2t.run import checkpoint, checkpoint_read, layers_convert
@@ -37,11 +38,15 @@ def list_steps(workdir) -> list[int]:
 
 
 def select(workdir, *, step: int | None = None, all_steps: bool = False,
-           average_last: int = 0) -> list[tuple[str, list[int]]]:
-    """[(label, steps)]: what to evaluate; several steps in one entry are averaged."""
-    if sum([step is not None, all_steps, average_last > 0]) > 1:
-        raise EvalError('choose one of --step, --all and --average_last')
+           average_last: int = 0, average_final: float = 0.0) -> list[tuple[str, list[int]]]:
+    """[(label, steps)]: what to evaluate; several steps in one entry are averaged.
+    average_final > 0: the checkpoints of the run's final fraction of steps (averaging.py)."""
+    if sum([step is not None, all_steps, average_last > 0, average_final > 0]) > 1:
+        raise EvalError('choose one of --step, --all, --average_last and --average_final')
     steps = list_steps(workdir)
+    if average_final:
+        window = averaging.final_window(steps, average_final)
+        return [(average_label(window) if len(window) > 1 else f'step-{steps[-1]}', window)]
     if step is not None:
         if step not in steps:
             raise EvalError(f'no checkpoint for step {step} in {workdir}; have {steps}')
@@ -52,9 +57,13 @@ def select(workdir, *, step: int | None = None, all_steps: bool = False,
         if average_last > len(steps):
             raise EvalError(f'--average_last={average_last} but {workdir} has only '
                             f'{len(steps)} checkpoints {steps}')
-        last = steps[-average_last:]
-        return [(f'avg{average_last}-{last[0]}-{last[-1]}', last)]
+        return [(average_label(steps[-average_last:]), steps[-average_last:])]
     return [(f'step-{steps[-1]}', [steps[-1]])]
+
+
+def average_label(steps: list[int]) -> str:
+    """avgN-FIRST-LAST: the label of the mean of checkpoints `steps`."""
+    return f'avg{len(steps)}-{steps[0]}-{steps[-1]}'
 
 
 def load_params(workdir, steps: list[int], *, scan_layers: bool = False, weights: str = 'raw'):

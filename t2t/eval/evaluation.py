@@ -4,6 +4,7 @@
     run(config, workdir, step=N)                  # one step
     run(config, workdir, all_steps=True)          # every checkpoint: a table step -> scores
     run(config, workdir, average_last=5, write_averaged=OUT)   # the paper's checkpoint average
+    run(config, workdir, average_final=True)      # the run's final part averaged, or the last one
     run(config, workdir, translate=True, input_path='-', output_path='-')
 
 Weights (weights='auto', 'ema' or 'raw'): a checkpoint of a run with ema_decay > 0 holds the moving
@@ -37,7 +38,7 @@ from absl import logging
 
 from t2t import inference, sharding
 from t2t.data import identity
-from t2t.eval import bleu
+from t2t.eval import averaging, bleu
 from t2t.eval.checkpoints import EvalError, check_params, load_params, select, weights_label
 from t2t.infra import workdir as wd
 from t2t.model import TransformerConfig
@@ -239,8 +240,8 @@ def check_vocabulary(workdir, steps: list[int], tokenizer, label: str) -> None:
 
 
 def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
-        average_last: int = 0, write_averaged: str = '', split: str = '',
-        translate: bool = False, input_path: str = '-', output_path: str = '-',
+        average_last: int = 0, average_final: bool = False, write_averaged: str = '',
+        split: str = '', translate: bool = False, input_path: str = '-', output_path: str = '-',
         truncate_long: bool = False, nbest: int = 1, progress: bool = True,
         echo: Callable[[str], None] = print, devices=None,
         weights: str = 'auto', ensemble: str = '', constraints: str = '',
@@ -250,7 +251,9 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
     Decodes on `devices` (default: all devices of all processes). ensemble: 'DIR_OR_STEP,...',
     decode with those checkpoints together (t2t/eval/ensemble.py) instead of one. constraints /
     terminology: a file of phrases per source line / of terms (t2t/eval/terms.py). mbr: MBR
-    decoding (t2t/eval/mbr.py MBR) instead of the config's decoding.
+    decoding (t2t/eval/mbr.py MBR) instead of the config's decoding. average_final: the mean of
+    the checkpoints of the run's final config.average_fraction of steps or the last checkpoint,
+    whichever has the lower validation NLL (t2t/eval/averaging.py).
     """
     startup.check_lengths(config)
     if not workdir:
@@ -271,15 +274,16 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
     if translate and input_path == '-' and jax.process_count() > 1:
         raise EvalError('with several processes --translate reads --input=FILE, not stdin')
     if ensemble:
-        if step is not None or all_steps or average_last or write_averaged:
+        if step is not None or all_steps or average_last or average_final or write_averaged:
             raise EvalError('--ensemble names its members: it takes no --step, --all, '
-                            '--average_last or --write_averaged')
+                            '--average_last, --average_final or --write_averaged')
         return _run_ensemble(config, workdir, ensemble, split=split, translate=translate,
                              input_path=input_path, output_path=output_path,
                              truncate_long=truncate_long, nbest=nbest, progress=progress,
                              echo=echo, devices=devices, weights=weights,
                              phrases=(constraints, terminology), mbr=mbr)
-    selection = select(workdir, step=step, all_steps=all_steps, average_last=average_last)
+    selection = select(workdir, step=step, all_steps=all_steps, average_last=average_last,
+                       average_final=config.average_fraction if average_final else 0.0)
     tokenizer = workdir_tokenizer(config, workdir)
     mesh = sharding.make_mesh((-1, 1, 1), devices)  # decoding: every device its own rows
     if jax.process_index() != 0:
@@ -287,10 +291,22 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
 
     for label, steps in selection:
         check_vocabulary(workdir, steps, tokenizer, label)
+    if average_last:
+        warning = averaging.wide_window(selection[0][1], config.average_fraction)
+        if warning:
+            echo(warning)
+    loaded, on_validation = {}, {}  # --average_final: the chosen params, both candidates' NLL
+    if average_final and len(selection[0][1]) > 1:
+        selection, loaded, on_validation = _average_or_last(
+            config, workdir, selection[0], tokenizer, mesh, weights, echo)
+    elif average_final:
+        echo(f'--average_final: the run\'s final average_fraction={config.average_fraction:g} '
+             f'of its steps holds one checkpoint ({selection[0][0]}): nothing to average')
     if translate:
         label, steps = selection[0]
         file_phrases = _constraints(config, tokenizer, constraints, terminology, input_path)
-        params, _ = _params_for(config, workdir, label, steps, write_averaged, mesh, weights)
+        params, _ = loaded.get(label) or _params_for(config, workdir, label, steps,
+                                                     write_averaged, mesh, weights)
         check_params(params, TransformerConfig.from_config(config), tokenizer, label)
         translate_file(config, params, tokenizer, input_path, output_path, mesh,
                        truncate_long=truncate_long, nbest=nbest, constraints=file_phrases,
@@ -304,8 +320,8 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
     results = {}
     for label, steps in selection:
         try:
-            params, used = _params_for(config, workdir, label, steps, write_averaged, mesh,
-                                       weights)
+            params, used = loaded.get(label) or _params_for(config, workdir, label, steps,
+                                                            write_averaged, mesh, weights)
         except checkpoint.CorruptCheckpointError as e:
             if len(selection) == 1:
                 raise
@@ -316,6 +332,8 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
         record = evaluate_params(config, params, tokenizer, eval_split, split=split, label=label,
                                  steps=steps, workdir=workdir, progress=progress, echo=echo,
                                  mesh=mesh, weights=used, constraints=split_phrases, mbr=mbr)
+        if on_validation:  # chosen over the other candidate by validation NLL
+            record['chosen_by_validation_nll'] = on_validation
         if jax.process_index() == 0:
             merge_json(json_path, label, record)
         results[label] = record
@@ -388,6 +406,25 @@ def _split_phrases(config, tokenizer, constraints_path: str, terminology_path: s
     skipped = set(eval_split.skipped)
     source_ids = [[] if i in skipped else ids for i, ids in enumerate(eval_split.inputs)]
     return terms.lines(loaded, 0, eval_split.sources, source_ids)
+def _average_or_last(config, workdir, entry, tokenizer, mesh, weights, echo):
+    """([(label, steps)] of the better, by validation NLL, of the average `entry` and its last
+    checkpoint, {label: (params, weights)} of it, {weights label: validation NLL} of both)."""
+    label, steps = entry
+    echo(f'--average_final: steps {steps[0]}-{steps[-1]}, the checkpoints of the run\'s final '
+         f'average_fraction={config.average_fraction:g} of its {steps[-1]} steps, against the '
+         'last checkpoint')
+    entries = {label: steps, f'step-{steps[-1]}': steps[-1:]}
+    loaded = {name: _params_for(config, workdir, name, chosen, '', mesh, weights)
+              for name, chosen in entries.items()}
+    shown = {}  # weights label (step-N-ema for EMA weights) -> label
+    for name, (params, used) in loaded.items():
+        check_params(params, TransformerConfig.from_config(config), tokenizer, name)
+        shown[weights_label(name, used)] = name
+    average, last = ((shown_name, loaded[name][0]) for shown_name, name in shown.items())
+    chosen, metrics = averaging.choose(config, tokenizer, mesh, average, last, echo)
+    nll = {shown_name: round(m['nll'], 6) for shown_name, m in metrics.items()}
+    name = shown[chosen]
+    return [(name, entries[name])], {name: loaded[name]}, nll
 
 
 def _params_for(config, workdir, label, steps, write_averaged, mesh, weights='auto'):

@@ -186,9 +186,9 @@ def run(config, workdir, *, input_path: str, references_path: str, output_path: 
     weights as evaluation's), or an ensemble's members ('DIR_OR_STEP,...', t2t/eval/ensemble.py),
     scores the pairs of two line-aligned files; the TSV goes to output_path ('-': stdout), from
     process 0."""
+    from t2t.eval import averaging, evaluation
     from t2t.eval import checkpoints as eval_checkpoints
     from t2t.eval import ensemble as ensembles
-    from t2t.eval import evaluation
     from t2t.infra import workdir as wd
     from t2t.run import checkpoint_read, startup
 
@@ -217,6 +217,9 @@ def run(config, workdir, *, input_path: str, references_path: str, output_path: 
         params = ensembles.load_params(config, members, tokenizer, mesh)
     else:
         ((label, steps),) = eval_checkpoints.select(workdir, step=step, average_last=average_last)
+        warning = average_last and averaging.wide_window(steps, config.average_fraction)
+        if warning:
+            echo(warning)
         evaluation.check_vocabulary(workdir, steps, tokenizer, label)
         model_config = TransformerConfig.from_config(config)
         max_len = config.max_position

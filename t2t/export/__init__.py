@@ -18,6 +18,7 @@ CTranslate2 by sum log p / |Y|^a. The export writes the a that imitates t2t's pe
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy as np
 
@@ -116,8 +117,8 @@ def export(config, workdir: str, *, fmt: str, output: str, step: int | None = No
     """Exports checkpoint `step` (default: the latest) or the mean of the last `average_last`
     checkpoints of `workdir`, trained with experiment `config`; returns the output directory.
     weights: 'ema', 'raw' or 'auto' (the EMA when the checkpoints hold one; evaluation.py)."""
+    from t2t.eval import averaging, evaluation
     from t2t.eval import checkpoints as eval_checkpoints
-    from t2t.eval import evaluation
     from t2t.model import TransformerConfig
     from t2t.run import checkpoint_read
 
@@ -137,6 +138,9 @@ def export(config, workdir: str, *, fmt: str, output: str, step: int | None = No
             raise ExportError(str(e)) from e
     try:
         (label, steps), = eval_checkpoints.select(workdir, step=step, average_last=average_last)
+        warning = average_last and averaging.wide_window(steps, config.average_fraction)
+        if warning:
+            print(warning, file=sys.stderr)
         tokenizer = evaluation.workdir_tokenizer(config, workdir)  # the run's pinned copy
         evaluation.check_vocabulary(workdir, steps, tokenizer, label)
         used = checkpoint_read.choose_weights(workdir, steps[-1], weights)

@@ -202,6 +202,8 @@ def _run_rules() -> list[Rule]:
         Rule('eval_every_steps', _at_least(1), GE1),
         Rule('checkpoint_every_steps', _at_least(1), GE1),
         Rule('keep_checkpoints', _at_least(1), GE1),
+        Rule('average_fraction', lambda v, c: 0 < v <= 1, 'must be in (0, 1] (the final part of '
+             'a run whose checkpoints are averaged)'),
         Rule('num_eval_batches', lambda v, c: v >= 1 or v == -1, 'must be >= 1, or -1 for all'),
         Rule('eval_bleu_sentences', _at_least(0), 'must be >= 0 (0: no BLEU during training)'),
         # divergence guards

@@ -375,8 +375,10 @@ def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> Tra
                 train_summary = _log_train(writer, interval, config, step, state,
                                            flops_per_step, flops_per_token, peak, mesh.size)
                 ledger.flush('log')
-                if distributed.process_0_decides(over_budget()):
+                if distributed.process_0_decides(over_budget()) and not is_last:
                     stopped_by = 'time_budget'
+                    _say(f'the time budget (train_time_budget_s={config.train_time_budget_s:g}) '
+                         f'cut the run at step {step} of num_train_steps={config.num_train_steps}')
             if preemption.reached(step, at_log_step=logged):
                 stopped_by = 'preemption'
 
