@@ -239,6 +239,26 @@ def check_vocabulary(workdir, steps: list[int], tokenizer, label: str) -> None:
             'be other words (evaluate with the run\'s own WORKDIR/vocab.model)')
 
 
+def _check_request(config, *, average_last: int, write_averaged: str, translate: bool,
+                   all_steps: bool, nbest: int, mbr, input_path: str) -> None:
+    """run()'s arguments that cannot go together: an EvalError of one line, before any work."""
+    if write_averaged and not average_last:
+        raise EvalError('--write_averaged needs --average_last=N')
+    if translate and all_steps:
+        raise EvalError('--translate takes one checkpoint: --step, --average_last or the latest')
+    if nbest != 1 and not translate:
+        raise EvalError(f'--nbest={nbest} needs --translate')
+    if mbr and nbest != 1:
+        raise EvalError('--nbest and --mbr_samples both choose the output: give one of them')
+    try:
+        inference.DecodeConfig.from_config(config, nbest=nbest)  # --nbest against the beam
+        _decoding(config, mbr)  # MBR's n-best against the beam
+    except ValueError as e:
+        raise EvalError(str(e)) from e
+    if translate and input_path == '-' and jax.process_count() > 1:
+        raise EvalError('with several processes --translate reads --input=FILE, not stdin')
+
+
 def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
         average_last: int = 0, average_final: bool = False, write_averaged: str = '',
         split: str = '', translate: bool = False, input_path: str = '-', output_path: str = '-',
@@ -258,21 +278,9 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
     startup.check_lengths(config)
     if not workdir:
         raise EvalError('--workdir is required')
-    if write_averaged and not average_last:
-        raise EvalError('--write_averaged needs --average_last=N')
-    if translate and all_steps:
-        raise EvalError('--translate takes one checkpoint: --step, --average_last or the latest')
-    if nbest != 1 and not translate:
-        raise EvalError(f'--nbest={nbest} needs --translate')
-    if mbr and nbest != 1:
-        raise EvalError('--nbest and --mbr_samples both choose the output: give one of them')
-    try:
-        inference.DecodeConfig.from_config(config, nbest=nbest)  # --nbest against the beam
-        _decoding(config, mbr)  # MBR's n-best against the beam
-    except ValueError as e:
-        raise EvalError(str(e)) from e
-    if translate and input_path == '-' and jax.process_count() > 1:
-        raise EvalError('with several processes --translate reads --input=FILE, not stdin')
+    _check_request(config, average_last=average_last, write_averaged=write_averaged,
+                   translate=translate, all_steps=all_steps, nbest=nbest, mbr=mbr,
+                   input_path=input_path)
     if ensemble:
         if step is not None or all_steps or average_last or average_final or write_averaged:
             raise EvalError('--ensemble names its members: it takes no --step, --all, '

@@ -72,6 +72,12 @@ def tracker_dir(config, workdir) -> str:
     return os.fspath(wd.path(workdir) / 'trackers')
 
 
+def check_dir(config, workdir) -> None:
+    """A ConfigError at startup where W&B or trackio would have nowhere local to write."""
+    if set(names(config.trackers)) - {'tensorboard'}:
+        tracker_dir(config, workdir)
+
+
 def flat_config(config) -> dict:
     """The config as one level of keys ('tsv_files.train'), values JSON-friendly."""
     out = {}

@@ -228,8 +228,7 @@ def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> Tra
     _say(f'mesh {dict(mesh.shape)} over {mesh.size} {mesh.devices.flat[0].platform} devices '
          f'({jax.process_count()} processes)')
     startup.check_training_config(config, mesh)
-    if set(trackers.names(config.trackers)) - {'tensorboard'}:
-        trackers.tracker_dir(config, workdir)  # a bucket workdir needs a local tracker_dir
+    trackers.check_dir(config, workdir)  # a bucket workdir needs a local tracker_dir
     from t2t.infra import watchdog  # stacks of slow steps and saves
 
     record = run_record.record(config, mesh)
