@@ -140,8 +140,8 @@ def test_find_max_batch_report_prints_every_try(monkeypatch):
     monkeypatch.setattr(aot, 'compile_train_step', fake_compile)
     plan = aot.Plan(aot.parse_slice('v5e-8'), sharding.make_mesh((-1, 1, 1)), batch_step=8)
     lines = []
-    status = aot_report.tpu_dry_run(config, plan, find_max_batch=True, max_tries=12,
-                                 out=lines.append)
+    status = aot_report.dry_run(config, plan, find_max_batch=True, max_tries=12,
+                             out=lines.append)
     text = '\n'.join(lines)
     # 0.95 x 16 GiB per device, 1 MiB of state, 300 MiB per row, 8 devices: 408 rows fit.
     want = max(b for b in range(8, 2000, 8) if (1 << 20) + b * per_row // 8 <= 0.95 * (16 << 30))
