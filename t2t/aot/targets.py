@@ -261,7 +261,9 @@ def _gpu_devices(target: GpuNodes, text: str | None = None) -> list:
         logged = captured.read().decode(errors='replace')
     if error is not None:
         why = re.search(r'Error parsing text-format [\w.]+: (.*)', logged)
-        first = why.group(1) if why else (str(error).strip().splitlines() or [''])[0]
+        first = why.group(1) if why else ' '.join(
+            (str(error).strip().splitlines() or [''])[:1]
+            + ["(XLA's log names the field; TF_CPP_MIN_LOG_LEVEL=3 hides it)"])
         raise ValueError(f'--topology={target.name}: XLA cannot read the target description '
                          f'{target.card.spec_file}: {first.strip()}') from None
     return list(topology.devices)

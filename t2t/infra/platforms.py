@@ -14,6 +14,7 @@ the CUDA plugin only as XLA's compiler.
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import os
 import sys
@@ -28,24 +29,37 @@ def _cuda_plugin_installed() -> bool:
     return any(importlib.util.find_spec(f'jax_cuda{v}_plugin') for v in (12, 13))
 
 
-def skip_absent_tpu() -> str | None:
-    """Leaves jax's TPU backend out when libtpu is installed but no TPU chip is attached.
+def _gpu_attached() -> bool:
+    """An NVIDIA GPU is visible: the driver's device files (/dev/nvidia0, ...), as a container
+    given GPUs has them too."""
+    return bool(glob.glob('/dev/nvidia[0-9]*') or glob.glob('/proc/driver/nvidia/gpus/*'))
 
-    Returns the jax_platforms it chose ('cuda,cpu' with a CUDA plugin installed, jax itself skips
-    CUDA without a visible GPU; else 'cpu'), or None when jax's own choice stands: JAX_PLATFORMS or
-    jax_platforms already set, no libtpu, or TPU chips present. Call it before the first jax
-    computation (cli.run does, for every entry point).
+
+def skip_absent_tpu() -> str | None:
+    """Leaves out jax's TPU backend when libtpu is installed but no TPU chip is attached, and its
+    CUDA backend when the CUDA plugin is installed (the `gpu-aot` extra) but no GPU is (the
+    plugin's start-up check prints a traceback on such a host, jax-ml/jax's xla_cuda12).
+
+    Returns the jax_platforms it chose ('cuda,cpu' with a CUDA plugin and a GPU, else 'cpu'), or
+    None when jax's own choice stands: JAX_PLATFORMS or jax_platforms already set, neither
+    libtpu nor the CUDA plugin, TPU chips present. Call it before the first jax computation
+    (cli.run does, for every entry point).
     """
-    if 'JAX_PLATFORMS' in os.environ or not _libtpu_installed():
+    cuda = _cuda_plugin_installed()
+    if 'JAX_PLATFORMS' in os.environ or not (_libtpu_installed() or cuda):
         return None
     import jax
-    from jax._src import hardware_utils  # the PCI probe of jax's cloud_tpu_init
 
     if jax.config.jax_platforms is not None:
         return None
-    if hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0:
-        return None
-    platforms = 'cuda,cpu' if _cuda_plugin_installed() else 'cpu'
+    if _libtpu_installed():
+        from jax._src import hardware_utils  # the PCI probe of jax's cloud_tpu_init
+
+        if hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0:
+            return None
+    elif cuda and _gpu_attached():
+        return None  # jax's own choice: the GPU
+    platforms = 'cuda,cpu' if cuda and _gpu_attached() else 'cpu'
     jax.config.update('jax_platforms', platforms)
     return platforms
 
