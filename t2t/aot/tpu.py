@@ -1,12 +1,12 @@
-"""Ahead-of-time compiles for a TPU slice on this machine's CPU: memory, FLOPs, the largest batch.
+"""Ahead-of-time compiles on this machine's CPU for a TPU slice or GPU nodes: memory, FLOPs, the
+verdict, the largest batch. (The name is the module's first target's; GPU nodes go the same way.)
 
-    tpu = aot.parse_slice('v5e-16')                  # or 'v5e:4x4', 'v5litepod-16'
-    plan = aot.plan(config, 'v5e-16')                # devices of the slice, the config's mesh
+    plan = aot.plan(config, 'v5e-16')                # or '8xh100', '2x8xh100' (t2t/aot/targets.py)
     train = aot.compile_train_step(config, plan.mesh)   # Compiled: memory, matmul FLOPs, s
-    train.memory.total <= plan.tpu.hbm_bytes         # what the step keeps resident per device
+    aot.verdict(train, plan.target.hbm_bytes, ratio=aot.recompute_ratio(train, config, n))
     predict = aot.compile_predict(config, plan.mesh)    # beam search on an eval batch
-    train.roofline.seconds                           # lower bound of the step on the chips
-    train.estimate.seconds                           # XLA's cost model, loops by trip count
+    train.roofline.seconds                           # TPU: lower bound; GPU: an estimate (gpu.py)
+    train.estimate.seconds                           # XLA's cost model, loops by trip count (TPU)
 
 XLA's TPU compiler ships in libtpu and runs without TPU hardware: jax.experimental.topologies
 describes the devices of a slice, the real train step (train_lib.jit_train_step on
@@ -18,7 +18,10 @@ loss's chunk loop, and is kept only as what it is. The roofline (Roofline) bound
 from below with those FLOPs, the HBM traffic and the collectives of the compiled HLO and the
 chip's datasheet numbers (t2t/infra/metrics.py's CHIPS); the estimate (Estimate) is XLA's cost
 model's time with the loops put back (t2t/aot/cost.py). The process itself runs on the CPU
-backend (platforms.py).
+backend (platforms.py). XLA's CUDA compiler (the gpu-aot extra) compiles for GPU nodes from
+XLA's description of the card; it gives no cost_analysis() and never fails for memory, so the
+verdict compares the total with the card and XLA's matmul FLOPs with the model's (t2t/aot/gpu.py
+adds the rest).
 
 What memory_analysis counts, per device: arguments (state and batch shards), outputs, aliased
 (outputs written into donated arguments, counted once), temporaries (XLA's scratch at its peak:
