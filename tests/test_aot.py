@@ -26,6 +26,8 @@ pytestmark = pytest.mark.xdist_group('libtpu')
 LIBTPU_LOCK = '/tmp/t2t-libtpu.lock'
 # What libtpu prints on a host without TPU chips when jax tries the TPU backend.
 LIBTPU_NOISE = ('TPU_WORKER_HOSTNAMES', 'INVALID_ARGUMENT', 'TPU accelerator type', 'libtpu')
+# What the CUDA plugin (the gpu-aot extra) prints on a host without a GPU when jax tries it.
+GPU_NOISE = ('xla_cuda12', 'cuInit', 'Jax plugin configuration error')
 
 
 @contextlib.contextmanager
@@ -274,7 +276,8 @@ def _tiny():
 
 
 def test_no_libtpu_noise_without_a_tpu():
-    """libtpu is installed (the `tpu` extra) but this host has no TPU chip: no start-up noise."""
+    """libtpu is installed (the `tpu` extra) but this host has no TPU chip, the CUDA plugin (the
+    `gpu-aot` extra) but no GPU: no start-up noise from either."""
     assert importlib.util.find_spec('libtpu') is not None, 'make test installs jax[tpu]'
     from jax._src import hardware_utils
 
@@ -282,7 +285,7 @@ def test_no_libtpu_noise_without_a_tpu():
                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert 'params: ' in out.stdout
-    assert not [w for w in LIBTPU_NOISE if w in out.stdout + out.stderr], out.stderr
+    assert not [w for w in LIBTPU_NOISE + GPU_NOISE if w in out.stdout + out.stderr], out.stderr
     if hardware_utils.num_available_tpu_chips_and_device_id()[0] == 0:
         # The same environment without t2t: jax tries libtpu and it complains.
         with libtpu_lock():

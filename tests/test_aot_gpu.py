@@ -1,11 +1,12 @@
 """GPU ahead-of-time compiles on this CPU (t2t/aot/targets.py, gpu.py; `train.py --dry_run
 --topology=8xh100`): XLA's CUDA compiler (the gpu-aot extra) compiles the tiny config's train step
-and beam search for one H100, for two H100s of one node (fsdp) and for two nodes of one H100 each
-(data), in bf16, with cuDNN's fused attention and with XLA's softmax.
+and beam search for one H100 (cuDNN's fused attention) and for two nodes of two H100s (data across
+the nodes, fsdp inside each; XLA's softmax), in bf16, and a model too large for the card.
 
-Each compile takes tens of seconds of a core: the compiles run in three processes, each shared by
-the tests that read it (module-scoped fixtures), in the xdist group of the TPU compiles so that
-the worker running them runs no other compile beside them.
+Each compile takes tens of seconds of a core: three processes compile (5 programs), each shared by
+the tests that read it (module-scoped fixtures), with scanned layers (a third less compile time,
+and the loops counted by trip count on the GPU's program too), in the xdist group of the TPU
+compiles so that the worker running them runs no other compile beside them.
 """
 
 import json
@@ -22,8 +23,6 @@ from t2t.model import TransformerConfig, abstract_params, count_params
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.xdist_group('libtpu')
-
-GPU_NOISE = ('xla_cuda12', 'cuInit', 'Jax plugin configuration error')
 
 
 def _env():
@@ -127,17 +126,13 @@ def test_each_target_plans_its_mesh_before_any_compile():
         aot.plan(_tiny(attention_impl='splash'), '8xh100')
 
 
-def test_bad_target_is_one_line_and_a_cpu_host_stays_quiet():
+def test_bad_target_is_one_line():
     out = _train_py('--topology=8xh900', timeout=120)
     assert out.returncode == 2, out.stdout + out.stderr
     error = out.stderr.strip().splitlines()
     assert error == ["train.py: --topology='8xh900': not GPU nodes of h100, h200, a100-80g, "
                      'b200 (e.g. 8xh100, 1xh200, 2x8xh100: nodes x GPUs per node x card) nor '
                      'a TPU slice (e.g. v5e-16)'], out.stderr
-    # The CUDA plugin is installed (gpu-aot) but this host has no GPU: no plugin traceback.
-    plain = _train_py(timeout=120)
-    assert plain.returncode == 0 and 'params: ' in plain.stdout
-    assert not [w for w in GPU_NOISE if w in plain.stdout + plain.stderr], plain.stderr
 
 
 def test_find_max_batch_takes_no_fit_by_xla_recomputation(monkeypatch):
@@ -177,7 +172,7 @@ def test_find_max_batch_takes_no_fit_by_xla_recomputation(monkeypatch):
 
 @pytest.fixture(scope='module')
 def one_h100():
-    out = _train_py('--topology=1xh100', '--config.dtype=bfloat16',
+    out = _train_py('--topology=1xh100', '--config.dtype=bfloat16', '--config.scan_layers=True',
                     '--config.attention_impl=cudnn')
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
@@ -215,10 +210,10 @@ def test_one_h100_report_fits_with_cudnn_attention(one_h100):
     flop, compute_ms, hbm_bytes, memory_ms, nvlink_ms, net_ms, total_ms = _number(
         r'max\(compute ([\d.e+]+) FLOP = ([\d.e+-]+) ms, HBM ([\d.e+]+) B = ([\d.e+-]+) ms\) \+ '
         r'NVLink ([\d.e+-]+) ms \+ network ([\d.e+-]+) ms = ([\d.e+-]+) ms', train)
-    assert compute_ms == pytest.approx(flop / 989e12 * 1e3, rel=2e-3)
-    assert memory_ms == pytest.approx(hbm_bytes / 3.35e12 * 1e3, rel=2e-3)
+    assert compute_ms == pytest.approx(flop / 989e12 * 1e3, rel=5e-3)  # printed to 3 digits
+    assert memory_ms == pytest.approx(hbm_bytes / 3.35e12 * 1e3, rel=5e-3)
     assert nvlink_ms == net_ms == 0
-    assert total_ms == pytest.approx(max(compute_ms, memory_ms), rel=2e-3)
+    assert total_ms == pytest.approx(max(compute_ms, memory_ms), rel=5e-3)
     model = flops.config_flops_per_step(_tiny())
     mfu, tokens = _number(r'implied by the estimate: MFU ([\d.]+)% .* ([\d.e+]+) target '
                           r'tokens/s per GPU', train)
@@ -228,53 +223,57 @@ def test_one_h100_report_fits_with_cudnn_attention(one_h100):
 
 
 # ----------------------------------------------------------------------------------------------
-# Two GPUs: fsdp over one node's NVLink, data over two nodes; XLA's softmax
+# Several GPUs: fsdp over a node's NVLink, data over the network; XLA's softmax
 
-_TWO = """
-import json, sys
+# Two nodes of two H100s, mesh data=2 (the nodes) x fsdp=2 (in each node): one compile shows both
+# axes and both networks (a compile is most of these tests' time).
+_NODES = """
+import json
 from configs import tiny
 from t2t.aot import tpu as aot
-out = {}
-for name, topology, mesh in (('fsdp', '2xh100', (1, 2, 1)), ('data', '2x1xh100', (2, 1, 1))):
-    config = tiny.get_config()
-    config.dtype, config.attention_impl, config.mesh_shape = 'bfloat16', 'xla', mesh
-    plan = aot.plan(config, topology)
-    train = aot.compile_train_step(config, plan.mesh)
-    predict = aot.compile_predict(config, plan.mesh)
-    out[name] = {k: dict(total=c.memory.total, arguments=c.memory.arguments,
-                         fits=aot.verdict(c, plan.target.hbm_bytes),
-                         cudnn=c.attention_calls, network=vars(c.roofline.network),
-                         kinds={k: v.count + v.in_loops_count for k, v in c.collectives.items()},
-                         ratio=aot.recompute_ratio(c, config, 2))
-                 for k, c in (('train', train), ('predict', predict))}
+config = tiny.get_config()
+config.dtype, config.attention_impl, config.mesh_shape = 'bfloat16', 'xla', (2, 2, 1)
+config.scan_layers = True
+plan = aot.plan(config, '2x2xh100')
+train = aot.compile_train_step(config, plan.mesh)
+predict = aot.compile_predict(config, plan.mesh)
+out = {k: dict(total=c.memory.total, arguments=c.memory.arguments,
+               fits=aot.verdict(c, plan.target.hbm_bytes), cudnn=c.attention_calls,
+               network=vars(c.roofline.network), collective_bytes=c.collective_bytes,
+               kinds={k: v.bytes + v.in_loops_bytes for k, v in c.collectives.items()},
+               ratio=aot.recompute_ratio(c, config, 4), mesh=dict(plan.mesh.shape),
+               nodes=[d.process_index for d in plan.mesh.devices.flat])
+       for k, c in (('train', train), ('predict', predict))}
 print('RESULT ' + json.dumps(out))
 """
 
 
 @pytest.fixture(scope='module')
-def two_gpus():
-    out = subprocess.run([sys.executable, '-c', _TWO], cwd=ROOT, env=_env(),
+def two_nodes():
+    out = subprocess.run([sys.executable, '-c', _NODES], cwd=ROOT, env=_env(),
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.split('RESULT ', 1)[1])
 
 
-def test_two_gpus_fsdp_in_a_node_and_data_across_nodes(two_gpus):
-    fsdp, data = two_gpus['fsdp'], two_gpus['data']
-    for run in (fsdp, data):
-        for c in run.values():
-            assert c['fits'] == aot.FITS and c['cudnn'] == [0, 0], c  # XLA's softmax
-        assert run['train']['ratio'] == pytest.approx(1.0, abs=0.01)
+def test_fsdp_in_a_node_and_data_across_nodes(two_nodes):
+    train, predict = two_nodes['train'], two_nodes['predict']
+    assert train['mesh'] == {'data': 2, 'fsdp': 2, 'tensor': 1}
+    assert train['nodes'] == [0, 0, 1, 1]  # data splits the nodes, fsdp runs inside each
+    for c in (train, predict):
+        assert c['fits'] == aot.FITS and c['cudnn'] == [0, 0], c  # XLA's softmax
+    assert train['ratio'] == pytest.approx(1.0, abs=0.01)
     params = count_params(abstract_params(TransformerConfig.from_config(_tiny())))
-    # fsdp in one node: parameters gathered, gradients scattered over NVLink, nothing across.
-    assert fsdp['train']['kinds']['all-gather'] > 0
-    assert fsdp['train']['network']['nvlink_bytes'] > 0
-    assert fsdp['train']['network']['internode_bytes'] == 0
-    assert fsdp['train']['arguments'] < 0.8 * data['train']['arguments']  # the state is sharded
-    # data over two nodes: the float32 gradients summed across the network, nothing on NVLink.
-    net = data['train']['network']
-    assert net['nvlink_bytes'] == 0 and net['internode_count'] > 0
-    assert net['internode_bytes'] >= 0.95 * 4 * params, (net, params)
+    net = train['network']
+    # fsdp inside a node: the parameters gathered over NVLink (at least a bfloat16 copy of the
+    # half a device does not hold), nothing of that crosses the network.
+    assert train['kinds']['all-gather'] > 0 and net['nvlink_bytes'] >= params
+    # data across nodes: the gradients summed over the network (a device's half of them, at
+    # least in bfloat16: XLA reduces the matmul weights' before the cast to float32).
+    assert net['internode_count'] > 0 and net['internode_bytes'] >= params
+    assert net['nvlink_bytes'] + net['internode_bytes'] == train['collective_bytes']
+    # The beam search decodes each device's rows with the parameters gathered inside a node.
+    assert predict['network']['nvlink_bytes'] > 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -287,7 +286,7 @@ def test_a_model_too_large_for_an_h100_never_fits():
     compile for a GPU does not fail for memory): the report says it does not fit and exits 1
     without compiling the beam search."""
     out = _train_py('--topology=1xh100', '--config.dtype=bfloat16', '--config.d_ff=33554432',
-                    '--config.batch_size=1')
+                    '--config.batch_size=1', '--config.scan_layers=True')
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
     total, hbm = _number(r'  total ([\d.]+) GiB of ([\d.]+) GiB HBM: (?:does NOT fit|fits only '
                          r'by rematerialization), ', out.stdout)
