@@ -211,8 +211,8 @@ def append(out: str, result: dict) -> None:
     os.replace(out + '.csv.tmp', out + '.csv')
     with open(out + '.md.tmp', 'w') as f:
         f.write('| ' + ' | '.join(COLUMNS) + ' |\n|' + '---|' * len(COLUMNS) + '\n')
-        f.writelines('| ' + ' | '.join(str(r.get(k) or '') for k in COLUMNS) + ' |\n'
-                     for r in rows)
+        f.writelines('| ' + ' | '.join('' if r.get(k) in (None, '') else str(r[k])
+                                       for k in COLUMNS) + ' |\n' for r in rows)
     os.replace(out + '.md.tmp', out + '.md')
 
 
