@@ -6,6 +6,7 @@ STAMP := $(VENV)/.installed
 TPU_STAMP := $(VENV)/.tpu-installed
 EXPORT_STAMP := $(VENV)/.export-installed
 EXTRAS_STAMP := $(VENV)/.extras-installed
+GPU_AOT_STAMP := $(VENV)/.gpu-aot-installed
 # torch's CPU-only build for the export extra: a 190 MB wheel, ~750 MB installed, ~40 s. PyPI's
 # Linux torch is the CUDA build, which does not import without its ~3 GB of nvidia-* wheels; pip
 # finds the CPU build where this machine keeps it, or with TORCH_PIP_ARGS='--index-url URL'
@@ -35,6 +36,14 @@ $(TPU_STAMP): $(STAMP)
 		"jax[tpu]==$$($(BIN)/python -c 'import jax; print(jax.__version__)')"
 	touch $(TPU_STAMP)
 
+# XLA's CUDA compiler for the GPU ahead-of-time compile tests (the gpu-aot extra): jax[cuda12]
+# pinned to the jax in the venv, ~2.5 GB of NVIDIA wheels. It compiles without a GPU or driver;
+# the entry points' platform choice keeps CPU-only hosts on the CPU (t2t/infra/platforms.py).
+$(GPU_AOT_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet --disable-pip-version-check \
+		"jax[cuda12]==$$($(BIN)/python -c 'import jax; print(jax.__version__)')"
+	touch $(GPU_AOT_STAMP)
+
 # The export extra (transformers, CTranslate2, torch) for t2t.export's parity tests.
 $(EXPORT_STAMP): $(STAMP)
 	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH_PIP_ARGS) "$(TORCH_CPU)" \
@@ -59,7 +68,7 @@ demo: $(STAMP)
 
 # --max-worker-restart=0: a worker that crashes ends the run with its test named; a replacement
 # worker would wait forever for the crashed one's group under --dist loadgroup.
-test: $(STAMP) $(TPU_STAMP) $(EXPORT_STAMP) $(EXTRAS_STAMP)
+test: $(STAMP) $(TPU_STAMP) $(GPU_AOT_STAMP) $(EXPORT_STAMP) $(EXTRAS_STAMP)
 	JAX_PLATFORMS=cpu $(BIN)/pytest -n 2 --dist loadgroup --max-worker-restart=0 --durations=15 tests
 
 # The core and what an edit of the model, the loss, decoding or the optimizer can break, in

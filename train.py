@@ -5,10 +5,13 @@
     python train.py --config=configs/wmt14_ende_big.py --dry_run     # parameters and FLOPs only
     python train.py --config=configs/wmt14_ende_big.py --dry_run --topology=v5e-16 \
         [--config.mesh_shape=1,16,1] [--config.batch_size=256] [--find_max_batch]
+    python train.py --config=configs/wmt14_ende_base.py --dry_run --topology=8xh100
 
---topology compiles the train step and the beam search for that TPU slice on this machine's CPU
-(pip install -e '.[tpu]') and reports per-device memory against the chip's HBM and XLA's FLOPs;
-exit status 0 when it fits, 1 when it does not, 2 on a bad slice name, mesh or batch.
+--topology compiles the train step and the beam search for that TPU slice (pip install -e
+'.[tpu]') or those GPU nodes (8xh100, 1xh200, a100-80g, 2x8xb200; pip install -e '.[gpu-aot]') on
+this machine's CPU and reports per-device memory against the device's HBM, XLA's FLOPs and an
+estimate of the step time; exit status 0 when it fits, 1 when it does not (or only by XLA's own
+rematerialization), 2 on a bad target name, mesh or batch.
 
 A workdir that holds checkpoints is resumed from the newest good one. Multi-host: run the same
 command on every host; jax.distributed is initialized from --coordinator_address/--num_processes/
@@ -53,7 +56,7 @@ def main(argv):
         from t2t.run import summary
 
         if _TOPOLOGY.value:
-            sys.exit(_tpu_dry_run(config, summary))
+            sys.exit(_aot_dry_run(config, summary))
         print(summary.summarize(config))
         return
     if not _WORKDIR.value:
@@ -100,10 +103,11 @@ def main(argv):
         goodput_report.print_summary(_WORKDIR.value)  # where the time went
 
 
-# --dry_run --topology: TPU ahead-of-time compile (t2t/aot/tpu.py, report in t2t/aot/report.py)
+# --dry_run --topology: ahead-of-time compile (t2t/aot/targets.py, tpu.py; report in report.py)
 _TOPOLOGY = flags.DEFINE_string(
-    'topology', None, 'With --dry_run: compile for this TPU slice on the CPU and report memory '
-    'and FLOPs (v4-8, v5e-16, v5p-8, v6e-256, or a topology such as v5e:4x4).')
+    'topology', None, 'With --dry_run: compile for this TPU slice or these GPU nodes on the CPU '
+    'and report memory, FLOPs and time (v4-8, v5e-16, v5p-8, v6e-256, a topology such as '
+    'v5e:4x4; 1xh100, 8xh100, 8xh200, 8xa100-80g, 8xb200, 2x8xh100: nodes x GPUs x card).')
 _FIND_MAX_BATCH = flags.DEFINE_bool(
     'find_max_batch', False, 'With --topology: search the largest batch_size that fits.')
 _MAX_BATCH_TRIES = flags.DEFINE_integer(
@@ -113,19 +117,19 @@ _BATCH_STEP = flags.DEFINE_integer(
     'x grad_accum_steps).', lower_bound=0)
 
 
-def _tpu_dry_run(config, summary) -> int:
+def _aot_dry_run(config, summary) -> int:
     """The exit status: 0 fits, 1 does not, 2 bad input (reported before anything compiles)."""
     from t2t.aot import report as aot_report
     from t2t.aot import tpu as aot
 
     try:
         plan = aot.plan(config, _TOPOLOGY.value, _BATCH_STEP.value)
-    except ValueError as e:
+    except (ValueError, ImportError) as e:  # ImportError: the target's compiler not installed
         print(f'train.py: {e}', file=sys.stderr)
         return 2
     print(summary.summarize(config), flush=True)
-    return aot_report.tpu_dry_run(config, plan, find_max_batch=_FIND_MAX_BATCH.value,
-                                  max_tries=_MAX_BATCH_TRIES.value)
+    return aot_report.dry_run(config, plan, find_max_batch=_FIND_MAX_BATCH.value,
+                              max_tries=_MAX_BATCH_TRIES.value)
 
 
 if __name__ == '__main__':

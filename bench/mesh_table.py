@@ -208,7 +208,7 @@ def measure(row: Row, hlo_dir: str = '') -> dict:
         config.batch_size = rows
     if slices == 1:
         plan = aot.plan(config, row.slice)
-        tpu, mesh = plan.tpu, plan.mesh
+        tpu, mesh = plan.target, plan.mesh
     else:  # aot.plan describes one slice; the same slice num_slices times, over DCN
         tpu = aot.parse_slice(row.slice)
         platforms.compile_only_tpu(tpu.accelerator_type)

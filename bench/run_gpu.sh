@@ -110,6 +110,10 @@ fi
 run_capped 170 t2t_train_dot_product \
     $PY bench/train_speed.py --model "$MODELS" --attention dot_product $LEVERS $TINY
 run_capped 80 t2t_decode $PY bench/decode_speed.py --attention dot_product,xla $TINY
+# The GPU dry run against the card: base (64 x 256, bf16) compiled deviceless on the CPU backend as
+# on a laptop, then compiled and run on the card: memory, step time, tokens/s and MFU side by side
+# (bench/aot_check.py; its deviceless compile is a CPU-bound minute or two).
+run_capped 200 t2t_aot_check $PY bench/aot_check.py $TINY
 CUDNN=cudnn; [ -n "$TINY" ] && CUDNN=xla  # no cuDNN on a CPU smoke run
 # shellcheck disable=SC2086
 run_capped 150 t2t_train_cudnn \
@@ -209,6 +213,26 @@ for r in t2t:
 for label, r in peer_dec.items():
     print(f"| peer {label} | ok | {fmt(r['batch_ms'], '{:.1f}')} | {fmt(r['sent_s'], '{:.0f}')} "
           f"| {fmt(r.get('compile_s'), '{:.1f}')} | | | | |")
+check = {r["name"]: r for r in t2t if r["name"].startswith("aot_check")}
+if check:
+    print("\n### the GPU dry run against the card (bench/aot_check.py): deviceless = compiled on "
+          "the CPU backend for this GPU's kind, as on a laptop (estimates); device = compiled "
+          "(autotuned) and run here")
+    summary = check.get("aot_check", {})
+    if summary.get("status") != "ok":
+        print(f"aot_check: {summary.get('status')} {summary.get('error', '')}")
+    print("| part | total GiB | temporaries GiB | step ms | tgt tok/s | MFU@datasheet | verdict |")
+    print("|---|---|---|---|---|---|---|")
+    for part in ("deviceless", "device"):
+        r = check.get(f"aot_check_{part}")
+        if r:
+            print(f"| {part} | {fmt(r.get('total_gib'))} | {fmt(r.get('temp_gib'))} | "
+                  f"{fmt(r.get('step_ms'))} | {fmt(r.get('tgt_tok_s'), '{:,.0f}')} | "
+                  f"{fmt(r.get('mfu'), '{:.1%}')} | {r.get('verdict', '')} |")
+    ratios = {k: v for k, v in summary.items() if k.endswith("_device_over_deviceless")}
+    if ratios:
+        print("device / deviceless: " + ", ".join(
+            f"{k.removesuffix('_device_over_deviceless')} {v:.3g}" for k, v in ratios.items()))
 bad = [r for r in peers if r.get("status") != "ok"]
 for r in bad:
     print(f"peer {r['section']}/{r['name']}: {r['status']} {r.get('reason') or r.get('error', '')}")

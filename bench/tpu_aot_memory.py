@@ -69,7 +69,7 @@ m = train.memory
 with open(spec['hlo'], 'w') as f:
     f.write(getattr(train, 'hlo_text', '') if m else '')
 print('CHILD ' + json.dumps(dict(
-    jax=jax.__version__, slice=plan.tpu.name, topology=plan.tpu.topology,
+    jax=jax.__version__, slice=plan.target.name, topology=plan.target.topology,
     devices=plan.mesh.size, mesh=dict(plan.mesh.shape), batch_size=config.batch_size,
     max_len=config.max_len, scan_layers=config.get('scan_layers'), remat=config.get('remat'),
     compile_s=round(train.seconds, 1), out_of_memory=train.out_of_memory or None,

@@ -29,11 +29,12 @@ def train_flops_per_step(batch: int, src_len: int, tgt_len: int, d: int, ff: int
     return float(6 * params_x_tokens + attn), float(attn)
 
 
-def config_flops_per_step(config) -> float:
-    """FLOPs of one optimizer step of a ConfigDict's batch: batch_size rows of max_len per side."""
+def config_flops_per_step(config, causal_half: bool = True) -> float:
+    """FLOPs of one optimizer step of a ConfigDict's batch: batch_size rows of max_len per side
+    (causal_half=False: the decoder's self-attention whole, as a dense kernel computes it)."""
     total, _ = train_flops_per_step(
         config.batch_size, config.max_len, config.max_len, config.d_model, config.d_ff,
-        config.num_encoder_layers, config.num_decoder_layers, config.vocab_size)
+        config.num_encoder_layers, config.num_decoder_layers, config.vocab_size, causal_half)
     return total
 
 

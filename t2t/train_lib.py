@@ -133,13 +133,18 @@ def loss_sums(params, batch, rng, step_config: StepConfig, deterministic: bool):
     targets_BT = batch['targets']
     weights_BT = (targets_BT != PAD_ID).astype(jnp.float32)
     terms = dict(smoothing=step_config.label_smoothing, z_loss=step_config.z_loss)
+    # The scope names the loss's ops in the compiled program (the dry run reports its buffers).
     if step_config.loss_impl == 'plain':
-        loss_sum, nll_sum, correct_sum = loss.plain_sums(apply(), targets_BT, weights_BT, **terms)
+        logits_BTV = apply()
+        with jax.named_scope('loss'):
+            loss_sum, nll_sum, correct_sum = loss.plain_sums(logits_BTV, targets_BT, weights_BT,
+                                                             **terms)
     else:
         y_BTD, w_VD = apply(method=Transformer.features)
-        loss_sum, nll_sum, correct_sum = loss.cross_entropy_sums(
-            y_BTD, w_VD, targets_BT, weights_BT, chunk_len=step_config.loss_chunk_len,
-            chunk_tokens=step_config.loss_chunk_tokens, **terms)
+        with jax.named_scope('loss'):
+            loss_sum, nll_sum, correct_sum = loss.cross_entropy_sums(
+                y_BTD, w_VD, targets_BT, weights_BT, chunk_len=step_config.loss_chunk_len,
+                chunk_tokens=step_config.loss_chunk_tokens, **terms)
     sums = {'loss_sum': loss_sum, 'nll_sum': nll_sum, 'correct_sum': correct_sum,
             'tokens': weights_BT.sum()}
     return sums['loss_sum'], sums

@@ -26,6 +26,8 @@ pytestmark = pytest.mark.xdist_group('libtpu')
 LIBTPU_LOCK = '/tmp/t2t-libtpu.lock'
 # What libtpu prints on a host without TPU chips when jax tries the TPU backend.
 LIBTPU_NOISE = ('TPU_WORKER_HOSTNAMES', 'INVALID_ARGUMENT', 'TPU accelerator type', 'libtpu')
+# What the CUDA plugin (the gpu-aot extra) prints on a host without a GPU when jax tries it.
+GPU_NOISE = ('xla_cuda12', 'cuInit', 'Jax plugin configuration error')
 
 
 @contextlib.contextmanager
@@ -140,8 +142,8 @@ def test_find_max_batch_report_prints_every_try(monkeypatch):
     monkeypatch.setattr(aot, 'compile_train_step', fake_compile)
     plan = aot.Plan(aot.parse_slice('v5e-8'), sharding.make_mesh((-1, 1, 1)), batch_step=8)
     lines = []
-    status = aot_report.tpu_dry_run(config, plan, find_max_batch=True, max_tries=12,
-                                 out=lines.append)
+    status = aot_report.dry_run(config, plan, find_max_batch=True, max_tries=12,
+                             out=lines.append)
     text = '\n'.join(lines)
     # 0.95 x 16 GiB per device, 1 MiB of state, 300 MiB per row, 8 devices: 408 rows fit.
     want = max(b for b in range(8, 2000, 8) if (1 << 20) + b * per_row // 8 <= 0.95 * (16 << 30))
@@ -149,7 +151,8 @@ def test_find_max_batch_report_prints_every_try(monkeypatch):
     assert f'largest batch_size that fits: {want} (' in text and '; exact;' in text
     tries = [line for line in lines if line.startswith('  try ')]
     assert tries[0].startswith('  try 1: batch_size=16: ')
-    assert tries[0].endswith('matmul FLOPs per row x1.00 of the first: fits (compile 0 s)')
+    assert re.search(r"matmul FLOPs per row x1\.00 of the first, x[\d.]+ of the model's: "
+                     r'fits \(compile 0 s\)$', tries[0]), tries[0]
     assert any('does not fit' in t for t in tries) and len(tries) <= 12
 
 
@@ -273,7 +276,8 @@ def _tiny():
 
 
 def test_no_libtpu_noise_without_a_tpu():
-    """libtpu is installed (the `tpu` extra) but this host has no TPU chip: no start-up noise."""
+    """libtpu is installed (the `tpu` extra) but this host has no TPU chip, the CUDA plugin (the
+    `gpu-aot` extra) but no GPU: no start-up noise from either."""
     assert importlib.util.find_spec('libtpu') is not None, 'make test installs jax[tpu]'
     from jax._src import hardware_utils
 
@@ -281,7 +285,7 @@ def test_no_libtpu_noise_without_a_tpu():
                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert 'params: ' in out.stdout
-    assert not [w for w in LIBTPU_NOISE if w in out.stdout + out.stderr], out.stderr
+    assert not [w for w in LIBTPU_NOISE + GPU_NOISE if w in out.stdout + out.stderr], out.stderr
     if hardware_utils.num_available_tpu_chips_and_device_id()[0] == 0:
         # The same environment without t2t: jax tries libtpu and it complains.
         with libtpu_lock():

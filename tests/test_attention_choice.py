@@ -89,7 +89,7 @@ def test_the_entry_points_print_the_choice_and_a_tpu_dry_run_resolves_for_tpu(ca
     assert capsys.readouterr().out.startswith(
         'train.py: attention_impl=auto -> cudnn (cuDNN flash attention: bfloat16, head dim 8;')
     config = _config()
-    line = aot.check_tpu_kernel(config)
+    line = aot.check_kernel(config, aot.parse_slice('v5e-8'))
     assert (config.attention_impl, line) == ('xla', 'attention_impl=auto -> xla (cuDNN flash '
                                              'attention needs an NVIDIA GPU, the target is tpu)')
 

@@ -1,2 +1,2 @@
-"""TPU ahead-of-time compiles on a CPU: slices, memory, FLOPs, collectives, the roofline,
-the dry-run report."""
+"""Ahead-of-time compiles on a CPU for TPU slices and GPU nodes: targets, memory, FLOPs,
+collectives, the roofline, the dry-run report."""

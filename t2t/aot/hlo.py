@@ -289,8 +289,37 @@ def executions(hlo, loops: bool = True) -> dict[str, float]:
     return runs
 
 
+def _json_dims(attributes: str, key: str) -> list[int]:
+    found = re.search(f'"{key}":\\s*\\[([^\\]]*)\\]', attributes)
+    return [int(d) for d in re.findall(r'\d+', found.group(1))] if found else []
+
+
+def _custom_call_flops(instruction: Instruction, shapes: dict[str, str]) -> float:
+    """Matmul FLOPs of the GPU compiler's library calls: a cuBLAS GEMM (2 x result elements x
+    the contracted size) and cuDNN's fused attention, counted as the math it does, as a dense
+    kernel computes it (forward QK^T and PV: 4 B H Sq Sk D; backward dQ, dK, dV, dP: twice that;
+    not the scores a flash kernel recomputes in its backward pass)."""
+    target = re.search(r'custom_call_target="([^"]*)"', instruction.attributes)
+    target = target.group(1) if target else ''
+    if target in ('__cublas$gemm', '__cublas$lt$matmul'):
+        result = array_dims(_ARRAY.search(instruction.shape).group(0))
+        lhs = array_dims(shapes[instruction.operands[0]])
+        contracting = _json_dims(instruction.attributes, 'lhs_contracting_dimensions')
+        return 2.0 * math.prod(result) * math.prod(lhs[d] for d in contracting)
+    if target.startswith('__cudnn$fmha'):
+        # The scores [B, H, Sq, Sk]; the queries (operand 0) B Sq H D elements: B H Sq Sk D.
+        scores = _json_dims(instruction.attributes, 'intermediate_tensor_shape[^}]*?"dimensions')
+        queries = math.prod(array_dims(shapes[instruction.operands[0]]))
+        matmuls = 4 if target.endswith('Backward') else 2
+        return 2.0 * matmuls * queries * scores[-1]
+    return 0.0
+
+
 def instruction_flops(instruction: Instruction, shapes: dict[str, str]) -> float:
-    """Matmul FLOPs of one dot or convolution (0 for any other op); shapes: operand types."""
+    """Matmul FLOPs of one dot, convolution, cuBLAS GEMM or cuDNN attention call (0 for any other
+    op); shapes: operand types."""
+    if instruction.opcode == 'custom-call':
+        return _custom_call_flops(instruction, shapes)
     if instruction.opcode not in ('dot', 'convolution'):
         return 0.0
     out = math.prod(array_dims(instruction.shape))

@@ -1,12 +1,12 @@
-"""Ahead-of-time compiles for a TPU slice on this machine's CPU: memory, FLOPs, the largest batch.
+"""Ahead-of-time compiles on this machine's CPU for a TPU slice or GPU nodes: memory, FLOPs, the
+verdict, the largest batch. (The name is the module's first target's; GPU nodes go the same way.)
 
-    tpu = aot.parse_slice('v5e-16')                  # or 'v5e:4x4', 'v5litepod-16'
-    plan = aot.plan(config, 'v5e-16')                # devices of the slice, the config's mesh
+    plan = aot.plan(config, 'v5e-16')                # or '8xh100', '2x8xh100' (t2t/aot/targets.py)
     train = aot.compile_train_step(config, plan.mesh)   # Compiled: memory, matmul FLOPs, s
-    train.memory.total <= plan.tpu.hbm_bytes         # what the step keeps resident per device
+    aot.verdict(train, plan.target.hbm_bytes, ratio=aot.recompute_ratio(train, config, n))
     predict = aot.compile_predict(config, plan.mesh)    # beam search on an eval batch
-    train.roofline.seconds                           # lower bound of the step on the chips
-    train.estimate.seconds                           # XLA's cost model, loops by trip count
+    train.roofline.seconds                           # TPU: lower bound; GPU: an estimate (gpu.py)
+    train.estimate.seconds                           # XLA's cost model, loops by trip count (TPU)
 
 XLA's TPU compiler ships in libtpu and runs without TPU hardware: jax.experimental.topologies
 describes the devices of a slice, the real train step (train_lib.jit_train_step on
@@ -18,7 +18,10 @@ loss's chunk loop, and is kept only as what it is. The roofline (Roofline) bound
 from below with those FLOPs, the HBM traffic and the collectives of the compiled HLO and the
 chip's datasheet numbers (t2t/infra/metrics.py's CHIPS); the estimate (Estimate) is XLA's cost
 model's time with the loops put back (t2t/aot/cost.py). The process itself runs on the CPU
-backend (platforms.py).
+backend (platforms.py). XLA's CUDA compiler (the gpu-aot extra) compiles for GPU nodes from
+XLA's description of the card; it gives no cost_analysis() and never fails for memory, so the
+verdict compares the total with the card and XLA's matmul FLOPs with the model's (t2t/aot/gpu.py
+adds the rest).
 
 What memory_analysis counts, per device: arguments (state and batch shards), outputs, aliased
 (outputs written into donated arguments, counted once), temporaries (XLA's scratch at its peak:
@@ -32,132 +35,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import time
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-from t2t import attention_choice, inference, optim, sharding, train_lib
-from t2t.aot import cost, hlo
+from t2t import attention_choice, flops, inference, optim, sharding, train_lib
+from t2t.aot import cost, gpu, hlo, targets
 from t2t.aot import memory as hlo_memory
 from t2t.aot.cost import Estimate, Roofline, roofline_lines  # noqa: F401 (aot.roofline_lines)
-from t2t.infra import metrics, platforms
+from t2t.aot.targets import CHIPS, GIB, GpuNodes, Target, TpuSlice, parse_slice  # noqa: F401
+from t2t.infra import metrics
 from t2t.model import TransformerConfig
 
-GIB = 1 << 30
 HBM_MARGIN = 0.05  # of HBM kept free for what memory_analysis does not count
-
-
-@dataclasses.dataclass(frozen=True)
-class _Chip:
-    generation: str  # key of metrics.CHIPS: the datasheet numbers
-    topology_prefix: str  # libtpu's topology names: 'v5e:4x4', 'v5:2x2x1' (v5p)
-    cloud_prefix: str  # Cloud TPU accelerator types: 'v5litepod-16', 'v5p-8'
-    cores_per_chip: int  # accelerator types count TensorCores: 2 per v4 / v5p chip
-    chip_config: str  # 'megacore': one jax device per chip, its two TensorCores fused
-    hbm_gib: int  # capacity, binary units (a v6e reports 33550237696 usable bytes, > 32e9)
-    dims: int  # 2D or 3D torus
-
-    @property
-    def spec(self) -> metrics.Chip:
-        """Peak FLOP/s, HBM and ICI bandwidth: t2t/infra/metrics.py's table (MFU's too)."""
-        return metrics.CHIPS[self.generation]
-
-
-# The slices' shapes and names (Google Cloud's TPU pages, MaxText's accelerator table).
-CHIPS = {c.generation: c for c in (
-    _Chip('v4', 'v4', 'v4', 2, 'megacore', 32, 3),
-    _Chip('v5e', 'v5e', 'v5litepod', 1, 'default', 16, 2),
-    _Chip('v5p', 'v5', 'v5p', 2, 'megacore', 95, 3),
-    _Chip('v6e', 'v6e', 'v6e', 1, 'default', 32, 2),
-)}
-_ALIASES = {'v5litepod': 'v5e', 'v5': 'v5p', 'v6': 'v6e'}
-# Slice shapes by chip count (MaxText's accelerator table, Cloud TPU docs).
-_SHAPES = {
-    2: {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16),
-        256: (16, 16)},
-    3: {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4), 128: (4, 4, 8),
-        256: (4, 8, 8), 512: (8, 8, 8), 1024: (8, 8, 16), 2048: (8, 16, 16),
-        4096: (16, 16, 16)},
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class TpuSlice:
-    generation: str  # key of CHIPS
-    shape: tuple[int, ...]  # chips along each torus axis
-
-    @property
-    def chip(self) -> _Chip:
-        return CHIPS[self.generation]
-
-    @property
-    def chips(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def name(self) -> str:
-        """The accelerator type users write: 'v5e-16', 'v4-8' (TensorCores for v4 / v5p)."""
-        return f'{self.generation}-{self.chips * self.chip.cores_per_chip}'
-
-    @property
-    def accelerator_type(self) -> str:
-        return f'{self.chip.cloud_prefix}-{self.chips * self.chip.cores_per_chip}'
-
-    @property
-    def topology(self) -> str:
-        return f'{self.chip.topology_prefix}:' + 'x'.join(map(str, self.shape))
-
-    @property
-    def hbm_bytes(self) -> int:
-        return self.chip.hbm_gib * GIB
-
-    @property
-    def chips_per_host_bounds(self) -> tuple[int, int, int]:
-        # 4 chips per host (2x2), as on multi-host slices; 2x4 slices are one 8-chip host.
-        if self.shape == (2, 4):
-            return (2, 4, 1)
-        bounds = [min(2, s) for s in self.shape[:2]]
-        return (bounds[0], bounds[1], 1)
-
-
-def parse_slice(name: str) -> TpuSlice:
-    """'v5e-16', 'v5litepod-16', 'v4-8', 'v5p-8', 'v6e-256' or a topology 'v5e:4x4', 'v5p:2x2x1'."""
-    known = ', '.join(sorted(CHIPS))
-    m = re.fullmatch(r'([a-z0-9]+?)(?:-(\d+)|:(\d+(?:x\d+)+))', name.strip().lower())
-    generation = m and _ALIASES.get(m.group(1), m.group(1))
-    if not m or generation not in CHIPS:
-        raise ValueError(f'--topology={name!r}: not a TPU slice of {known} (e.g. v5e-16, v4-8, '
-                         'v5p-8, v6e-256, or a topology such as v5e:4x4, v5p:2x2x1)')
-    chip = CHIPS[generation]
-    if m.group(3):
-        shape = tuple(int(s) for s in m.group(3).split('x'))
-        if len(shape) != chip.dims or min(shape) < 1:
-            raise ValueError(f'--topology={name!r}: {generation} slices have {chip.dims} '
-                             'positive sizes, e.g. ' + 'x'.join(['2'] * chip.dims))
-        return TpuSlice(generation, shape)
-    count = int(m.group(2))
-    chips, rest = divmod(count, chip.cores_per_chip)
-    shape = _SHAPES[chip.dims].get(chips) if not rest else None
-    if shape is None:
-        sizes = ', '.join(f'{generation}-{c * chip.cores_per_chip}' for c in _SHAPES[chip.dims])
-        raise ValueError(f'--topology={name!r}: unknown {generation} slice size; one of {sizes} '
-                         f'or a topology such as {chip.topology_prefix}:'
-                         + 'x'.join(['4'] * chip.dims))
-    return TpuSlice(generation, shape)
-
-
-def topology_devices(tpu: TpuSlice) -> list:
-    """The slice's jax devices (for compiling only), described by libtpu on this machine."""
-    platforms.compile_only_tpu(tpu.accelerator_type)
-    from jax.experimental import topologies
-
-    topology = topologies.get_topology_desc(
-        platform='tpu', topology_name=tpu.topology, chip_config_name=tpu.chip.chip_config,
-        chips_per_host_bounds=tpu.chips_per_host_bounds, num_slices=1)
-    return list(topology.devices)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -176,10 +68,10 @@ def batch_unit(config, mesh_shape: dict) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    tpu: TpuSlice
+    target: Target  # a TPU slice or GPU nodes (t2t/aot/targets.py)
     mesh: jax.sharding.Mesh
     batch_step: int  # batch sizes tried by the search are multiples of this
-    attention: str = ''  # the attention kernel and why (check_tpu_kernel)
+    attention: str = ''  # the attention kernel and why (check_kernel)
 
     @property
     def hosts(self) -> int:
@@ -190,38 +82,40 @@ class Plan:
         return self.mesh.devices.flat[0].device_kind
 
 
-def check_tpu_kernel(config) -> str:
-    """config.attention_impl resolved for a TPU slice and written back (t2t/attention_choice.py);
-    returns the line saying which kernel and why. ValueError (one line) for a kernel a TPU does
-    not have."""
+def check_kernel(config, target: Target) -> str:
+    """config.attention_impl resolved for the target's devices (t2t/attention_choice.py, no GPU to
+    trace on: its compute capability unknown) and written back; returns the line saying which
+    kernel and why. ValueError (one line) for a kernel the target does not have."""
     configured = config.get('attention_impl', 'xla')
-    impl, reason = attention_choice.resolve_attention_impl(config, 'tpu')
+    platform = 'gpu' if target.platform == 'cuda' else 'tpu'
+    impl, reason = attention_choice.resolve_attention_impl(config, platform)
     config.attention_impl = impl
     return attention_choice.describe(configured, impl, reason)
 
 
-def plan(config, slice_name: str, batch_step: int = 0) -> Plan:
-    """The slice, its devices and the config's mesh over them; ValueError (one line) on bad input.
+def plan(config, target_name: str, batch_step: int = 0) -> Plan:
+    """The target, its devices and the config's mesh over them; ValueError (one line) on bad
+    input.
 
-    The slice name and the mesh shape are checked before libtpu is loaded, the batch sizes against
-    the mesh (as in training) before anything compiles. batch_step: the search's granularity,
-    a multiple of batch_unit (0: batch_unit itself).
+    The target's name and the mesh shape are checked before XLA's compiler is loaded, the batch
+    sizes against the mesh (as in training) before anything compiles. batch_step: the search's
+    granularity, a multiple of batch_unit (0: batch_unit itself).
     """
-    tpu = parse_slice(slice_name)
-    attention = check_tpu_kernel(config)
+    target = targets.parse(target_name)
+    attention = check_kernel(config, target)
     try:
-        shape = sharding.resolve_mesh_shape(config.mesh_shape, tpu.chips)
+        shape = sharding.resolve_mesh_shape(config.mesh_shape, target.chips)
     except ValueError as e:
-        raise ValueError(f'{e} (--topology={slice_name} has {tpu.chips} devices)') from None
+        raise ValueError(f'{e} (--topology={target_name} has {target.chips} devices)') from None
     unit = batch_unit(config, dict(zip(sharding.MESH_AXES, shape, strict=True)))
     if batch_step % unit:
         raise ValueError(f'--batch_step={batch_step} is not a multiple of {unit} (data-parallel '
                          f'devices x grad_accum_steps of mesh {shape})')
     from t2t.run import startup  # the batch and length checks of a training run
 
-    mesh = sharding.make_mesh(config.mesh_shape, devices=topology_devices(tpu))
+    mesh = sharding.make_mesh(config.mesh_shape, devices=targets.devices(target))
     startup.check_training_config(config, mesh)
-    return Plan(tpu, mesh, batch_step or unit, attention)
+    return Plan(target, mesh, batch_step or unit, attention)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -277,6 +171,10 @@ class Compiled:
     estimate: Estimate | None = None  # that time with loops by trip count (t2t/aot/cost.py)
     # Custom-calls XLA's cost model holds at -1 s each: optimal_seconds is then no time
     xla_uncosted: int = 0
+    # Where flops_per_device and xla_bytes_accessed come from (GPU: no cost_analysis())
+    xla_counts_source: str = 'cost_analysis()'
+    attention_calls: tuple[float, float] = (0.0, 0.0)  # cuDNN fused attention: forward, backward
+    loss_buffer: tuple[str, int] = ('', 0)  # the loss's largest array: type, bytes
 
     @property
     def collective_bytes(self) -> int:
@@ -287,6 +185,32 @@ class Compiled:
         if self.memory is None:
             return False
         return self.memory.total <= (1.0 - margin) * hbm_bytes
+
+
+# XLA's matmul FLOPs of a train step above the model's by more than this: XLA recomputes.
+RECOMPUTE_MARGIN = 0.03
+FITS, RECOMPUTES, DOES_NOT_FIT = 'fits', 'fits only by rematerialization', 'does NOT fit'
+
+
+def recompute_ratio(compiled: Compiled, config, devices: int) -> float:
+    """XLA's matmul FLOPs of the train step (all devices, loops by trip count) over the model's
+    as a dense kernel computes them (t2t/flops.py with the whole causal self-attention): above
+    1 + RECOMPUTE_MARGIN, the compiled step recomputes activations (XLA's own rematerialization
+    when buffers exceed the device, or the config's remat)."""
+    return (compiled.matmul_flops_per_device * devices
+            / flops.config_flops_per_step(config, causal_half=False))
+
+
+def verdict(compiled: Compiled, hbm_bytes: int, margin: float = HBM_MARGIN,
+            ratio: float = 1.0, remat: str = 'none') -> str:
+    """FITS, RECOMPUTES (in HBM only because XLA recomputes what the config did not ask it to:
+    remat 'none' and a ratio above 1 + RECOMPUTE_MARGIN) or DOES_NOT_FIT. A compile for a GPU
+    never fails for memory, so the total is what decides; never FITS above HBM less margin."""
+    if not compiled.fits(hbm_bytes, margin):
+        return DOES_NOT_FIT
+    if remat == 'none' and ratio > 1.0 + RECOMPUTE_MARGIN:
+        return RECOMPUTES
+    return FITS
 
 
 def _compile(jitted, *abstract_args) -> Compiled:
@@ -303,6 +227,10 @@ def _compile(jitted, *abstract_args) -> Compiled:
     seconds = time.perf_counter() - start
     costs = compiled.cost_analysis()
     costs = costs[0] if isinstance(costs, (list, tuple)) else costs
+    source = 'cost_analysis()'
+    if costs is None:  # XLA's GPU compiler: HloCostAnalysis has no time ('optimal_seconds')
+        costs, source = gpu.xla_cost_analysis(compiled)
+        costs.pop('optimal_seconds', None)
     text = compiled.as_text()
     module = hlo.parse(text)
     unknown = sum(n is None for n in hlo.while_trip_counts(module).values())
@@ -312,7 +240,9 @@ def _compile(jitted, *abstract_args) -> Compiled:
                     xla_bytes_accessed=float(costs.get('bytes accessed', math.nan)),
                     xla_optimal_seconds=float(costs.get('optimal_seconds', math.nan)),
                     xla_uncosted=cost.uncosted_custom_calls(module),
-                    memory_bytes_per_device=hlo_memory.memory_bytes(module))
+                    memory_bytes_per_device=hlo_memory.memory_bytes(module),
+                    xla_counts_source=source, attention_calls=gpu.attention_calls(module),
+                    loss_buffer=gpu.largest_buffer(module, 'loss'))
 
 
 def compile_jitted(jitted, *abstract_args) -> Compiled:
@@ -335,7 +265,8 @@ def compile_train_step(config, mesh) -> Compiled:
     state = train_lib.abstract_state(config, mesh, tx)
     shardings = jax.tree_util.tree_map(lambda x: x.sharding, state)
     step = train_lib.jit_train_step(train_lib.StepConfig.from_config(config), tx, shardings, mesh)
-    return with_roofline(_compile(step, state, abstract_batch(config, mesh)), mesh)
+    return with_roofline(_compile(step, state, abstract_batch(config, mesh)), mesh,
+                         fp32=config.dtype == 'float32')
 
 
 def compile_predict(config, mesh) -> Compiled:
@@ -352,14 +283,26 @@ def compile_predict(config, mesh) -> Compiled:
     inputs = jax.ShapeDtypeStruct((rows, config.max_eval_len), jnp.int32,
                                   sharding=sharding.decode_sharding(mesh))
     # shard_map'd: no logical constraints inside, so lowered outside the axis rules.
-    return with_roofline(_compile(predict, state.params, inputs), mesh)
+    return with_roofline(_compile(predict, state.params, inputs), mesh,
+                         fp32=config.dtype == 'float32')
 
 
-def with_roofline(compiled: Compiled, mesh) -> Compiled:
-    """compiled with its Roofline and XLA's Estimate for the mesh's TPU chip (t2t/aot/cost.py;
-    unchanged on other devices, or when the compiler ran out of memory)."""
+def with_roofline(compiled: Compiled, mesh, fp32: bool = False) -> Compiled:
+    """compiled with its Roofline and XLA's Estimate for the mesh's TPU chip (t2t/aot/cost.py),
+    or the GpuRoofline of its GPUs (t2t/aot/gpu.py; fp32: float32 matmuls); unchanged on other
+    devices, or when the compiler ran out of memory."""
     chip = metrics.chip(mesh.devices.flat[0].device_kind)
-    if chip is None or chip.name not in CHIPS or compiled.memory is None:
+    if chip is None or compiled.memory is None:
+        return compiled
+    card = next((g for g in targets.GPUS.values() if g.chip == chip.name), None)
+    if card is not None:
+        nodes = [d.process_index for d in mesh.devices.flat]
+        roofline = gpu.GpuRoofline(chip.name, compiled.matmul_flops_per_device,
+                                   compiled.memory_bytes_per_device,
+                                   gpu.network(compiled.hlo_text, nodes),
+                                   card.internode_bytes_per_s, fp32)
+        return dataclasses.replace(compiled, roofline=roofline)
+    if chip.name not in CHIPS:
         return compiled
     roofline = Roofline(chip.name, compiled.matmul_flops_per_device,
                         compiled.memory_bytes_per_device, compiled.collective_bytes)

@@ -313,12 +313,18 @@ class Chip:
     name: str
     peak_bf16_flops: float  # dense bf16 FLOP/s (no sparsity); fp32 training cannot reach it
     hbm_bytes_per_s: float | None = None  # HBM bandwidth (None: not used here, not recorded)
-    ici_bytes_per_s: float | None = None  # TPUs: bidirectional inter-chip interconnect
+    # The chips' own interconnect, both directions together: TPU ICI, GPU NVLink
+    ici_bytes_per_s: float | None = None
+    # float32 matmuls: GPUs run them as TF32 on tensor cores at jax's default precision
+    peak_fp32_flops: float | None = None
 
 
 # The one table of chips: MFU (here), the TPU roofline and XLA's estimate (t2t/aot) read it.
-# GPUs from NVIDIA's H100 / H200 / A100 datasheets (SXM unless named). TPUs from Google Cloud's
-# TPU pages, per chip:
+# GPUs from NVIDIA's datasheets (SXM unless named; dense, no sparsity): H100 989 TFLOPS bf16,
+# 494 TF32, HBM3 3.35 TB/s, NVLink 900 GB/s; H200 the same compute, HBM3e 4.8 TB/s; A100 80GB 312
+# bf16, 156 TF32, 2.039 TB/s, NVLink 600 GB/s; B200 (HGX B200 / 8 GPUs) 2.25 PFLOPS bf16, 1.1
+# TF32, 8 TB/s (XLA's target description: 7.67), NVLink 5 1.8 TB/s. TPUs from Google Cloud's TPU
+# pages, per chip:
 #   v4:  https://cloud.google.com/tpu/docs/v4  (275 TFLOPs bf16; HBM2 1200 GBps). The page gives
 #        no per-chip ICI bandwidth, only the pod's all-reduce bandwidth (1.1 PB/s over 4096
 #        chips); 2 x that / 4096 = 537 GBps, the relation the v5e and v6e pages' numbers obey
@@ -328,9 +334,10 @@ class Chip:
 #   v6e: https://cloud.google.com/tpu/docs/v6e  (918 TFLOPs; 1638 GBps; ICI 800 GBps)
 CHIPS = {c.name: c for c in (
     Chip('h100 pcie', 756e12),
-    Chip('h100', 989e12),
-    Chip('h200', 989e12),
-    Chip('a100', 312e12),
+    Chip('h100', 989e12, 3.35e12, 900e9, 494e12),
+    Chip('h200', 989e12, 4.8e12, 900e9, 494e12),
+    Chip('a100', 312e12, 2.039e12, 600e9, 156e12),
+    Chip('b200', 2.25e15, 8e12, 1.8e12, 1.1e15),
     Chip('v4', 275e12, 1200e9, 2 * 1.1e15 / 4096),
     Chip('v5e', 197e12, 819e9, 400e9),
     Chip('v5p', 459e12, 2765e9, 1200e9),
@@ -339,6 +346,7 @@ CHIPS = {c.name: c for c in (
 # jax's device_kind (lower case) to a chip, matched by substring, most specific first.
 _DEVICE_KINDS = (
     ('h100 pcie', 'h100 pcie'), ('h100', 'h100'), ('h200', 'h200'), ('a100', 'a100'),
+    ('b200', 'b200'),
     ('tpu v4', 'v4'), ('tpu v5 lite', 'v5e'), ('tpu v5e', 'v5e'), ('tpu v5p', 'v5p'),
     ('tpu v5', 'v5p'),  # v5p reports itself as 'TPU v5'
     ('tpu v6 lite', 'v6e'), ('tpu v6e', 'v6e'),  # v6e (Trillium)

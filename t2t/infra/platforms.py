@@ -11,8 +11,9 @@ an NVIDIA GPU with the CUDA plugin, 'cuda,cpu' (a CUDA failure then fails loudly
 fallback to the CPU); a GPU without the plugin, jax's own choice (its warning says the plugin is
 missing); neither, 'cpu'. A JAX_PLATFORMS set by the user always wins.
 
-`compile_only_tpu` is the environment of ahead-of-time compiles for a TPU slice (t2t/aot/tpu.py):
-the process runs on the CPU backend and uses libtpu only as XLA's TPU compiler.
+`compile_only_tpu` / `compile_only_gpu` are the environments of ahead-of-time compiles for a TPU
+slice or GPU nodes (t2t/aot/targets.py): the process runs on the CPU backend and uses libtpu or
+the CUDA plugin only as XLA's compiler.
 """
 
 from __future__ import annotations
@@ -68,6 +69,20 @@ def compile_only_tpu(accelerator_type: str) -> None:
     os.environ.setdefault('TPU_ACCELERATOR_TYPE', accelerator_type)
     os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
     os.environ.setdefault('TPU_WORKER_ID', '0')
+    if 'jax' in sys.modules:  # imported already: its config has read JAX_PLATFORMS
+        import jax
+
+        jax.config.update('jax_platforms', 'cpu')
+
+
+def compile_only_gpu() -> None:
+    """Environment for compiling for GPU nodes on this host's CPU (before any jax computation):
+    the CPU backend runs the process, XLA's CUDA compiler (the `gpu-aot` extra's plugin) only
+    compiles, so no GPU is opened even where one is attached. ImportError (one line) without it."""
+    if not _cuda_plugin_installed():
+        raise ImportError("XLA's CUDA compiler is not installed: pip install -e '.[gpu-aot]' "
+                          '(jax[cuda12] pinned to the jax in use)')
+    os.environ['JAX_PLATFORMS'] = 'cpu'
     if 'jax' in sys.modules:  # imported already: its config has read JAX_PLATFORMS
         import jax
 

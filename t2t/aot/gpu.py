@@ -1,0 +1,244 @@
+"""What a compile for GPU nodes adds to the dry run: XLA's own counts, the attention kernel that
+was compiled, the collectives split by NVLink domain, and a roofline of the node.
+
+    counts, source = gpu.xla_cost_analysis(compiled)     # flops, bytes accessed (loop bodies once)
+    gpu.attention_calls(text)                            # cuDNN fused-attention calls (fwd, bwd)
+    gpu.network(text, nodes)                             # collectives: in one node, across nodes
+    gpu.largest_buffer(text, 'loss')                     # the loss's largest buffer
+    GpuRoofline(...).seconds                             # an estimate, not a measurement
+
+XLA's GPU compiler gives no cost_analysis() on a compile-only client (it returns None); its
+HloCostAnalysis of the optimized module comes through a private jax binding, which may move
+between jax releases: when it does, the report says there are no XLA counts, nothing fails.
+Partition k of the compiled program runs on mesh.devices.flat[k]; a device's node is its
+process_index (jax's compile-only CUDA topology gives each host of N x 1 x G its own).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Sequence
+
+import numpy as np
+
+from t2t.aot import hlo
+from t2t.infra import metrics
+
+CUDNN_ATTENTION = '__cudnn$fmha'  # the prefix of cuDNN's fused-attention custom-call targets
+
+
+def xla_cost_analysis(compiled) -> tuple[dict, str]:
+    """({'flops': ..., 'bytes accessed': ...}, what they are), or ({}, why there are none)."""
+    try:
+        import jax
+        from jax._src.lib import _jax
+
+        module = compiled.runtime_executable().hlo_modules()[0]
+        costs = dict(_jax.hlo_module_cost_analysis(jax.devices('cpu')[0].client, module))
+    except Exception as e:  # a private binding: gone or changed in another jax release
+        return {}, (f"none (compiled.cost_analysis() is None on this target and jax's "
+                    f'HloCostAnalysis binding failed: {type(e).__name__})')
+    return costs, 'HloCostAnalysis of the optimized module (compiled.cost_analysis() is None here)'
+
+
+def _top_level(module: hlo.Module):
+    """(computation, runs per run, instructions) of everything not inside a fusion."""
+    fused = {c for body in module.computations.values() for i in body if i.opcode == 'fusion'
+             for _, c in i.called}
+    for name, times in hlo.executions(module).items():
+        if name not in fused:
+            yield name, times, module.computations.get(name, ())
+
+
+def attention_calls(text) -> tuple[float, float]:
+    """cuDNN fused-attention calls per run (forward, backward), loops by trip count."""
+    module = hlo._module(text)
+    forward = backward = 0.0
+    for _, times, body in _top_level(module):
+        for i in body:
+            target = re.search(r'custom_call_target="([^"]*)"', i.attributes)
+            if i.opcode == 'custom-call' and target and target.group(1).startswith(
+                    CUDNN_ATTENTION):
+                if target.group(1).endswith('Backward'):
+                    backward += times
+                else:
+                    forward += times
+    return forward, backward
+
+
+def largest_buffer(text, scope: str) -> tuple[str, int]:
+    """(type, bytes) of the largest array an op traced under jax.named_scope(scope) writes to
+    memory (top-level ops: a fusion's insides stay on chip); ('', 0) if there is none."""
+    module = hlo._module(text)
+    best = ('', 0)
+    # jit(train_step)/jvp(loss)/mul, transpose(jvp(loss))/...: the scope under transformations
+    pattern = re.compile(rf'op_name="[^"]*[/(]{re.escape(scope)}\)*/')
+    for _, _, body in _top_level(module):
+        for i in body:
+            if i.opcode in ('parameter', 'tuple', 'get-tuple-element', 'bitcast') or \
+                    not pattern.search(i.attributes):
+                continue
+            for dtype, dims in hlo._ARRAY.findall(i.shape):
+                array = f'{dtype}[{dims}]'
+                size = hlo.shape_bytes(array)
+                if size > best[1]:
+                    best = (array, size)
+    return best
+
+
+# ----------------------------------------------------------------------------------------------
+# Collectives by network
+
+_IOTA = re.compile(r'replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?')
+_LISTS = re.compile(r'(replica_groups|source_target_pairs)=\{((?:\{[\d,]*\},?)*)\}')
+
+
+def groups(attributes: str, devices: int) -> list[list[int]]:
+    """The device groups of a collective: its replica groups (a list or the iota form
+    [G,S]<=[dims]T(perm)), a collective-permute's source-target pairs; none given: all devices."""
+    iota = _IOTA.search(attributes)
+    if iota:
+        shape, dims = ([int(d) for d in g.split(',')] for g in iota.groups()[:2])
+        ids = np.arange(np.prod(dims)).reshape(dims)
+        if iota.group(3):
+            ids = ids.transpose([int(d) for d in iota.group(3).split(',')])
+        return ids.reshape(shape).tolist()
+    found = _LISTS.search(attributes)
+    if found and found.group(2):
+        return [[int(d) for d in g.split(',') if d] for g in re.findall(r'\{([\d,]*)\}',
+                                                                         found.group(2))]
+    return [list(range(devices))]
+
+
+@dataclasses.dataclass(frozen=True)
+class Network:
+    """Collectives of one run per device, loops by trip count: those whose every group stays in
+    one node (NVLink) and those with a group spanning nodes (the network), count and operand
+    bytes."""
+
+    nvlink_count: float = 0.0
+    nvlink_bytes: float = 0.0
+    internode_count: float = 0.0
+    internode_bytes: float = 0.0
+
+
+def network(text, nodes: Sequence[int]) -> Network:
+    """Split the collectives of a program whose partition k runs on node nodes[k]."""
+    module = hlo._module(text)
+    attributes = {(c, i.name): i.attributes for c, body in module.computations.items()
+                  for i in body}
+    split = [0.0, 0.0, 0.0, 0.0]
+    for op in hlo.collective_ops(module):
+        spans = any(len({nodes[d] for d in g}) > 1
+                    for g in groups(attributes[op.computation, op.name], len(nodes)))
+        split[2 * spans] += op.times
+        split[2 * spans + 1] += op.times * op.bytes
+    return Network(*split)
+
+
+# ----------------------------------------------------------------------------------------------
+# The roofline
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuRoofline:
+    """max(FLOPs / peak, HBM bytes / HBM bandwidth) + NVLink bytes / NVLink bandwidth + network
+    bytes / network bandwidth, per GPU: an estimate from the datasheet, not a measurement (every
+    matmul at the tensor cores' dense peak, memory at full HBM bandwidth overlapping the compute,
+    the collectives' operand bytes at the link's whole bidirectional bandwidth, not overlapped).
+    No autotuning on a compile-only client: the kernels are XLA's defaults."""
+
+    chip: str  # key of metrics.CHIPS
+    flops: float  # matmul FLOPs per device per run (hlo.matmul_flops, cuDNN and cuBLAS calls too)
+    memory_bytes: float  # HBM bytes per device (t2t/aot/memory.py)
+    network: Network
+    internode_bytes_per_s: float  # the node's network per GPU, both directions
+    fp32: bool = False  # float32 matmuls: TF32 tensor-core peak
+
+    @property
+    def spec(self) -> metrics.Chip:
+        return metrics.CHIPS[self.chip]
+
+    @property
+    def peak_flops(self) -> float:
+        return self.spec.peak_fp32_flops if self.fp32 else self.spec.peak_bf16_flops
+
+    @property
+    def compute_s(self) -> float:
+        return self.flops / self.peak_flops
+
+    @property
+    def memory_s(self) -> float:
+        return self.memory_bytes / self.spec.hbm_bytes_per_s
+
+    @property
+    def nvlink_s(self) -> float:
+        return self.network.nvlink_bytes / self.spec.ici_bytes_per_s
+
+    @property
+    def internode_s(self) -> float:
+        return self.network.internode_bytes / self.internode_bytes_per_s
+
+    @property
+    def collective_s(self) -> float:
+        return self.nvlink_s + self.internode_s
+
+    @property
+    def seconds(self) -> float:
+        return max(self.compute_s, self.memory_s) + self.collective_s
+
+    def mfu(self, model_flops_per_step: float, devices: int) -> float:
+        """Model FLOPs / the estimated time / the peak of all devices (bf16, or TF32 for fp32)."""
+        return metrics.mfu(model_flops_per_step, self.seconds, devices, self.peak_flops)
+
+
+def _ms(seconds: float) -> str:
+    return f'{seconds * 1e3:.3g} ms'
+
+
+def _bytes(n: float) -> str:
+    return f'{n / 1e9:.4g} GB'
+
+
+def report_lines(compiled, devices: int, model_flops: float | None = None,
+                 tokens: int = 0, run: str = 'step') -> list[str]:
+    """The dry run's GPU lines: XLA's counts, attention kernel, loss buffer, network split and
+    the roofline estimate with the MFU and tokens/s per GPU it implies."""
+    lines = []
+    if math.isfinite(compiled.flops_per_device):
+        lines.append(f'  XLA counts per device per {run} ({compiled.xla_counts_source}; every '
+                     f'op, each loop body counted once): {compiled.flops_per_device:.4g} FLOP, '
+                     f'{compiled.xla_bytes_accessed:.4g} bytes accessed; HBM bytes with loops '
+                     f'by trip count (compiled HLO): {compiled.memory_bytes_per_device:.4g}')
+    else:
+        lines.append(f'  XLA counts: {compiled.xla_counts_source}')
+    forward, backward = compiled.attention_calls
+    kernel = (f'cuDNN fused attention: {forward:.0f} forward + {backward:.0f} backward calls'
+              if forward + backward else 'XLA softmax (no cuDNN fused-attention call)')
+    lines.append(f'  attention kernel compiled: {kernel}')
+    if compiled.loss_buffer[1]:
+        lines.append(f"  the loss's largest buffer: {compiled.loss_buffer[0]} "
+                     f'({compiled.loss_buffer[1] / (1 << 20):.1f} MiB)')
+    r = compiled.roofline
+    if not isinstance(r, GpuRoofline):
+        return lines
+    n, spec = r.network, r.spec
+    lines.append(f'  collectives per device per {run}: in one node (NVLink) {n.nvlink_count:.0f} '
+                 f'({_bytes(n.nvlink_bytes)}), across nodes {n.internode_count:.0f} '
+                 f'({_bytes(n.internode_bytes)})')
+    peak = 'TF32' if r.fp32 else 'bf16'
+    line = (f'  roofline ESTIMATE of the {run} time (not a measurement; {r.chip} datasheet: '
+            f'{r.peak_flops / 1e12:.0f} TFLOP/s {peak}, HBM {spec.hbm_bytes_per_s / 1e9:.0f} '
+            f'GB/s, NVLink {spec.ici_bytes_per_s / 1e9:.0f} GB/s, network '
+            f'{r.internode_bytes_per_s / 1e9:.0f} GB/s per GPU): max(compute {r.flops:.4g} '
+            f'FLOP = {_ms(r.compute_s)}, HBM {r.memory_bytes:.4g} B = {_ms(r.memory_s)}) + '
+            f'NVLink {_ms(r.nvlink_s)} + network {_ms(r.internode_s)} = {_ms(r.seconds)}')
+    lines.append(line)
+    if model_flops:
+        lines.append(f'  implied by the estimate: MFU {100 * r.mfu(model_flops, devices):.3g}% '
+                     f'(t2t/flops.py {model_flops:.4g} FLOP / {devices} x '
+                     f'{r.peak_flops / 1e12:.0f} TFLOP/s), {tokens / r.seconds / devices:.4g} '
+                     'target tokens/s per GPU')
+    return lines
