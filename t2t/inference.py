@@ -298,7 +298,6 @@ class DecodeConfig:
         return f'beam {self.beam_size}, alpha {self.length_penalty_alpha}{stop}'
 
 
-@functools.lru_cache(maxsize=32)
 def _search(decoding: DecodeConfig, tokens_to_logits, cache, constants, *, keys_B,
             batch_size: int, L: int, limit_B, first: int, log_probs: bool, constraints_BCP):
     """The decoding.decode_strategy search of one bucket: (ids_BL, score_B, nbest_ids_BNL,
@@ -329,6 +328,7 @@ def _search(decoding: DecodeConfig, tokens_to_logits, cache, constants, *, keys_
     return ids_BL, score_B, nbest_ids_BNL, nbest_scores_BN
 
 
+@functools.lru_cache(maxsize=32)
 def make_predict_fn(model_config: TransformerConfig | tuple[TransformerConfig, ...],
                     decoding: DecodeConfig, *, num_valid_ids: int | None = None,
                     mesh=None) -> Predict:

@@ -13,7 +13,6 @@ from tests.helpers import ROOT
 LIMIT = 100
 # path under t2t/ : qualified name -> its length when this list was written
 OVER_LIMIT = {
-    'aot/report.py:tpu_dry_run': 102,
     'decode.py:beam_search': 200,
     'train/loop.py:_train_and_evaluate': 217,
 }
