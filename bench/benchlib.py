@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
 import sys
 import time
 
@@ -174,3 +175,26 @@ def flax_peer_predict(models, decode, config, beams: int, max_decode_len: int, e
         return seqs[:, -1, 1:]
 
     return predict_step, initialize_cache
+
+
+def rows_for(tokens: int, max_len: int, mesh: tuple[int, int, int]) -> int:
+    """Batch rows for `tokens` target tokens: the nearest multiple of the data-parallel devices."""
+    unit = mesh[0] * mesh[1]
+    return max(1, round(tokens / max_len / unit)) * unit
+
+
+def run_child(script: str, spec: str, *, timeout: int, nice: int, root: str, prefix=(),
+              env_extra=None) -> tuple[dict | None, str]:
+    """Runs `script --child spec` in a process of its own (XLA_FLAGS unset, PYTHONPATH=root): (the
+    dict of its last 'RESULT {json}' line, '') when it exits 0 with one, else (None, why not)."""
+    cmd = [*prefix, 'nice', '-n', str(nice), 'timeout', str(timeout), sys.executable,
+           os.path.abspath(script), '--child', spec]
+    env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+    env.update(PYTHONPATH=root, **(env_extra or {}))
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('RESULT ')]
+    if proc.returncode == 0 and lines:
+        return json.loads(lines[-1][len('RESULT '):]), ''
+    tail = (proc.stderr.strip().splitlines() or ['no output'])[-1][:200]
+    return None, (f'timed out after {timeout} s' if proc.returncode == 124
+                  else f'failed (rc {proc.returncode}): {tail}')

@@ -36,12 +36,13 @@ import csv
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, 'bench'))
+import benchlib  # noqa: E402
+
 PAPER_TOKENS = 25_000  # target tokens per step in the paper (section 5.1)
 GIB = 1 << 30
 FLAX_PEER = 'flax_wmt'  # a config name prefix: flax examples/wmt's model at that config's dims
@@ -74,9 +75,7 @@ def meshes(gpus: int, heads: int = 8) -> list[tuple[int, int, int]]:
     return sorted(out, key=lambda m: (m != (gpus, 1, 1), m != (1, gpus, 1), m[2], -m[0]))
 
 
-def rows_for(tokens: int, max_len: int, mesh: tuple[int, int, int]) -> int:
-    unit = mesh[0] * mesh[1]
-    return max(1, round(tokens / max_len / unit)) * unit
+rows_for = benchlib.rows_for
 
 
 _GPUS = {'1xh100': 1, '8xh100': 8, '8xh200': 8, '2x8xh100': 16}
@@ -168,18 +167,10 @@ def measure(row: Row, settings: dict) -> dict:
 
 def run_row(row: Row, timeout: int, nice: int, settings: dict) -> dict:
     spec = json.dumps(dict(dataclasses.asdict(row), settings=settings))
-    cmd = ['nice', '-n', str(nice), 'timeout', str(timeout), sys.executable,
-           os.path.abspath(__file__), '--child', spec]
-    env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-    env['PYTHONPATH'] = ROOT
     start = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('RESULT ')]
-    if proc.returncode == 0 and lines:
-        return json.loads(lines[-1][len('RESULT '):])
-    tail = (proc.stderr.strip().splitlines() or ['no output'])[-1][:200]
-    status = (f'timed out after {timeout} s' if proc.returncode == 124
-              else f'failed (rc {proc.returncode}): {tail}')
+    result, status = benchlib.run_child(__file__, spec, timeout=timeout, nice=nice, root=ROOT)
+    if result is not None:
+        return result
     return dict(config=row.config, target=row.target, mesh=str(row.mesh), status=status,
                 requested_tokens=row.tokens, compile_s=round(time.time() - start, 1))
 

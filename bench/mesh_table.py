@@ -60,12 +60,14 @@ import dataclasses
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIBTPU_LOCK = '/tmp/t2t-libtpu.lock'
+sys.path.insert(0, os.path.join(ROOT, 'bench'))
+import benchlib  # noqa: E402
+
 PAPER_TOKENS = 25_000  # target tokens per step in the paper (section 5.1)
 GIB = 1 << 30
 
@@ -101,10 +103,7 @@ def meshes(chips: int, torus_3d: bool = False) -> list[tuple[str, tuple[int, int
             ('fsdp x tensor', (1, chips // 4, 4)), ('data x fsdp', (outer, chips // outer, 1))]
 
 
-def rows_for(tokens: int, max_len: int, mesh: tuple[int, int, int]) -> int:
-    """Batch rows for `tokens` target tokens: the nearest multiple of the data-parallel devices."""
-    unit = mesh[0] * mesh[1]
-    return max(1, round(tokens / max_len / unit)) * unit
+rows_for = benchlib.rows_for
 
 
 def full_plan() -> list[Row]:
@@ -150,7 +149,6 @@ def compile_flax_peer(config, mesh):
     """flax examples/wmt's train step (bench/benchlib.py) at config's dims, vocabulary and batch,
     bf16 as its TPU runs: parameters and Adam state replicated, the batch split over the mesh's
     data axis, the state donated; compiled and read as t2t's step is (t2t.aot.tpu.Compiled)."""
-    import benchlib
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -318,24 +316,16 @@ def child_main(spec: str) -> int:
 
 def run_row(row: Row, timeout: int, nice: int, hlo_dir: str = '', libtpu_args: str = '') -> dict:
     spec = json.dumps(dict(dataclasses.asdict(row), hlo_dir=hlo_dir))
-    cmd = ['flock', LIBTPU_LOCK, 'nice', '-n', str(nice), 'timeout', str(timeout),
-           sys.executable, os.path.abspath(__file__), '--child', spec]
-    env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-    env['PYTHONPATH'] = ROOT
-    if libtpu_args:
-        env['LIBTPU_INIT_ARGS'] = libtpu_args
     start = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('RESULT ')]
-    if proc.returncode == 0 and lines:
-        return json.loads(lines[-1][len('RESULT '):])
-    tail = (proc.stderr.strip().splitlines() or ['no output'])[-1][:200]
-    status = (f'timed out after {timeout} s' if proc.returncode == 124
-              else f'failed (rc {proc.returncode}): {tail}')
+    result, status = benchlib.run_child(
+        __file__, spec, timeout=timeout, nice=nice, root=ROOT, prefix=('flock', LIBTPU_LOCK),
+        env_extra={'LIBTPU_INIT_ARGS': libtpu_args} if libtpu_args else None)
+    if result is not None:
+        return result
     return dict(config=row.config, slice=row.slice, mesh_name=row.mesh_name, mesh=row.mesh_label,
                 requested_tokens=row.tokens, status=status,
                 compile_s=round(time.time() - start, 1),
-                libtpu_init_args=env.get('LIBTPU_INIT_ARGS', ''))
+                libtpu_init_args=libtpu_args or os.environ.get('LIBTPU_INIT_ARGS', ''))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -320,19 +320,12 @@ def beam_search(
         new_scores_BC = jnp.where(
             new_flags_BC, top_log_probs_BC / length_penalty(length, alpha), NEG_INF
         )
-        pool_scores_BM = jnp.concatenate([state.finished_scores_BK, new_scores_BC], axis=1)
-        pool_flags_BM = jnp.concatenate([state.finished_flags_BK, new_flags_BC], axis=1)
-        pool_seqs_BMT = jnp.concatenate([state.finished_seqs_BKT, seqs_BCT], axis=1)
-        finished_scores_BK, finished_pos_BK = lax.top_k(pool_scores_BM, K)
-
         return state.replace(
             step=i + 1,
             alive_seqs_BKT=alive_seqs_BKT,
             alive_log_probs_BK=alive_log_probs_BK,
             alive_cache=alive_cache,
-            finished_seqs_BKT=_gather_beams(pool_seqs_BMT, finished_pos_BK),
-            finished_scores_BK=finished_scores_BK,
-            finished_flags_BK=_gather_beams(pool_flags_BM, finished_pos_BK),
+            **_best_finished(state, new_scores_BC, new_flags_BC, seqs_BCT),
         )
 
     def search(state: BeamState, steps: int, next_rows: int) -> BeamState:
@@ -362,6 +355,18 @@ def beam_search(
     return out_seqs_BKT[:, :, 1:], out_scores_BK
 
 
+def _best_finished(state: BeamState, new_scores_BC, new_flags_BC, seqs_BCT) -> dict:
+    """The K best of an example's finished hypotheses and this step's new ones (state fields)."""
+    K = state.finished_scores_BK.shape[1]
+    pool_scores_BM = jnp.concatenate([state.finished_scores_BK, new_scores_BC], axis=1)
+    pool_flags_BM = jnp.concatenate([state.finished_flags_BK, new_flags_BC], axis=1)
+    pool_seqs_BMT = jnp.concatenate([state.finished_seqs_BKT, seqs_BCT], axis=1)
+    finished_scores_BK, finished_pos_BK = lax.top_k(pool_scores_BM, K)
+    return dict(finished_seqs_BKT=_gather_beams(pool_seqs_BMT, finished_pos_BK),
+                finished_scores_BK=finished_scores_BK,
+                finished_flags_BK=_gather_beams(pool_flags_BM, finished_pos_BK))
+
+
 def _constrained_step(state: BeamState, cand_log_probs_BKV, cache, searching_B, *, alpha,
                       eos_id: int, unfinished: str) -> BeamState:
     """beam_search's step after the model with constraints (t2t/constraints.py): the alive beams
@@ -389,18 +394,12 @@ def _constrained_step(state: BeamState, cand_log_probs_BKV, cache, searching_B, 
     new_BX = (first_BX | (second_BX & ~has_first_B[:, None])
               | (new_BX & ~met_all_BX & ~has_second_B[:, None]))
     new_scores_BX = jnp.where(new_BX, log_probs_BX / length_penalty(length, alpha), NEG_INF)
-    pool_scores_BM = jnp.concatenate([state.finished_scores_BK, new_scores_BX], axis=1)
-    pool_flags_BM = jnp.concatenate([state.finished_flags_BK, new_BX], axis=1)
-    pool_seqs_BMT = jnp.concatenate([state.finished_seqs_BKT, seqs_BXT], axis=1)
-    finished_scores_BK, finished_pos_BK = lax.top_k(pool_scores_BM, K)
     return state.replace(
         step=i + 1,
         alive_seqs_BKT=_gather_beams(seqs_BXT, alive_pos_BK),
         alive_log_probs_BK=alive_log_probs_BK,
         alive_cache=_gather_cache(cache, jnp.take_along_axis(parent_BX, alive_pos_BK, axis=1)),
-        finished_seqs_BKT=_gather_beams(pool_seqs_BMT, finished_pos_BK),
-        finished_scores_BK=finished_scores_BK,
-        finished_flags_BK=_gather_beams(pool_flags_BM, finished_pos_BK),
+        **_best_finished(state, new_scores_BX, new_BX, seqs_BXT),
         constraints=held.replace(progress_BKC=_gather_beams(progress_BXC, alive_pos_BK),
                                  done_BKC=_gather_beams(done_BXC, alive_pos_BK)),
     )
