@@ -182,9 +182,11 @@ def test_decode_config_holds_every_decoding_key_of_the_paper_configs(name):
     keys = _decoding_block_keys()
     assert {'decode_strategy', 'beam_size', 'top_p', 'max_decode_len'} <= set(keys)  # parsed
     fields = {f.name for f in dataclasses.fields(inference.DecodeConfig)}
-    assert fields == {*keys, 'nbest', 'eos_id'}  # a new decoding key is a field, and back
+    # a new decoding key is a field, and back; nbest and num_samples are set by evaluate.py's
+    # flags (--nbest, --mbr_samples), not by the config
+    assert fields == {*keys, 'nbest', 'eos_id', 'num_samples'}
     assert {key: getattr(decoding, key) for key in keys} == {key: config[key] for key in keys}
-    assert decoding.nbest == 1 and decoding.eos_id == EOS_ID
+    assert decoding.nbest == 1 and decoding.num_samples == 1 and decoding.eos_id == EOS_ID
     assert (decoding.beam_size, decoding.length_penalty_alpha, decoding.max_decode_extra) == (
         4, 0.6, 50)  # the paper's decoding
     assert decoding.describe() == 'beam 4, alpha 0.6' and decoding.sampling is None

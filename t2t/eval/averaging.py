@@ -43,20 +43,19 @@ def wide_window(window: list[int], fraction: float) -> str | None:
 
 def validation_nll(config, tokenizer, mesh, params_by_label: dict) -> dict[str, dict]:
     """{label: validation loss/nll/perplexity/accuracy} of each params (replicated on `mesh`), over
-    every batch of config.eval_split, with one compiled evaluation step."""
+    every batch of config.eval_split, with one compiled evaluation step; ValueError (one line) for
+    a split that cannot be read."""
     from t2t import data, sharding, train_lib
-    from t2t.eval.checkpoints import EvalError
-    from t2t.train import loop
 
     try:
         split = data.eval_split(config, tokenizer, config.eval_split)
     except (ValueError, OSError) as e:
-        raise EvalError(f'cannot read split {config.eval_split!r}: {e}') from e
+        raise ValueError(f'cannot read split {config.eval_split!r}: {e}') from e
     parallel = sharding.data_parallel_size(mesh)
     rows = -(-config.eval_batch_size // parallel) * parallel  # every device the same rows
     step_config = train_lib.StepConfig.from_config(config)
     eval_step = train_lib.jit_eval_step(step_config, sharding.replicated(mesh), mesh)
-    return {label: loop.evaluate_loss(eval_step, params,
+    return {label: train_lib.evaluate_loss(eval_step, params,
                                       split.batches(config.eval_batch_size, rows), mesh, -1)
             for label, params in params_by_label.items()}
 

@@ -429,7 +429,10 @@ def _average_or_last(config, workdir, entry, tokenizer, mesh, weights, echo):
         check_params(params, TransformerConfig.from_config(config), tokenizer, name)
         shown[weights_label(name, used)] = name
     average, last = ((shown_name, loaded[name][0]) for shown_name, name in shown.items())
-    chosen, metrics = averaging.choose(config, tokenizer, mesh, average, last, echo)
+    try:
+        chosen, metrics = averaging.choose(config, tokenizer, mesh, average, last, echo)
+    except ValueError as e:
+        raise EvalError(str(e)) from e
     nll = {shown_name: round(m['nll'], 6) for shown_name, m in metrics.items()}
     name = shown[chosen]
     return [(name, entries[name])], {name: loaded[name]}, nll

@@ -32,6 +32,7 @@ from t2t.infra import workdir as wd
 from t2t.infra.preemption import Interrupted, PreemptionFlag
 from t2t.run import best, checkpoint, compile_cache, outage, profiling, run_record, startup
 from t2t.train import guards
+from t2t.train_lib import evaluate_loss  # the loop's validation loss (a name tests replace)
 
 # Sums over the steps of a log interval (carried across a resume): float32 loss sums, exact counts.
 _FLOAT_SUMS = ('loss_sum', 'nll_sum', 'correct_sum')
@@ -53,24 +54,6 @@ class TrainResult:
     stopped_by: str  # 'num_train_steps', 'time_budget', 'early_stopping' or 'preemption'
     train_metrics: dict
     eval_metrics: dict
-
-
-def evaluate_loss(eval_fn, params, batches, mesh, num_batches: int) -> dict:
-    """Validation loss/NLL/accuracy over the first num_batches global batches (-1: all).
-
-    Every process iterates the same global batches and puts the rows its devices hold.
-    """
-    batch_sharding = sharding.batch_sharding(mesh)
-    total = None
-    for i, batch in enumerate(batches):
-        if 0 <= num_batches <= i:
-            break
-        model_batch = {k: v for k, v in batch.items() if k in train_lib.BATCH_KEYS}
-        sums = jax.device_get(eval_fn(params, sharding.put_global(model_batch, batch_sharding)))
-        total = sums if total is None else {k: total[k] + sums[k] for k in total}
-    if total is None:
-        raise ValueError('the evaluation split gave no batch')
-    return train_lib.summarize_metrics(total)
 
 
 def _say(message: str) -> None:
