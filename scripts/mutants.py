@@ -257,6 +257,8 @@ def _run_tests(repo: str, tests, timeout: float) -> tuple[int, str]:
     except subprocess.TimeoutExpired:
         return -1, 'timed out'
     lines = (proc.stdout + proc.stderr).strip().splitlines()
+    # pytest's last line, not the compile count tests/conftest.py prints after it
+    lines = [ln for ln in lines if not ln.startswith('XLA: ')]
     return proc.returncode, lines[-1] if lines else ''
 
 
