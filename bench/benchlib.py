@@ -17,6 +17,7 @@ inside the functions that need them: the GPU run's torch sections import this fi
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
@@ -198,3 +199,23 @@ def run_child(script: str, spec: str, *, timeout: int, nice: int, root: str, pre
     tail = (proc.stderr.strip().splitlines() or ['no output'])[-1][:200]
     return None, (f'timed out after {timeout} s' if proc.returncode == 124
                   else f'failed (rc {proc.returncode}): {tail}')
+
+
+def append_table(out: str, fields: tuple, columns: tuple, values: dict) -> None:
+    """Appends `values` to OUT.csv (header `fields`; rows of an older header get today's fields,
+    the new ones empty) and writes OUT.md's `columns` from the whole of it, each file whole."""
+    rows = []
+    if os.path.exists(out + '.csv'):
+        with open(out + '.csv', newline='') as f:
+            rows = list(csv.DictReader(f))
+    rows.append(values)
+    with open(out + '.csv.tmp', 'w', newline='') as f:
+        w = csv.DictWriter(f, fieldnames=fields, restval='')
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(out + '.csv.tmp', out + '.csv')
+    with open(out + '.md.tmp', 'w') as f:
+        f.write('| ' + ' | '.join(columns) + ' |\n|' + '---|' * len(columns) + '\n')
+        f.writelines('| ' + ' | '.join('' if r.get(k) in (None, '') else str(r[k])
+                                       for k in columns) + ' |\n' for r in rows)
+    os.replace(out + '.md.tmp', out + '.md')

@@ -190,21 +190,7 @@ def done_keys(csv_path: str) -> set:
 def append(out: str, result: dict) -> None:
     """Appends the row to OUT.csv and writes OUT.md from the whole of it."""
     fields = ('requested_tokens',) + COLUMNS
-    rows = []
-    if os.path.exists(out + '.csv'):
-        with open(out + '.csv', newline='') as f:
-            rows = list(csv.DictReader(f))
-    rows.append({k: result.get(k, '') for k in fields})
-    with open(out + '.csv.tmp', 'w', newline='') as f:
-        w = csv.DictWriter(f, fieldnames=fields, restval='')
-        w.writeheader()
-        w.writerows(rows)
-    os.replace(out + '.csv.tmp', out + '.csv')
-    with open(out + '.md.tmp', 'w') as f:
-        f.write('| ' + ' | '.join(COLUMNS) + ' |\n|' + '---|' * len(COLUMNS) + '\n')
-        f.writelines('| ' + ' | '.join('' if r.get(k) in (None, '') else str(r[k])
-                                       for k in COLUMNS) + ' |\n' for r in rows)
-    os.replace(out + '.md.tmp', out + '.md')
+    benchlib.append_table(out, fields, COLUMNS, {k: result.get(k, '') for k in fields})
 
 
 def main(argv=None) -> int:

@@ -344,24 +344,9 @@ def done_keys(csv_path: str) -> set:
 def append(out: str, row: Row, result: dict) -> None:
     """Appends the row to OUT.csv (a file of an older header is rewritten with today's columns,
     the new ones empty) and writes OUT.md from the whole of it."""
-    fields = ('slice_asked', 'requested_tokens') + COLUMNS
     values = {k: result.get(k, '') for k in COLUMNS}
     values.update(slice_asked=row.slice, requested_tokens=row.tokens)
-    rows = []
-    if os.path.exists(out + '.csv'):
-        with open(out + '.csv', newline='') as f:
-            rows = list(csv.DictReader(f))
-    rows.append(values)
-    with open(out + '.csv.tmp', 'w', newline='') as f:
-        w = csv.DictWriter(f, fieldnames=fields, restval='')
-        w.writeheader()
-        w.writerows(rows)
-    os.replace(out + '.csv.tmp', out + '.csv')
-    with open(out + '.md.tmp', 'w') as f:
-        f.write('| ' + ' | '.join(COLUMNS) + ' |\n|' + '---|' * len(COLUMNS) + '\n')
-        f.writelines('| ' + ' | '.join('' if r.get(k) is None else str(r[k]) for k in COLUMNS)
-                     + ' |\n' for r in rows)
-    os.replace(out + '.md.tmp', out + '.md')
+    benchlib.append_table(out, ('slice_asked', 'requested_tokens') + COLUMNS, COLUMNS, values)
 
 
 def main(argv=None) -> int:
