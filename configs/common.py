@@ -104,6 +104,10 @@ def base_config() -> ml_collections.ConfigDict:
     # > 0: the chunk length doubled while a device's chunk (its rows x positions) holds at most
     # this many target tokens: fewer passes of the float32 dW accumulator through memory
     c.loss_chunk_tokens = 0
+    # The token table read through t2t/tables.py: one copy per data-parallel batch shard (its
+    # gradient reduced once a step), fsdp's lookups whole along D. False: the textbook
+    # jnp.take(E, ids) and y @ E.T (on one device the same computation)
+    c.table_copies = True
     c.rng_impl = 'threefry'  # dropout keys: 'threefry', 'rbg' or 'unsafe_rbg' (faster on GPU/TPU)
 
     # --- optimization

@@ -62,7 +62,7 @@ from tqdm import tqdm
 
 from t2t import constraints, decode, sharding
 from t2t.ids import EOS_ID, PAD_ID
-from t2t.model import Transformer, TransformerConfig
+from t2t.model import Transformer, TransformerConfig, next_logits
 
 
 @struct.dataclass
@@ -176,7 +176,7 @@ class _Member:
         _, variables = self._decoder(first).apply(
             {'params': params}, encoded_BSD, inputs_BS,
             jnp.full((inputs_BS.shape[0], 1), PAD_ID, jnp.int32),
-            method=Transformer.decode_step, mutable=['cache', 'cross_cache'])
+            method=next_logits, mutable=['cache', 'cross_cache'])
         # Once the caches exist the decoder reads only the source padding mask and the
         # cross-attention keys/values: the same for every beam of an example, so the search
         # never reorders them (decode.beam_search's constants).
@@ -187,8 +187,7 @@ class _Member:
         unused_N1D = jnp.zeros((ids_N1.shape[0], 1, self.config.d_model), self.config.dtype)
         logits_N1V, new_vars = self._decoder(_cache_length(cache)).apply(
             {'params': params, 'cache': cache, 'cross_cache': constants['cross_cache']},
-            unused_N1D, constants['inputs'], ids_N1, method=Transformer.decode_step,
-            mutable=['cache'])
+            unused_N1D, constants['inputs'], ids_N1, method=next_logits, mutable=['cache'])
         logits_NV = logits_N1V[:, 0]
         if self.num_valid_ids is not None and self.num_valid_ids < logits_NV.shape[-1]:
             # Rows the tokenizer cannot detokenize; finite, so log_softmax stays finite.

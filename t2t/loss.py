@@ -72,7 +72,7 @@ def cross_entropy_sums(y_BTD, w, targets_BT, weights_BT, *, smoothing: float,
 
     y_BTD: decoder output in the compute dtype; w: the output projection, float32 parameters
     (cast to y's dtype for the matmuls), [V, D] or one copy per batch shard [S, V, D]
-    (tables.TokenTable); z_loss: the weight of (log Z)^2; chunk_len: target positions per chunk
+    (t2t/tables.py); z_loss: the weight of (log Z)^2; chunk_len: target positions per chunk
     (0 or >= T: one chunk), grown to chunk_tokens target tokens per device (chunk_length; 0:
     not grown). T is padded to a multiple of the chunk length with weight 0.
     """
@@ -204,7 +204,7 @@ def _chunked_sums_fwd(smoothing, z_loss, y_NBCD, w, targets_NBC, weights_NBC):
                                         ('batch', 'vocab', 'embed'))
     init = (jnp.zeros(3, jnp.float32), dw_SVD)
     (sums, dw_SVD), dy_NBCD = jax.lax.scan(body, init, (y_NBCD, targets_NBC, weights_NBC))
-    # Weights given as one copy per batch shard (tables.TokenTable): the slots are the copies'
+    # Weights given as one copy per batch shard (t2t/tables.py): the slots are the copies'
     # gradient, summed by the transpose of the broadcast that made them, with the embedding's.
     if w.ndim == 3:
         dw = dw_SVD

@@ -1,52 +1,39 @@
 """The Transformer of "Attention Is All You Need" (Vaswani et al., 2017) as Flax Linen modules.
 
 The defaults are the paper's: post-LN residual blocks LayerNorm(x + Dropout(Sublayer(x))),
-sinusoidal positions, embeddings multiplied by sqrt(d_model), one embedding shared by source and
-target and tied to the output projection, ReLU feed-forward, scaled dot-product attention with
-no biases in its projections (attention_bias=True adds them, as older checkpoints have). Options
-cover what ablations ask for: pre-LN, learned, rotary or no positions, head count, no 1/sqrt(d_k)
-scaling, separate embeddings, bfloat16 compute (parameters stay float32) and the attention
-kernel (attention_impl: 'xla', 'dot_product', 'cudnn' = cuDNN flash attention on GPU, 'splash' =
-the Pallas splash attention kernel on TPU; a config's 'auto' is cuDNN where it runs, else 'xla',
-t2t/attention_choice.py). Speed/memory options that never change the results: rematerialization
-of each layer (remat) and one nn.scan over the identical layers of each stack (scan_layers:
-parameters stacked with a leading 'layers' axis, see t2t/run/layers_convert.py).
-Dropout draws 16 random bits per element (t2t/dropout.py: keep probability within 2^-17 of
-1 - rate, kept values scaled by its exact inverse).
+sinusoidal positions, embeddings times sqrt(d_model), one embedding E shared by source and target
+and tied to the output projection (logits = y E^T), ReLU feed-forward, attention without biases
+(t2t/attention.py: masks, kernels, the layer). Options cover the ablations (pre-LN, learned,
+rotary or no positions, untied tables, bias, scaling) and levers that never change a result
+(remat, scan_layers, table_copies: t2t/tables.py; docs/performance.md).
+
+`Transformer`: encode() -> decode() (teacher-forced, gold targets shifted right here) -> logits();
+__call__ is the three. Masks are built once at the top of encode()/decode() and passed down. In
+decode mode (config.decode) decode() runs one token per call, keeping self-attention keys/values
+in the 'cache' collection and the cross-attention ones in 'cross_cache'; the first apply
+(mutable=['cache', 'cross_cache']) creates both and decodes nothing.
 
 Shape letters: B batch, S source length, T target length, L any length, D d_model, H heads,
 K head dim (d_k = d_v = D / H), F d_ff, V vocabulary.
-
-Masks (padding, causality, packed segments) are built once at the top of encode()/decode(), in
-the form the attention kernel wants (`AttentionMask`), and passed down (t2t/attention.py holds
-masks, kernels and the attention layer). The token tables are read through one object made once
-per pass (`TokenTables`: both lookups and the output projection, in copies per batch shard under
-data parallelism). decode() is the teacher-forced decoder (gold targets, shifted right here) and
-logits() the output projection; features() stops before it (loss_impl='fused' applies it chunk
-by chunk, t2t/loss.py). In decode mode (config.decode)
-decode_step() runs one token per call and the decoder keeps its self-attention keys/values
-(head-major buffers [B, H, decode_len, K]) in the 'cache' collection and the cross-attention
-keys/values, projected once from the encoder output, in 'cross_cache' ([B, H, S, K]). The first
-apply without them (mutable=['cache', 'cross_cache']) creates both and decodes nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
+from flax import struct
 
-from t2t import attention_choice, sharding
+from t2t import attention_choice
 from t2t.attention import KERNELS, AttentionConfig, MultiHeadAttention, make_attention_mask
 from t2t.dropout import Dropout
 from t2t.ids import PAD_ID
-from t2t.tables import TokenTable, TokenTables
+from t2t.tables import TokenTable
 
 Array = jax.Array
 _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
@@ -90,6 +77,9 @@ class TransformerConfig:
     # Store every attention's weights [B, H, Q, K] in the 'intermediates' collection (apply with
     # mutable=['intermediates']); off in training, which then pays nothing for it.
     sow_attention: bool = False
+    # The token table read through t2t/tables.py (copies per data-parallel batch shard, fsdp's
+    # whole-D lookups); False: jnp.take(E, ids) and y @ E.T as written. One device: the same.
+    table_copies: bool = True
 
     def __post_init__(self):
         if self.d_model % self.num_heads:
@@ -152,8 +142,10 @@ class TransformerConfig:
                                   for f in dataclasses.fields(AttentionConfig)})
 
 
+
+
 # ----------------------------------------------------------------------------------------------
-# Positions and the decoder's inputs (rotary positions: t2t/attention.py)
+# Positions, packing and the decoder's inputs (rotary positions: t2t/attention.py)
 
 
 def sinusoidal_table(num_positions: int, d_model: int) -> np.ndarray:
@@ -167,6 +159,25 @@ def sinusoidal_table(num_positions: int, d_model: int) -> np.ndarray:
     return table.astype(np.float32)
 
 
+@struct.dataclass
+class Packing:
+    """Rows holding several pairs (t2t/data/packing.py): each token's pair (1, 2, ...; 0 on
+    padding) and its position in it. Without it a row holds one pair at positions 0, 1, ..."""
+
+    inputs_segment_ids_BS: Array
+    targets_segment_ids_BT: Array
+    inputs_positions_BS: Array
+    targets_positions_BT: Array
+
+    @classmethod
+    def of(cls, batch: dict) -> Packing | None:
+        """A data batch's packing (its *_segment_ids and *_positions), or None if it has none."""
+        if 'inputs_segment_ids' not in batch:
+            return None
+        return cls(*(batch[f'{side}_{key}'] for key in ('segment_ids', 'positions')
+                     for side in ('inputs', 'targets')))
+
+
 def shift_right(targets_BT: Array, segment_ids_BT=None) -> Array:
     """Decoder inputs: targets moved right by one, PAD_ID as start token, per packed segment."""
     shifted = jnp.pad(targets_BT, ((0, 0), (1, 0)), constant_values=PAD_ID)[:, :-1]
@@ -175,6 +186,10 @@ def shift_right(targets_BT: Array, segment_ids_BT=None) -> Array:
         prev_segment = jnp.pad(segment_ids_BT, ((0, 0), (1, 0)), constant_values=-1)[:, :-1]
         shifted = jnp.where(segment_ids_BT == prev_segment, shifted, PAD_ID)
     return shifted
+
+
+def _arange_like(ids_BL: Array) -> Array:
+    return jnp.broadcast_to(jnp.arange(ids_BL.shape[1], dtype=jnp.int32), ids_BL.shape)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -232,6 +247,7 @@ class Residual(nn.Module):
 class EncoderLayer(nn.Module):
     config: TransformerConfig
     scanned: bool = False  # under nn.scan: returns (carry, None)
+    BROADCAST = 2  # the arguments after x: the same for every layer of a stack
 
     @nn.compact
     def __call__(self, x_BSD, mask_B1SS, positions_BS):
@@ -246,6 +262,7 @@ class EncoderLayer(nn.Module):
 class DecoderLayer(nn.Module):
     config: TransformerConfig
     scanned: bool = False  # under nn.scan: returns (carry, None)
+    BROADCAST = 5
 
     @nn.compact
     def __call__(self, y_BTD, encoded_BSD, self_mask_B1TT, cross_mask_B1TS, positions_BT,
@@ -266,8 +283,8 @@ def layer_stack(cfg: TransformerConfig, layer_cls, num_layers: int, prefix: str)
     """The layers of one stack: a list `<prefix>_<i>`, or one scanned module `<prefix>_layers`.
 
     Rematerialization (cfg.remat) wraps each layer; it is off in decode mode. Scanned, every
-    parameter gets a leading axis of num_layers with the logical name 'layers', and the decode
-    caches a second axis (batch stays first, as beam search expects).
+    parameter gets a leading axis of num_layers with the logical name 'layers' (converted by
+    t2t/run/layers_convert.py), and the decode caches a second axis (batch stays first).
     """
     cls = layer_cls
     if cfg.remat != 'none' and not cfg.decode:
@@ -278,7 +295,7 @@ def layer_stack(cfg: TransformerConfig, layer_cls, num_layers: int, prefix: str)
         cls, length=num_layers, variable_axes={'params': 0, 'cache': 1, 'cross_cache': 1,
                                                'intermediates': 0},
         split_rngs={'params': True, 'dropout': True},
-        in_axes=(nn.broadcast,) * (5 if layer_cls is DecoderLayer else 2),
+        in_axes=(nn.broadcast,) * layer_cls.BROADCAST,
         metadata_params={nn.PARTITION_NAME: 'layers'})
     return scanned(cfg, scanned=True, name=f'{prefix}_layers')
 
@@ -292,8 +309,9 @@ def _run_stack(layers, x, *args):
 
 
 class Embedder(nn.Module):
-    """Token embedding (x sqrt(D)) plus positions, with dropout. It holds the table; a pass reads
-    it through its TokenTable (the tied output projection reads the same one)."""
+    """Token embedding E [V, D] (x sqrt(D)) plus positions, with dropout; attend() is the tied
+    output projection y E^T. With table_copies E is read through a TokenTable made once per
+    pass (t2t/tables.py), which both lookups and the projection share."""
 
     config: TransformerConfig
 
@@ -305,6 +323,7 @@ class Embedder(nn.Module):
                 nn.initializers.normal(stddev=cfg.d_model ** -0.5), ('vocab', 'embed')),
             (cfg.vocab_size, cfg.d_model), jnp.float32,
         )
+        self.table = TokenTable.of(self.embedding) if cfg.table_copies else None
         if cfg.position_embedding == 'learned':
             self.position_table = self.param(
                 'position_embedding',
@@ -313,17 +332,17 @@ class Embedder(nn.Module):
             )
         self.dropout = Dropout(cfg.dropout_rate)
 
-    def __call__(self, ids_BL, positions_BL, table: TokenTable):
-        """table: this embedding's table as the pass reads it (Transformer.token_tables)."""
+    def __call__(self, ids_BL, positions_BL):
         cfg = self.config
-        x_BLD = table.lookup(ids_BL)
+        if self.table is None:
+            x_BLD = jnp.take(self.embedding, ids_BL, axis=0)
+        else:
+            x_BLD = self.table.lookup(ids_BL)
         if cfg.scale_embeddings:
             x_BLD = x_BLD * math.sqrt(cfg.d_model)
         if cfg.position_embedding in ('sinusoidal', 'learned'):
-            # Positions are < the row length (packed ones restart per segment; in decode mode the
-            # cache index is < decode_len): a length within the table keeps every read in range.
-            # Checked while tracing, so it is an error before any compile; mode='clip' replaces
-            # jnp.take's NaN fill, which the check leaves unreachable.
+            # Checked while tracing, an error before any compile: positions stay in the table
+            # (they are < the row length, or < decode_len), so mode='clip' never clips.
             length = cfg.decode_len if cfg.decode else ids_BL.shape[1]
             if length > cfg.max_position:
                 raise ValueError(f'sequence length {length} exceeds max_position='
@@ -331,18 +350,34 @@ class Embedder(nn.Module):
             table = (jnp.asarray(sinusoidal_table(cfg.max_position, cfg.d_model))
                      if cfg.position_embedding == 'sinusoidal' else self.position_table)
             x_BLD = x_BLD + jnp.take(table, positions_BL, axis=0, mode='clip')
-        x_BLD = self.dropout(x_BLD.astype(cfg.dtype), deterministic=cfg.deterministic)
+        x_BLD = self.dropout(x_BLD.astype(cfg.dtype),
+                             deterministic=cfg.deterministic)
         return nn.with_logical_constraint(x_BLD, ('batch', 'length', 'embed'))
+
+    def attend(self, y_BTD):
+        """y E^T [B, T, V]: E cast to y's (compute) dtype, float32 accumulation and output."""
+        if self.table is not None:
+            return self.table.logits(y_BTD)
+        E_VD = self.embedding.astype(y_BTD.dtype)
+        return jnp.matmul(y_BTD, E_VD.T, preferred_element_type=jnp.float32)
+
+    def weights(self, rows: int):
+        """E as a pass over `rows` rows reads it: [V, D], or the copies [S, V, D]."""
+        return self.embedding if self.table is None else self.table.weights(rows)
 
 
 class OutputProjection(nn.Module):
-    """The untied output projection: a [D, V] kernel, no bias (read as TokenTables.output)."""
+    """The untied output projection y W: a [D, V] kernel, no bias."""
 
     config: TransformerConfig
 
     def setup(self):
         self.kernel = self.param('kernel', _dense_init(('embed', 'vocab')),
                                  (self.config.d_model, self.config.vocab_size), jnp.float32)
+
+    def __call__(self, y_BTD):
+        W_DV = self.kernel.astype(y_BTD.dtype)
+        return jnp.matmul(y_BTD, W_DV, preferred_element_type=jnp.float32)
 
 
 class DecodePosition(nn.Module):
@@ -383,137 +418,86 @@ class Transformer(nn.Module):
         if not cfg.tie_output:
             self.output_projection = OutputProjection(cfg, name='output_projection')
 
-    def token_tables(self, rows: int) -> TokenTables:
-        """The token tables as a pass over `rows` batch rows reads them: in one copy per batch
-        shard when the batch is split over data-parallel devices (sharding.embedding_copies),
-        else the tables themselves. Made once per pass, at its top, and handed down."""
-        cfg, s = self.config, sharding.embedding_copies(rows)
-        target = TokenTable.copies(self.target_embedder.embedding, s)
-        source = target if cfg.share_embeddings else TokenTable.copies(
-            self.source_embedder.embedding, s)
-        output = target if cfg.tie_output else TokenTable(self.output_projection.kernel.T)
-        return TokenTables(source=source, target=target, output=output)
-
-    def encode(self, inputs_BS, inputs_positions_BS=None, inputs_segment_ids_BS=None,
-               tables: TokenTables | None = None):
-        """Encoder output [B, S, D]; tables: the pass's token_tables (default: made here)."""
-        if tables is None:
-            tables = self.token_tables(inputs_BS.shape[0])
+    def encode(self, inputs_BS, packing: Packing | None = None):
+        """Encoder output [B, S, D]."""
+        cfg = self.config
+        positions_BS, segments_BS = _arange_like(inputs_BS), None
+        if packing is not None:
+            positions_BS, segments_BS = packing.inputs_positions_BS, packing.inputs_segment_ids_BS
         valid_BS = inputs_BS != PAD_ID
-        mask_B1SS = make_attention_mask(self.config.attention_impl, valid_BS, valid_BS,
-                                        inputs_segment_ids_BS, inputs_segment_ids_BS)
-        if inputs_positions_BS is None:
-            inputs_positions_BS = _arange_like(inputs_BS)
-        x_BSD = self.source_embedder(inputs_BS, inputs_positions_BS, tables.source)
-        x_BSD = _run_stack(self.encoder_layers, x_BSD, mask_B1SS, inputs_positions_BS)
-        if self.config.pre_ln:
-            x_BSD = self.encoder_norm(x_BSD)
-        return x_BSD
+        mask_B1SS = make_attention_mask(cfg.attention_impl, valid_BS, valid_BS, segments_BS,
+                                        segments_BS)
+        x_BSD = self.source_embedder(inputs_BS, positions_BS)
+        x_BSD = _run_stack(self.encoder_layers, x_BSD, mask_B1SS, positions_BS)
+        return self.encoder_norm(x_BSD) if cfg.pre_ln else x_BSD
 
-    def decoder_output(self, encoded_BSD, inputs_BS, targets_BT, targets_positions_BT=None,
-                       inputs_segment_ids_BS=None, targets_segment_ids_BT=None,
-                       tables: TokenTables | None = None):
-        """The teacher-forced decoder's last hidden states [B, T, D] (compute dtype).
+    def decode(self, encoded_BSD, inputs_BS, targets_BT, packing: Packing | None = None):
+        """Decoder output [B, T, D] (compute dtype) of the gold targets, shifted right here.
 
-        `targets_BT` are the gold targets; they are shifted right here. tables: see encode().
+        Decode mode: one step; targets_BT [B, 1] is the previous output token (PAD_ID first), its
+        position the cache index, and encoded_BSD is read only by the call creating the caches.
         """
         cfg = self.config
-        if cfg.decode:
-            raise ValueError('a decode-mode Transformer runs decode_step(), one token per call')
-        if tables is None:
-            tables = self.token_tables(targets_BT.shape[0])
         src_valid_BS = inputs_BS != PAD_ID
-        y_in_BT = shift_right(targets_BT, targets_segment_ids_BT)
-        if targets_positions_BT is None:
-            targets_positions_BT = _arange_like(targets_BT)
-        tgt_valid_BT = targets_BT != PAD_ID
-        self_mask_B1TT = make_attention_mask(cfg.attention_impl, tgt_valid_BT, tgt_valid_BT,
-                                             targets_segment_ids_BT, targets_segment_ids_BT,
-                                             causal=True)
-        cross_mask_B1TS = make_attention_mask(cfg.attention_impl, tgt_valid_BT, src_valid_BS,
-                                              targets_segment_ids_BT, inputs_segment_ids_BS)
-        return self._decoder_stack(y_in_BT, encoded_BSD, self_mask_B1TT, cross_mask_B1TS,
-                                   targets_positions_BT, None, tables.target)
+        if cfg.decode:
+            cache_index = self.decode_position()
+            y_in_BT, positions_BT = targets_BT, jnp.full(targets_BT.shape, cache_index, jnp.int32)
+            self_mask_B1TT = None  # the self-attention cache masks what it has not written
+            cross_mask_B1TS = make_attention_mask('xla', jnp.ones(targets_BT.shape, bool),
+                                                  src_valid_BS)
+        else:
+            cache_index, positions_BT = None, _arange_like(targets_BT)
+            src_seg_BS = tgt_seg_BT = None
+            if packing is not None:
+                src_seg_BS, tgt_seg_BT = (packing.inputs_segment_ids_BS,
+                                          packing.targets_segment_ids_BT)
+                positions_BT = packing.targets_positions_BT
+            y_in_BT = shift_right(targets_BT, tgt_seg_BT)
+            tgt_valid_BT = targets_BT != PAD_ID
+            self_mask_B1TT = make_attention_mask(cfg.attention_impl, tgt_valid_BT, tgt_valid_BT,
+                                                 tgt_seg_BT, tgt_seg_BT, causal=True)
+            cross_mask_B1TS = make_attention_mask(cfg.attention_impl, tgt_valid_BT, src_valid_BS,
+                                                  tgt_seg_BT, src_seg_BS)
+        y_BTD = self.target_embedder(y_in_BT, positions_BT)
+        y_BTD = _run_stack(self.decoder_layers, y_BTD, encoded_BSD, self_mask_B1TT,
+                           cross_mask_B1TS, positions_BT, cache_index)
+        return self.decoder_norm(y_BTD) if cfg.pre_ln else y_BTD
 
-    def decode(self, encoded_BSD, inputs_BS, targets_BT, targets_positions_BT=None,
-               inputs_segment_ids_BS=None, targets_segment_ids_BT=None,
-               tables: TokenTables | None = None):
-        """Teacher-forced logits [B, T, V] (float32) of the gold `targets_BT`."""
-        if tables is None:
-            tables = self.token_tables(targets_BT.shape[0])
-        y_BTD = self.decoder_output(encoded_BSD, inputs_BS, targets_BT, targets_positions_BT,
-                                    inputs_segment_ids_BS, targets_segment_ids_BT, tables)
-        return self.logits(y_BTD, tables)
-
-    def decode_step(self, encoded_BSD, inputs_BS, prev_ids_B1):
-        """Decode mode: logits [B, 1, V] (float32) of the token after `prev_ids_B1`.
-
-        `prev_ids_B1` is the previous output token (PAD_ID at the first step); the step's
-        position is the cache index, advanced by one per call. `encoded_BSD` is read only by the
-        call that creates the caches; `inputs_BS` gives the source padding mask.
-        """
-        cfg = self.config
-        if not cfg.decode:
-            raise ValueError('decode_step() needs config.decode=True (and decode_len)')
-        cache_index = self.decode_position()
-        positions_B1 = jnp.full(prev_ids_B1.shape, cache_index, jnp.int32)
-        # One query per step: plain masks (the self-attention cache builds its own).
-        cross_mask_B11S = make_attention_mask('xla', jnp.ones(prev_ids_B1.shape, bool),
-                                              inputs_BS != PAD_ID)
-        tables = self.token_tables(prev_ids_B1.shape[0])
-        y_B1D = self._decoder_stack(prev_ids_B1, encoded_BSD, None, cross_mask_B11S,
-                                    positions_B1, cache_index, tables.target)
-        return self.logits(y_B1D, tables)
-
-    def _decoder_stack(self, y_in_BT, encoded_BSD, self_mask, cross_mask, positions_BT,
-                       cache_index, table: TokenTable):
-        y_BTD = self.target_embedder(y_in_BT, positions_BT, table)
-        y_BTD = _run_stack(self.decoder_layers, y_BTD, encoded_BSD, self_mask, cross_mask,
-                           positions_BT, cache_index)
-        if self.config.pre_ln:
-            y_BTD = self.decoder_norm(y_BTD)
-        return y_BTD
-
-    def logits(self, y_BTD, tables: TokenTables | None = None):
-        """Output logits [B, T, V] in float32 (compute-dtype matmul, float32 accumulation)."""
-        if tables is None:
-            tables = self.token_tables(y_BTD.shape[0])
-        logits_BTV = tables.output.logits(y_BTD)
+    def logits(self, y_BTD):
+        """The output projection [B, T, V], float32: y E^T tied, y W untied."""
+        if self.config.tie_output:
+            logits_BTV = self.target_embedder.attend(y_BTD)
+        else:
+            logits_BTV = self.output_projection(y_BTD)
         return nn.with_logical_constraint(logits_BTV, ('batch', 'length', 'vocab'))
 
-    def features(self, inputs_BS, targets_BT, inputs_positions_BS=None,
-                 targets_positions_BT=None, inputs_segment_ids_BS=None,
-                 targets_segment_ids_BT=None):
-        """(decoder output [B, T, D], the output projection's TokenTable weights [V, D] or
-        [S, V, D]): the training pass without the logits, which loss_impl='fused' computes chunk
-        by chunk (t2t/loss.py) from the same table the lookups read."""
-        tables = self.token_tables(inputs_BS.shape[0])
-        encoded_BSD = self.encode(inputs_BS, inputs_positions_BS, inputs_segment_ids_BS, tables)
-        y_BTD = self.decoder_output(encoded_BSD, inputs_BS, targets_BT, targets_positions_BT,
-                                    inputs_segment_ids_BS, targets_segment_ids_BT, tables)
-        return y_BTD, tables.output.w
+    def output_weights(self, rows: int):
+        """The output projection's weights as logits() reads them, [V, D] (or copies [S, V, D]),
+        for the loss that projects chunk by chunk (loss_impl='fused', t2t/loss.py)."""
+        if self.config.tie_output:
+            return self.target_embedder.weights(rows)
+        return self.output_projection.kernel.T
 
-    def __call__(self, inputs_BS, targets_BT, inputs_positions_BS=None, targets_positions_BT=None,
-                 inputs_segment_ids_BS=None, targets_segment_ids_BT=None):
-        tables = self.token_tables(inputs_BS.shape[0])
-        encoded_BSD = self.encode(inputs_BS, inputs_positions_BS, inputs_segment_ids_BS, tables)
-        return self.decode(encoded_BSD, inputs_BS, targets_BT, targets_positions_BT,
-                           inputs_segment_ids_BS, targets_segment_ids_BT, tables)
+    def __call__(self, inputs_BS, targets_BT, packing: Packing | None = None):
+        encoded_BSD = self.encode(inputs_BS, packing)
+        return self.logits(self.decode(encoded_BSD, inputs_BS, targets_BT, packing))
 
 
-def _arange_like(ids_BL: Array) -> Array:
-    return jnp.broadcast_to(jnp.arange(ids_BL.shape[1], dtype=jnp.int32), ids_BL.shape)
+def decoder_output_and_weights(model: Transformer, inputs_BS, targets_BT, packing=None):
+    """__call__ up to the logits (an apply method): (decoder output [B, T, D], output_weights)."""
+    y_BTD = model.decode(model.encode(inputs_BS, packing), inputs_BS, targets_BT, packing)
+    return y_BTD, model.output_weights(inputs_BS.shape[0])
+
+
+def next_logits(model: Transformer, encoded_BSD, inputs_BS, prev_ids_B1):
+    """Decode mode (an apply method): the logits [B, 1, V] of the token after prev_ids_B1."""
+    return model.logits(model.decode(encoded_BSD, inputs_BS, prev_ids_B1))
 
 
 def batch_forward_args(batch: dict) -> dict:
     """Keyword arguments of Transformer.__call__ from a (possibly packed) data batch."""
-    return dict(
-        inputs_BS=batch['inputs'], targets_BT=batch['targets'],
-        inputs_positions_BS=batch.get('inputs_positions'),
-        targets_positions_BT=batch.get('targets_positions'),
-        inputs_segment_ids_BS=batch.get('inputs_segment_ids'),
-        targets_segment_ids_BT=batch.get('targets_segment_ids'),
-    )
+    return dict(inputs_BS=batch['inputs'], targets_BT=batch['targets'],
+                packing=Packing.of(batch))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -531,22 +515,3 @@ def abstract_params(model_config: TransformerConfig, length: int = 8):
 def count_params(params) -> int:
     """The number of scalars in a parameter tree (arrays or shapes)."""
     return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(params)))
-
-
-_ATTENTION_BIAS = re.compile(r"(self|cross)_attention\W+(query|key|value|out)\W+bias\b")
-
-
-def has_attention_bias(tree) -> bool:
-    """Whether `tree` (parameters, a train state or a checkpoint's metadata of either) has
-    q/k/v/o projection biases: checkpoints written before attention_bias existed have them."""
-    return any(_ATTENTION_BIAS.search(jax.tree_util.keystr(path))
-               for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
-
-
-def attention_bias_mismatch(what: str, tree, attention_bias: bool) -> str | None:
-    """One line naming the --config.attention_bias that restores `tree`, or None if it fits."""
-    stored = has_attention_bias(tree)
-    if stored == attention_bias:
-        return None
-    return (f'{what} has {"" if stored else "no "}attention biases but the config has '
-            f'attention_bias={attention_bias}: run with --config.attention_bias={stored}')

@@ -149,12 +149,13 @@ def batch_shards(rows: int) -> int:
     return shards if rows % shards == 0 else 1
 
 
-def embedding_copies(rows: int) -> int:
-    """S for per_batch_shard of the embeddings: batch_shards(rows) when the batch is split over
-    devices that do not all split the embedding's 'embed' axis (data parallelism), else 1. Under
-    fsdp alone XLA already reduces the tied embedding's gradient parts together, and the copies
-    only added HBM traffic (base on v5e-8, mesh 1,8,1: +0.43 GB a step, the same reductions)."""
-    shards = batch_shards(rows)
+def embedding_copies() -> int:
+    """S for per_batch_shard of the embeddings (t2t/tables.py): the devices the batch is split
+    over when they do not all split the embedding's 'embed' axis (data parallelism), else 1.
+    Under fsdp alone XLA already reduces the tied embedding's gradient parts together, and the
+    copies only added HBM traffic (bench/RESULTS.md, "The shared embedding's gradient, reduced
+    once")."""
+    shards = _devices_along('batch')
     return shards if shards > _devices_along('embed') else 1
 
 

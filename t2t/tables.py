@@ -1,9 +1,15 @@
-"""The token tables as one pass of the model reads them (t2t/model.py: Transformer.token_tables).
+"""The token table as the model reads it with table_copies on (t2t/model.py: Embedder).
 
-A pass looks tokens up in the source and target tables and projects the decoder output onto the
-output table (the target table when tied). Under data parallelism it reads each table in one
-copy per batch shard, so that the table's gradient is reduced across devices once a step; the
-model itself has one lookup path and one projection, these objects' `lookup` and `logits`.
+Off, the model reads the embedding E [V, D] as the paper writes it: jnp.take(E, ids) and y @ E.T.
+On, it reads it through a `TokenTable`, made once per pass, which computes the same values:
+- under data parallelism, in one copy per batch shard ([S, V, D], sharding.per_batch_shard), each
+  shard's rows reading their own copy: the transpose of the broadcast that made the copies, a sum
+  over S, reduces the table's gradient across devices once a step however many reads there are
+  (both lookups and the tied output projection);
+- under fsdp, the lookups read the table whole along D, from the all-gather the tied projection
+  makes anyway: left to itself XLA moved the rows' D-slices by all-to-alls (bench/RESULTS.md,
+  "The fsdp all-to-alls"). Only the lookup's read is constrained: constraining the projection's
+  too made its dW an all-reduce on top of the reduce-scatter.
 
 Shape letters: B batch rows, L any length, T target length, D d_model, V vocabulary,
 S batch shards (devices the batch is split over).
@@ -24,43 +30,38 @@ Array = jax.Array
 
 @dataclasses.dataclass(frozen=True)
 class TokenTable:
-    """A float32 [V, D] table as one pass reads it: the table itself, or, when the batch is split
-    over data-parallel devices, one copy per batch shard ([S, V, D], sharding.per_batch_shard),
-    each shard's rows reading their own copy. The reads of a copy leave their gradients in its
-    shard's slot, and the transpose of the broadcast that made the copies, a sum over S, reduces
-    the table's gradient across devices once a step, however many reads there are (the two
-    lookups and the tied output projection), like every other gradient."""
+    """A float32 table [V, D], and its copies per batch shard [S, V, D] when the batch is split
+    over data-parallel devices (else None). A batch whose rows the shards do not divide (init's
+    one row) reads the table itself."""
 
-    w: Array  # [V, D] or [S, V, D]
+    w_VD: Array
+    copies_SVD: Array | None = None
 
     @classmethod
-    def copies(cls, w_VD: Array, shards: int) -> TokenTable:
-        """The table read in `shards` copies (sharding.per_batch_shard); 1: the table itself."""
-        return cls(w_VD if shards == 1 else sharding.per_batch_shard(w_VD, shards))
+    def of(cls, w_VD: Array) -> TokenTable:
+        shards = sharding.embedding_copies()
+        return cls(w_VD, sharding.per_batch_shard(w_VD, shards) if shards > 1 else None)
+
+    def weights(self, rows: int) -> Array:
+        """What a pass over `rows` batch rows reads: the copies [S, V, D] or the table [V, D]."""
+        if self.copies_SVD is not None and rows % self.copies_SVD.shape[0] == 0:
+            return self.copies_SVD
+        return self.w_VD
 
     def lookup(self, ids_BL: Array) -> Array:
-        """The rows of `ids_BL`: [B, L, D] float32.
-
-        The lookup reads the table whole along D: under fsdp, where D is split over the devices
-        that split the batch, from the all-gather of the table that the tied output projection
-        makes too, then a gather of each device's own rows. Left to itself XLA gathered every
-        device's D-slice of the rows of the whole batch and redistributed them by all-to-all, in
-        both lookups and their gradients. Only the lookup's read is constrained: constraining
-        the projection's as well made its dW an all-reduce of the whole table on top of the
-        reduce-scatter (bench/RESULTS.md, "The fsdp all-to-alls").
-        """
-        if self.w.ndim == 2:
-            w_VD = nn.with_logical_constraint(self.w, ('vocab', None))
-            return jnp.take(w_VD, ids_BL, axis=0)
-        s, b, length = self.w.shape[0], *ids_BL.shape
+        """The rows of `ids_BL`: [B, L, D] float32."""
+        w = self.weights(ids_BL.shape[0])
+        if w.ndim == 2:
+            return jnp.take(nn.with_logical_constraint(w, ('vocab', None)), ids_BL, axis=0)
+        s, b, length = w.shape[0], *ids_BL.shape
         ids_SBL = nn.with_logical_constraint(ids_BL.reshape(s, b // s, length),
                                              ('batch', None, 'length'))
-        x_SBLD = jax.vmap(lambda t_VD, i_BL: jnp.take(t_VD, i_BL, axis=0))(self.w, ids_SBL)
+        x_SBLD = jax.vmap(lambda t_VD, i_BL: jnp.take(t_VD, i_BL, axis=0))(w, ids_SBL)
         return x_SBLD.reshape(b, length, -1)
 
     def logits(self, y_BTD: Array) -> Array:
         """y W^T [B, T, V]: y in the compute dtype, W cast to it, float32 accumulation, output."""
-        w = self.w.astype(y_BTD.dtype)
+        w = self.weights(y_BTD.shape[0]).astype(y_BTD.dtype)
         if w.ndim == 2:
             return jnp.einsum('btd,vd->btv', y_BTD, w, preferred_element_type=jnp.float32)
         s, b, t, d = w.shape[0], *y_BTD.shape
@@ -68,12 +69,3 @@ class TokenTable:
                                             ('batch', None, 'length', 'embed'))
         logits_SBTV = jnp.einsum('sbtd,svd->sbtv', y_SBTD, w, preferred_element_type=jnp.float32)
         return logits_SBTV.reshape(b, t, -1)
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenTables:
-    """The tables one pass reads (Transformer.token_tables): the same object where shared/tied."""
-
-    source: TokenTable  # the encoder's lookups
-    target: TokenTable  # the decoder's lookups
-    output: TokenTable  # the output projection (the target table when tied)

@@ -23,7 +23,7 @@ from flax import struct
 
 from t2t import loss, optim, sharding
 from t2t.ids import PAD_ID
-from t2t.model import Transformer, TransformerConfig, batch_forward_args
+from t2t.model import Transformer, TransformerConfig, batch_forward_args, decoder_output_and_weights
 
 BATCH_KEYS = ('inputs', 'targets', 'inputs_segment_ids', 'targets_segment_ids',
               'inputs_positions', 'targets_positions')
@@ -140,7 +140,7 @@ def loss_sums(params, batch, rng, step_config: StepConfig, deterministic: bool):
             loss_sum, nll_sum, correct_sum = loss.plain_sums(logits_BTV, targets_BT, weights_BT,
                                                              **terms)
     else:
-        y_BTD, w_VD = apply(method=Transformer.features)
+        y_BTD, w_VD = apply(method=decoder_output_and_weights)
         with jax.named_scope('loss'):
             loss_sum, nll_sum, correct_sum = loss.cross_entropy_sums(
                 y_BTD, w_VD, targets_BT, weights_BT, chunk_len=step_config.loss_chunk_len,

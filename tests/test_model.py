@@ -11,10 +11,12 @@ from flax import linen as nn
 from t2t.attention import attention_mask, dot_product_attention
 from t2t.ids import PAD_ID
 from t2t.model import (
+    Packing,
     Transformer,
     TransformerConfig,
     abstract_params,
     count_params,
+    next_logits,
     shift_right,
     sinusoidal_table,
 )
@@ -185,7 +187,8 @@ def test_packed_batch_equals_sequences_one_by_one():
 
         src, src_seg, src_pos = pack([s for s, _ in pairs], 9)
         tgt, tgt_seg, tgt_pos = pack([t for _, t in pairs], 10)
-        packed = _apply(model, {'params': params}, src, tgt, src_pos, tgt_pos, src_seg, tgt_seg)
+        packed = _apply(model, {'params': params}, src, tgt,
+                        Packing(src_seg, tgt_seg, src_pos, tgt_pos))
         np.testing.assert_allclose(packed[0, :3], singles[0][0], atol=1e-5)
         np.testing.assert_allclose(packed[0, 3:8], singles[1][0], atol=1e-5)
 
@@ -221,10 +224,9 @@ def test_cached_decoding_equals_teacher_forcing(variant):
     encoded = _apply(model, {'params': params}, src, method=Transformer.encode)
     prev = jnp.zeros((2, 1), jnp.int32)
     _, variables = _apply(decoder, {'params': params}, encoded, src, prev,
-                          method=Transformer.decode_step, mutable=['cache', 'cross_cache'])
+                          method=next_logits, mutable=['cache', 'cross_cache'])
     cache, cross_cache = variables['cache'], variables['cross_cache']
-    step = jax.jit(functools.partial(decoder.apply, method=Transformer.decode_step,
-                                     mutable=['cache']))
+    step = jax.jit(functools.partial(decoder.apply, method=next_logits, mutable=['cache']))
     steps = []
     for t in range(tgt.shape[1]):
         logits, updated = step(

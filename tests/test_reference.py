@@ -121,12 +121,13 @@ def compare(got_BTV, rows, params, cfg):
     return worst
 
 
-VARIANTS = {  # together: post-/pre-LN, sinusoidal/learned/no positions, scaled or not, (un)tied
+VARIANTS = {  # together: post-/pre-LN, sinusoidal/learned/no positions, scaled or not, (un)tied,
+    # the token table read through t2t/tables.py or as jnp.take(E, ids) and y @ E.T
     'paper': dict(),
     'pre_ln_learned_untied': dict(pre_ln=True, position_embedding='learned',
                                   share_embeddings=False, tie_output=False),
-    'unscaled_no_positions': dict(scale_embeddings=False, scale_attention=False,
-                                  position_embedding='none'),
+    'unscaled_no_positions_textbook_table': dict(scale_embeddings=False, scale_attention=False,
+                                                 position_embedding='none', table_copies=False),
 }
 
 

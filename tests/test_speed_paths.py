@@ -22,7 +22,7 @@ from t2t.attention import (
     splash_attention,
 )
 from t2t.ids import PAD_ID
-from t2t.model import Transformer, TransformerConfig
+from t2t.model import Transformer, TransformerConfig, next_logits
 from t2t.run import layers_convert
 
 SMALL = dict(vocab_size=40, d_model=32, d_ff=64, num_heads=4, num_encoder_layers=2,
@@ -277,13 +277,13 @@ def test_cached_decoding_equals_teacher_forcing_with_scanned_layers():
     encoded = model.apply({'params': params}, src, method=Transformer.encode)
     prev = jnp.zeros((2, 1), jnp.int32)
     _, variables = decoder.apply({'params': params}, encoded, src, prev,
-                                 method=Transformer.decode_step, mutable=['cache', 'cross_cache'])
+                                 method=next_logits, mutable=['cache', 'cross_cache'])
     cache, cross = variables['cache'], variables['cross_cache']
     # Batch stays the leading axis of every cache leaf (beam search tiles and gathers it).
     assert all(x.shape[0] == 2 for x in jax.tree_util.tree_leaves(cache) if x.ndim)
     step = jax.jit(lambda cache, prev: decoder.apply(
         {'params': params, 'cache': cache, 'cross_cache': cross}, encoded, src, prev,
-        method=Transformer.decode_step, mutable=['cache']))
+        method=next_logits, mutable=['cache']))
     steps = []
     for t in range(tgt.shape[1]):
         logits, updated = step(cache, prev)

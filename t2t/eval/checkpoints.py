@@ -10,7 +10,7 @@ import orbax.checkpoint as ocp
 
 from t2t.eval import averaging
 from t2t.infra import workdir as wd
-from t2t.model import TransformerConfig, abstract_params, attention_bias_mismatch
+from t2t.model import TransformerConfig, abstract_params
 from t2t.run import checkpoint, checkpoint_read, layers_convert
 
 
@@ -86,7 +86,8 @@ def _embedding_rows(params) -> int:
 
 def check_params(params, model_config: TransformerConfig, tokenizer, label: str) -> None:
     """The tokenizer fits the checkpoint's embedding, and the config's model fits its params."""
-    bias = attention_bias_mismatch(f'checkpoint {label}', params, model_config.attention_bias)
+    bias = checkpoint_read.attention_bias_mismatch(f'checkpoint {label}', params,
+                                                   model_config.attention_bias)
     if bias:
         raise EvalError(bias)
     rows = _embedding_rows(params)

@@ -33,7 +33,7 @@ from t2t.run import checkpoint_read
 
 # How a model is run rather than what was trained: taken from --config for every member.
 RUNTIME_FIELDS = frozenset({'dtype', 'attention_impl', 'remat', 'scan_layers', 'deterministic',
-                            'decode', 'decode_len', 'sow_attention'})
+                            'decode', 'decode_len', 'sow_attention', 'table_copies'})
 DECODE_LENGTHS = ('max_eval_len', 'max_decode_len')  # must fit each member's position table
 
 

@@ -40,7 +40,6 @@ except ImportError:
 
 from t2t.infra import distributed
 from t2t.infra import workdir as wd
-from t2t.model import attention_bias_mismatch, has_attention_bias
 from t2t.run.best import KeepSteps
 from t2t.run.checkpoint_read import (  # the errors and the layout every caller of save/restore uses
     ITERATOR_KEY,
@@ -48,9 +47,11 @@ from t2t.run.checkpoint_read import (  # the errors and the layout every caller 
     STATE,
     CheckpointError,
     CorruptCheckpointError,
+    attention_bias_mismatch,
     checkpoint_dir,
     checksums,
     checksums_and_nonfinite,
+    has_attention_bias,
     path_name,
     resolve_step,
     step_path,

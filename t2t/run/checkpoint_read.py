@@ -22,6 +22,7 @@ the same tree). The readers take `weights`: 'raw' (state.params, as trained) or 
 import contextlib
 import logging
 import os
+import re
 from collections.abc import Iterator, Sequence
 
 import jax
@@ -51,6 +52,25 @@ class CheckpointError(RuntimeError):
 
 class CorruptCheckpointError(CheckpointError):
     """A checkpoint's files are unreadable, truncated or fail their checksums."""
+
+
+_ATTENTION_BIAS = re.compile(r"(self|cross)_attention\W+(query|key|value|out)\W+bias\b")
+
+
+def has_attention_bias(tree) -> bool:
+    """Whether `tree` (parameters, a train state or a checkpoint's metadata of either) has
+    q/k/v/o projection biases: checkpoints written before attention_bias existed have them."""
+    return any(_ATTENTION_BIAS.search(jax.tree_util.keystr(path))
+               for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
+
+
+def attention_bias_mismatch(what: str, tree, attention_bias: bool) -> str | None:
+    """One line naming the --config.attention_bias that restores `tree`, or None if it fits."""
+    stored = has_attention_bias(tree)
+    if stored == attention_bias:
+        return None
+    return (f'{what} has {"" if stored else "no "}attention biases but the config has '
+            f'attention_bias={attention_bias}: run with --config.attention_bias={stored}')
 
 
 def checkpoint_dir(workdir) -> epath.Path:
