@@ -69,7 +69,7 @@ _ENSEMBLE = flags.DEFINE_string(
     'workdir (its latest checkpoint) or a step of --workdir; any sizes, one vocabulary. Each '
     'step reads the arithmetic mean of the members\' log-probabilities (not of their '
     'probabilities, as fairseq). Results go to --workdir.')
-# Lexically constrained decoding (t2t/eval/terms.py, t2t/constraints.py).
+# Lexically constrained decoding (t2t/eval/terms.py, t2t/eval/constraints.py).
 _CONSTRAINTS = flags.DEFINE_string(
     'constraints', '', 'A file of one JSON list of phrases per source line (of the split, or of '
     '--input with --translate): each translation must contain its line\'s phrases (beam search '

@@ -102,7 +102,7 @@ MUTANTS = (
            ('tests/test_decode.py::test_length_penalty_is_gnmt_formula',
             'tests/test_decode.py::test_wide_beam_equals_exhaustive_search_per_example_limits'),
            'length penalty (1 + |Y|) / 6'),
-    Mutant('eos_does_not_end', 'decode:beam_search.body_fn',
+    Mutant('eos_does_not_end', 'decode:_beam_step',
            'ended_BC = (token_BC == eos_id) | (length >= state.limit_B[:, None])',
            'ended_BC = length >= state.limit_B[:, None]', (_BEAM,),
            'beam search hypotheses do not end at EOS'),

@@ -5,52 +5,29 @@ The model is seen only through a closure
     tokens_to_logits(ids_N1: int32[N, 1], cache, constants) -> (logits_NV: float[N, V], new_cache)
 
 that feeds one token per row, advances its decode cache by one position and returns the logits
-of the next token. `constants` are what the model reads per row but never changes (the
-encoder's keys/values, the source mask): the same for every beam of an example, so they are
-never reordered by beam, only tiled once and compacted with their example.
+of the next token. `constants` (the encoder's keys/values, the source mask) are the same for
+every beam of an example: tiled once, never reordered by beam. Rows are beams flattened
+batch-major, row n = b * K + k. The first token fed is 0 (PAD acts as BOS, as the model shifts
+targets right with 0). PAD is never generated (log-probability -inf, not renormalized), so a
+hypothesis is tokens, EOS, then 0s. The cache handed in is for B sequences: leaves of ndim >= 1
+lead with B (beam_search tiles them K times and re-gathers them by parent beam every step),
+scalar leaves (a shared cache index) are shared by all rows.
 
-Rows are beams flattened batch-major: row n = b * K + k. The first token fed is 0 (PAD acts as
-BOS, as the model shifts targets right with 0). PAD is never generated: its log-probability is
-set to -inf (not renormalized), so a hypothesis is tokens, EOS, then 0s.
+The searches are `lax.while_loop`s with static shapes, called inside `jax.jit` with
+tokens_to_logits closed over: one compile per (batch_size, beam_size, max_decode_len,
+shrink_to); `max_lengths` and `alpha` may be traced.
 
-The cache handed to `beam_search` is the model's decode cache for B sequences: every leaf of
-ndim >= 1 has leading dim B (e.g. the self-attention key/value buffers);
-leaves of ndim 0 (e.g. a shared cache index) are shared by all rows. `beam_search` repeats each
-example's leaves K times itself and re-gathers them by parent beam after every step; the model
-glue only runs the encoder once and initialises the cache for B sequences.
+Compaction (beam_search's `shrink_to`; CTranslate2 and fairseq drop finished examples too):
+static shapes cannot shrink, so the search runs in stages of fewer and fewer examples, each its
+own while loop. A stage ends once no more of its examples are still searching than the next
+holds; those are gathered (state, cache, constants) into the smaller batch. Rows are
+independent, so the hypotheses are the one-stage search's (up to a matmul's rounding at another
+batch size).
 
-The searches are pure functions built from `lax.while_loop` with static shapes, meant to be
-called inside `jax.jit` with `tokens_to_logits` closed over, e.g.
-
-    @functools.partial(jax.jit, static_argnames=('beam_size', 'max_decode_len'))
-    def predict(params, cache, max_lengths, *, beam_size, max_decode_len):
-        return beam_search(functools.partial(tokens_to_logits, params), cache, ...)
-
-One compile per (batch_size, beam_size, max_decode_len, shrink_to); `max_lengths` and `alpha`
-may be traced.
-
-Compaction (beam_search's `shrink_to`, CTranslate2 and fairseq drop finished examples from the
-batch too): static shapes cannot shrink, so the search runs in stages of fewer and fewer
-examples, each its own while loop. A stage ends when no more of its examples are still
-searching than the next stage holds; those are gathered (state, cache, constants) into the
-smaller batch, the others' results are written out. A batch whose examples end at different
-steps then pays for the long ones with few rows instead of all of them. Rows are independent,
-so the hypotheses are those of the one-stage search (up to the float rounding a matmul of
-another batch size may bring).
-
-Lexical constraints (beam_search's constraints_BCP): phrases each hypothesis must contain, by
-dynamic beam allocation over banks of constraint tokens met (t2t/constraints.py), in the same
-loop; without them the search is the plain one, operation for operation.
-
-Shape letters:
-  B  batch size
-  K  beam size
-  N  B * K rows fed to the model (B for greedy and sampling), batch-major
-  C  2 * K candidates kept per example at each step
-  M  3 * K = K finished + C candidates, the pool the finished set is chosen from
-  L  max_decode_len, the number of generated positions returned
-  T  L + 1, the internal token buffer: position 0 holds BOS (0), position t the t-th token
-  V  vocabulary size
+Shape letters: B batch size; K beam size; N rows fed to the model (B * K, or B for greedy and
+sampling); C 2 * K candidates per example and step; M 3 * K, the pool the finished set is chosen
+from; L max_decode_len, the generated positions returned; T L + 1, the token buffer (position 0
+holds BOS); V vocabulary size.
 """
 
 from __future__ import annotations
@@ -65,7 +42,6 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
-from t2t import constraints
 from t2t.ids import PAD_ID
 
 NEG_INF = float('-inf')
@@ -117,7 +93,7 @@ def _per_row(tree, batch_size, beam_size):
         lambda x: x if jnp.ndim(x) == 0 else jnp.repeat(jnp.asarray(x), beam_size, axis=0), tree)
 
 
-def _gather_beams(x_BK, beam_idx_BJ):
+def gather_beams(x_BK, beam_idx_BJ):
     """x[b, beam_idx[b, j]] for an array whose dims 0, 1 are (batch, beam): -> [B, J, ...]."""
     batch_idx_B1 = jnp.arange(x_BK.shape[0])[:, None]
     return x_BK[batch_idx_B1, beam_idx_BJ]
@@ -128,7 +104,7 @@ def _take_rows(tree, rows_N):
     return jax.tree.map(lambda x: x if x.ndim == 0 else jnp.take(x, rows_N, axis=0), tree)
 
 
-def _gather_cache(cache, beam_idx_BK):
+def gather_cache(cache, beam_idx_BK):
     """Re-orders the flat cache rows [B * K, ...] so row b * K + k holds beam beam_idx[b, k]."""
     batch_size, beam_size = beam_idx_BK.shape
     return _take_rows(cache, (jnp.arange(batch_size)[:, None] * beam_size + beam_idx_BK).ravel())
@@ -148,8 +124,7 @@ class BeamState:
     limit_B: jax.Array  # int32: the tokens this example may generate
     origin_B: jax.Array  # int32: the example's row in the batch beam_search was given
     constants: Any  # the model's per-row constants, leaves [N, ...] (or scalars)
-    # constraints.ConstraintState when searching with constraints (leaves [B, ...]), else None
-    constraints: Any = None
+    constraints: Any = None  # beam_search's constraints, started (leaves [B, ...]), or None
 
     def keep_examples(self, keep_E, beam_size: int) -> BeamState:
         """The state of examples keep_E only, in that order (rows [N, ...] move K at a time)."""
@@ -179,7 +154,7 @@ def beam_search(
     cache_lengths: tuple[int, ...] = (),
     grow_cache: Callable[[Any, int], Any] | None = None,
     log_probs: bool = False,
-    constraints_BCP=None,
+    constraints=None,
 ):
     """Beam search with the GNMT length penalty (alive / finished, 2K top-k per step).
 
@@ -208,9 +183,10 @@ def beam_search(
         steps at most, then grow_cache extends it to the next length, and last to max_decode_len.
       log_probs: static; tokens_to_logits returns log-probabilities already (an ensemble's mean,
         t2t/eval/ensemble.py), summed as they are (a log_softmax would renormalize the mean).
-      constraints_BCP: optional int32[B, C, P], each example's phrases (0-padded) its hypotheses
-        must contain (dynamic beam allocation, t2t/constraints.py): EOS only once all are held; a
-        hypothesis cut without them is returned only when none of its example has them all.
+      constraints: optional phrases each hypothesis must contain (t2t/eval/constraints.py): a
+        pytree of leaves [B, ...] with start(beam_size) -> the carry kept in BeamState, whose
+        step(state, cand_log_probs_BKV, cache, searching_B, alpha=, eos_id=, unfinished=) is
+        the search's step after the model in place of `_beam_step`.
 
     A hypothesis cut at its limit is scored as if it emitted EOS there (|Y| = limit). The loop
     stops when every example has stopped, or at max_decode_len.
@@ -221,24 +197,63 @@ def beam_search(
       is -inf only when fewer than K hypotheses exist at all (a tiny vocabulary) or, under
       'fallback', when fewer than K ending in EOS were found (its sequence is 0s).
     """
+    _check_beam_arguments(batch_size, unfinished, stop, shrink_to, cache_lengths)
+    _check_leaves(cache, batch_size, 'cache')
+    _check_leaves(constants, batch_size, 'constants')
+    _check_leaves(constraints, batch_size, 'constraints')
+    K, L = beam_size, max_decode_len
+    state = _first_state(cache, constants, batch_size, K, L,
+                         _length_limits(batch_size, L, max_lengths))
+    if constraints is not None:
+        state = state.replace(constraints=constraints.start(K))
+
+    def body_fn(state: BeamState):
+        B = state.limit_B.shape[0]
+        ids_N1 = state.alive_seqs_BKT[:, :, state.step].reshape(B * K, 1)
+        logits_NV, cache = tokens_to_logits(ids_N1, state.alive_cache, state.constants)
+        log_probs_NV = logits_NV.astype(jnp.float32)
+        if not log_probs:
+            log_probs_NV = jax.nn.log_softmax(log_probs_NV)
+        log_probs_BKV = log_probs_NV.reshape(B, K, -1).at[:, :, PAD_ID].set(NEG_INF)  # never made
+        cand_log_probs_BKV = state.alive_log_probs_BK[:, :, None] + log_probs_BKV
+        step = _beam_step if state.constraints is None else state.constraints.step
+        return step(state, cand_log_probs_BKV, cache, _searching(state, alpha, stop),
+                    alpha=alpha, eos_id=eos_id, unfinished=unfinished)
+
+    def search(state: BeamState, steps: int, next_rows: int) -> BeamState:
+        """Steps until `steps` or until the searching examples fit in next_rows (0: none left)."""
+        return lax.while_loop(
+            lambda state: (state.step < steps)
+            & (jnp.sum(_searching(state, alpha, stop)) > next_rows), body_fn, state)
+
+    # The whole batch's first steps with a short cache, then grown (once per length).
+    lengths = [n for n in cache_lengths if n < L] if grow_cache is not None else []
+    for length, grown in itertools.pairwise([*lengths, L]):
+        state = search(state, length, (*shrink_to, 0)[0])
+        state = state.replace(alive_cache=grow_cache(state.alive_cache, grown))
+    return _search_in_stages(state, search, shrink_to, L,
+                             lambda state: _searching(state, alpha, stop))
+
+
+def _check_beam_arguments(batch_size, unfinished, stop, shrink_to, cache_lengths):
     if unfinished not in UNFINISHED_RULES:
         raise ValueError(f'unfinished={unfinished!r}, expected one of {UNFINISHED_RULES}')
     if stop not in STOP_RULES:
         raise ValueError(f'stop={stop!r}, expected one of {STOP_RULES}')
-    B, K, L = batch_size, beam_size, max_decode_len
-    ladder = (B, *shrink_to)
+    ladder = (batch_size, *shrink_to)
     if any(not 0 < small < big for big, small in itertools.pairwise(ladder)):
-        raise ValueError(f'shrink_to={shrink_to} must decrease from batch_size={B} and stay >= 1')
+        raise ValueError(f'shrink_to={shrink_to} must decrease from batch_size={batch_size} '
+                         'and stay >= 1')
     if any(long <= short for short, long in itertools.pairwise((0, *cache_lengths))):
         raise ValueError(f'cache_lengths={cache_lengths} must increase from 1')
-    _check_leaves(cache, B, 'cache')
-    _check_leaves(constants, B, 'constants')
-    T = L + 1
-    limit_B = _length_limits(B, L, max_lengths)
 
-    # Only beam 0 is live at first; the others would duplicate it. None when nothing to decode.
+
+def _first_state(cache, constants, B: int, K: int, L: int, limit_B) -> BeamState:
+    """Before the first token: beam 0 of each example alive (the others would repeat it), none
+    where there is nothing to decode; the cache and constants tiled to B * K rows."""
+    T = L + 1
     first_BK = jnp.tile(jnp.array([0.0] + [NEG_INF] * (K - 1), jnp.float32), (B, 1))
-    state = BeamState(
+    return BeamState(
         step=jnp.array(0, jnp.int32),
         alive_seqs_BKT=jnp.full((B, K, T), PAD_ID, jnp.int32),
         alive_log_probs_BK=jnp.where(limit_B[:, None] > 0, first_BK, NEG_INF),
@@ -250,96 +265,78 @@ def beam_search(
         origin_B=jnp.arange(B, dtype=jnp.int32),
         constants=_per_row(constants, B, K),
     )
-    if constraints_BCP is not None:
-        state = state.replace(constraints=constraints.init(constraints_BCP, K, B))
 
-    def searching(state: BeamState):
-        """bool[B]: an alive beam of the example can still beat its worst finished one (and,
-        under stop='k_finished', fewer than K hypotheses have finished)."""
-        # Largest penalty over the lengths still reachable (monotone in length, either sign of
-        # alpha); dividing a non-positive log-prob by it gives the best reachable score.
-        max_penalty_B = jnp.maximum(
-            length_penalty(state.step + 1, alpha), length_penalty(state.limit_B, alpha)
-        )
-        best_alive_B = jnp.max(state.alive_log_probs_BK, axis=1) / max_penalty_B
-        worst_finished_B = jnp.where(
-            jnp.all(state.finished_flags_BK, axis=1),
-            jnp.min(state.finished_scores_BK, axis=1),
-            NEG_INF,
-        )
-        can_improve_B = best_alive_B > worst_finished_B
-        if stop == 'k_finished':
-            return can_improve_B & ~jnp.all(state.finished_flags_BK, axis=1)
-        return can_improve_B
 
-    def body_fn(state: BeamState):
-        i = state.step
-        B = state.limit_B.shape[0]
-        ids_N1 = state.alive_seqs_BKT[:, :, i].reshape(B * K, 1)
-        logits_NV, cache = tokens_to_logits(ids_N1, state.alive_cache, state.constants)
-        V = logits_NV.shape[-1]
-        log_probs_NV = logits_NV.astype(jnp.float32)
-        if not log_probs:
-            log_probs_NV = jax.nn.log_softmax(log_probs_NV)
-        log_probs_BKV = log_probs_NV.reshape(B, K, V)
-        log_probs_BKV = log_probs_BKV.at[:, :, PAD_ID].set(NEG_INF)  # never generated
-        cand_log_probs_BKV = state.alive_log_probs_BK[:, :, None] + log_probs_BKV
-        if state.constraints is not None:
-            return _constrained_step(state, cand_log_probs_BKV, cache, searching(state),
-                                     alpha=alpha, eos_id=eos_id, unfinished=unfinished)
+def _searching(state: BeamState, alpha, stop: str):
+    """bool[B]: an alive beam of the example can still beat its worst finished one (and, under
+    stop='k_finished', fewer than K hypotheses have finished)."""
+    # Largest penalty over the lengths still reachable (monotone in length, either sign of
+    # alpha); dividing a non-positive log-prob by it gives the best reachable score.
+    max_penalty_B = jnp.maximum(
+        length_penalty(state.step + 1, alpha), length_penalty(state.limit_B, alpha))
+    best_alive_B = jnp.max(state.alive_log_probs_BK, axis=1) / max_penalty_B
+    all_finished_B = jnp.all(state.finished_flags_BK, axis=1)
+    worst_finished_B = jnp.where(all_finished_B, jnp.min(state.finished_scores_BK, axis=1),
+                                 NEG_INF)
+    can_improve_B = best_alive_B > worst_finished_B
+    if stop == 'k_finished':
+        return can_improve_B & ~all_finished_B
+    return can_improve_B
 
-        # 2K candidates: at most K of them end in EOS, so K can always stay alive.
-        top_log_probs_BC, top_flat_BC = lax.top_k(cand_log_probs_BKV.reshape(B, K * V), 2 * K)
-        parent_BC = top_flat_BC // V
-        token_BC = (top_flat_BC % V).astype(jnp.int32)
-        seqs_BCT = _gather_beams(state.alive_seqs_BKT, parent_BC).at[:, :, i + 1].set(token_BC)
 
-        length = i + 1
-        ended_BC = (token_BC == eos_id) | (length >= state.limit_B[:, None])
+def _beam_step(state: BeamState, cand_log_probs_BKV, cache, searching_B, *, alpha, eos_id: int,
+               unfinished: str) -> BeamState:
+    """The step after the model: of the 2K best candidates (at most K of them end in EOS, so K
+    can always stay alive) the best K unended stay alive, the ended join the finished."""
+    i = state.step
+    B, K, V = cand_log_probs_BKV.shape
+    top_log_probs_BC, top_flat_BC = lax.top_k(cand_log_probs_BKV.reshape(B, K * V), 2 * K)
+    parent_BC = top_flat_BC // V
+    token_BC = (top_flat_BC % V).astype(jnp.int32)
+    seqs_BCT = gather_beams(state.alive_seqs_BKT, parent_BC).at[:, :, i + 1].set(token_BC)
+    length = i + 1
+    ended_BC = (token_BC == eos_id) | (length >= state.limit_B[:, None])
+    alive_log_probs_BK, alive_pos_BK = lax.top_k(
+        jnp.where(ended_BC, NEG_INF, top_log_probs_BC), K)
+    alive_parent_BK = jnp.take_along_axis(parent_BC, alive_pos_BK, axis=1)
 
-        # Alive: the best K candidates that have not ended.
-        alive_log_probs_BK, alive_pos_BK = lax.top_k(
-            jnp.where(ended_BC, NEG_INF, top_log_probs_BC), K
-        )
-        alive_seqs_BKT = _gather_beams(seqs_BCT, alive_pos_BK)
-        alive_parent_BK = jnp.take_along_axis(parent_BC, alive_pos_BK, axis=1)
-        alive_cache = _gather_cache(cache, alive_parent_BK)
+    # An example that has stopped keeps its hypotheses: under 'k_finished' a later step could
+    # still improve them, which would make its answer depend on how long its batch runs.
+    new_flags_BC = ended_BC & (top_log_probs_BC > NEG_INF) & searching_B[:, None]
+    if unfinished == 'fallback':
+        # Cut hypotheses arrive only at the example's last step, when the finished pool holds
+        # EOS ones only: they join only if neither the pool nor this step has one.
+        eos_BC = new_flags_BC & (token_BC == eos_id)
+        has_eos_B = jnp.any(state.finished_flags_BK, axis=1) | jnp.any(eos_BC, axis=1)
+        new_flags_BC = eos_BC | (new_flags_BC & ~has_eos_B[:, None])
+    new_scores_BC = jnp.where(new_flags_BC, top_log_probs_BC / length_penalty(length, alpha),
+                              NEG_INF)
+    return state.replace(
+        step=i + 1,
+        alive_seqs_BKT=gather_beams(seqs_BCT, alive_pos_BK),
+        alive_log_probs_BK=alive_log_probs_BK,
+        alive_cache=gather_cache(cache, alive_parent_BK),
+        **best_finished(state, new_scores_BC, new_flags_BC, seqs_BCT),
+    )
 
-        # Finished: the best K of the old finished and the candidates that ended now. Old ones
-        # come first so ties keep them (top_k prefers the lower index).
-        # An example that has stopped keeps its hypotheses: under 'k_finished' a later step could
-        # still improve them, which would make its answer depend on how long its batch runs.
-        new_flags_BC = ended_BC & (top_log_probs_BC > NEG_INF) & searching(state)[:, None]
-        if unfinished == 'fallback':
-            # Cut hypotheses arrive only at the example's last step, when the finished pool holds
-            # EOS ones only: they join only if neither the pool nor this step has one. A few
-            # [B, 3K] booleans per step; the model and the cache see no extra work.
-            eos_BC = new_flags_BC & (token_BC == eos_id)
-            has_eos_B = jnp.any(state.finished_flags_BK, axis=1) | jnp.any(eos_BC, axis=1)
-            new_flags_BC = eos_BC | (new_flags_BC & ~has_eos_B[:, None])
-        new_scores_BC = jnp.where(
-            new_flags_BC, top_log_probs_BC / length_penalty(length, alpha), NEG_INF
-        )
-        return state.replace(
-            step=i + 1,
-            alive_seqs_BKT=alive_seqs_BKT,
-            alive_log_probs_BK=alive_log_probs_BK,
-            alive_cache=alive_cache,
-            **_best_finished(state, new_scores_BC, new_flags_BC, seqs_BCT),
-        )
 
-    def search(state: BeamState, steps: int, next_rows: int) -> BeamState:
-        """Steps until `steps` or until the searching examples fit in next_rows (0: none left)."""
-        return lax.while_loop(
-            lambda state: (state.step < steps) & (jnp.sum(searching(state)) > next_rows),
-            body_fn, state)
+def best_finished(state: BeamState, new_scores_BC, new_flags_BC, seqs_BCT) -> dict:
+    """The K best of an example's finished hypotheses and this step's new ones (state fields).
+    The old ones come first, so ties keep them (top_k prefers the lower index)."""
+    K = state.finished_scores_BK.shape[1]
+    pool_scores_BM = jnp.concatenate([state.finished_scores_BK, new_scores_BC], axis=1)
+    pool_flags_BM = jnp.concatenate([state.finished_flags_BK, new_flags_BC], axis=1)
+    pool_seqs_BMT = jnp.concatenate([state.finished_seqs_BKT, seqs_BCT], axis=1)
+    finished_scores_BK, finished_pos_BK = lax.top_k(pool_scores_BM, K)
+    return dict(finished_seqs_BKT=gather_beams(pool_seqs_BMT, finished_pos_BK),
+                finished_scores_BK=finished_scores_BK,
+                finished_flags_BK=gather_beams(pool_flags_BM, finished_pos_BK))
 
-    # The whole batch's first steps with a short cache, then grown (once per length).
-    lengths = [n for n in cache_lengths if n < L] if grow_cache is not None else []
-    for length, grown in itertools.pairwise([*lengths, L]):
-        state = search(state, length, (*shrink_to, 0)[0])
-        state = state.replace(alive_cache=grow_cache(state.alive_cache, grown))
 
+def _search_in_stages(state: BeamState, search, shrink_to, L: int, searching):
+    """The search to its end, compacted into the smaller batches of shrink_to as examples stop
+    (module docstring): (sequences [B, K, L], scores [B, K]) of every example in its row."""
+    B, K, T = state.alive_seqs_BKT.shape
     out_seqs_BKT = jnp.full((B, K, T), PAD_ID, jnp.int32)
     out_scores_BK = jnp.full((B, K), NEG_INF, jnp.float32)
     for next_rows in (*shrink_to, 0):
@@ -353,56 +350,6 @@ def beam_search(
             state = state.keep_examples(
                 jnp.argsort(~searching(state), stable=True)[:next_rows], K)
     return out_seqs_BKT[:, :, 1:], out_scores_BK
-
-
-def _best_finished(state: BeamState, new_scores_BC, new_flags_BC, seqs_BCT) -> dict:
-    """The K best of an example's finished hypotheses and this step's new ones (state fields)."""
-    K = state.finished_scores_BK.shape[1]
-    pool_scores_BM = jnp.concatenate([state.finished_scores_BK, new_scores_BC], axis=1)
-    pool_flags_BM = jnp.concatenate([state.finished_flags_BK, new_flags_BC], axis=1)
-    pool_seqs_BMT = jnp.concatenate([state.finished_seqs_BKT, seqs_BCT], axis=1)
-    finished_scores_BK, finished_pos_BK = lax.top_k(pool_scores_BM, K)
-    return dict(finished_seqs_BKT=_gather_beams(pool_seqs_BMT, finished_pos_BK),
-                finished_scores_BK=finished_scores_BK,
-                finished_flags_BK=_gather_beams(pool_flags_BM, finished_pos_BK))
-
-
-def _constrained_step(state: BeamState, cand_log_probs_BKV, cache, searching_B, *, alpha,
-                      eos_id: int, unfinished: str) -> BeamState:
-    """beam_search's step after the model with constraints (t2t/constraints.py): the alive beams
-    by dynamic beam allocation; finished, in classes each admitted only when the example has
-    none of an earlier class: EOS (its phrases all met), then (under 'fallback'; with EOS under
-    'compete') cut at the limit with all phrases, then cut without them."""
-    i, K = state.step, state.alive_log_probs_BK.shape[1]
-    held = state.constraints
-    cand_log_probs_BKV = constraints.block_eos(cand_log_probs_BKV, held, eos_id)
-    log_probs_BX, parent_BX, token_BX = constraints.candidates(cand_log_probs_BKV, held, eos_id)
-    progress_BXC, done_BXC, met_BX = constraints.advance(held, parent_BX, token_BX)
-    seqs_BXT = _gather_beams(state.alive_seqs_BKT, parent_BX).at[:, :, i + 1].set(token_BX)
-    length = i + 1
-    ended_BX = (token_BX == eos_id) | (length >= state.limit_B[:, None])
-    live_BX = log_probs_BX > NEG_INF
-    alive_pos_BK, alive_log_probs_BK = constraints.allocate(
-        log_probs_BX, live_BX & ~ended_BX, met_BX, K, constraints.num_banks(held.phrases_BCP))
-
-    new_BX = ended_BX & live_BX & searching_B[:, None]
-    met_all_BX = jnp.all(done_BXC, axis=-1)
-    first_BX = new_BX & ((token_BX == eos_id) if unfinished == 'fallback' else met_all_BX)
-    second_BX = new_BX & met_all_BX & ~first_BX
-    has_first_B = jnp.any(state.finished_flags_BK, axis=1) | jnp.any(first_BX, axis=1)
-    has_second_B = has_first_B | jnp.any(second_BX, axis=1)
-    new_BX = (first_BX | (second_BX & ~has_first_B[:, None])
-              | (new_BX & ~met_all_BX & ~has_second_B[:, None]))
-    new_scores_BX = jnp.where(new_BX, log_probs_BX / length_penalty(length, alpha), NEG_INF)
-    return state.replace(
-        step=i + 1,
-        alive_seqs_BKT=_gather_beams(seqs_BXT, alive_pos_BK),
-        alive_log_probs_BK=alive_log_probs_BK,
-        alive_cache=_gather_cache(cache, jnp.take_along_axis(parent_BX, alive_pos_BK, axis=1)),
-        **_best_finished(state, new_scores_BX, new_BX, seqs_BXT),
-        constraints=held.replace(progress_BKC=_gather_beams(progress_BXC, alive_pos_BK),
-                                 done_BKC=_gather_beams(done_BXC, alive_pos_BK)),
-    )
 
 
 @struct.dataclass

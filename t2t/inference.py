@@ -1,44 +1,22 @@
-"""Model glue for decoding: a jitted predict function, and batched translation in original order.
+"""Model glue for decoding: a jitted predict function over one batch.
 
     decoding = DecodeConfig.from_config(config)   # or DecodeConfig(beam_size=4, ...): checked
     predict = make_predict_fn(model_config, decoding, mesh=mesh)
-    prediction = predict(params, inputs_BS)   # Prediction(ids_BL, hit_limit_B, capped_B, score_B)
-    result = translate_batches(predict, params, eval_split.batches(64), tokenizer, n, mesh=mesh)
+    prediction = predict(params, feed(inputs_BS, mesh))   # Prediction(ids_BL, hit_limit_B, ...)
 
-With a mesh, predict is shard_map-ped over every device of it: each device decodes its own rows
-of the batch (B must divide by the number of devices; translate_batches pads it with rows it drops)
-with the parameters replicated; the hypotheses are gathered back on every process in order.
-Inside, the model runs without logical axis rules (its sharding constraints would name axes the
-shard_map has made manual), so the function may be traced under the training step's rules too;
-attention kernels that shard themselves (splash) run on each device's block as it is. Without a
-mesh it is a plain jit on the default device. `config_predict_fn` builds it from an
-experiment config, for training's BLEU and evaluate.py alike.
+Per batch the encoder runs once and the decode cache is created once for B rows, then
+t2t/decode.py searches (beam, greedy or sampling; DecodeConfig, the decoding keys of a config,
+checked at startup). Each example may generate its source length (EOS included) +
+max_decode_extra tokens, at most max_decode_len (the paper: source + 50); the buffers are that
+long for the bucket's source length S, so one compile per (B, S). A row without source tokens is
+padding: nothing is decoded for it. A hypothesis that ends at its limit without EOS is flagged
+(hit_limit), and again (capped) when the limit was max_decode_len, i.e. the buffer truncated it.
 
-`DecodeConfig` holds the decoding keys of a config (their names, their rules): checked once when
-it is made, at startup (t2t/run/config_checks.py) before any data or compile, and the one thing
-make_predict_fn reads of how to decode.
-
-Per batch the encoder runs once, the decode cache is created once for B rows (beam_search tiles it
-to B * K), then t2t/decode.py searches, dropping ended sentences from the batch as it goes
-(beam_shrink_floor). A row without source tokens is padding: nothing is decoded for it. Each
-example may generate source length (non-pad tokens, EOS included) + max_decode_extra tokens,
-at most max_decode_len (the paper: source length + 50).
-The decode buffers are min(max_decode_len, S + max_decode_extra) long, static per bucket length S,
-so there is one compile per (B, S) and short buckets do not pay for long buffers.
-
-An ensemble (make_predict_fn of a tuple of configs, t2t/eval/ensemble.py) decodes in the same jitted
-search with the mean of its members' log-probabilities at every step.
-
-Greedy decoding and sampling (decode_strategy 'greedy', 'sample': decode.greedy_search and
-decode.sample_search, one row per example, the whole buffer's cache from the start) replace the
-beam search; a sampled sentence's PRNG key comes from the seed and its own source tokens
-(`sample_keys`). nbest=N also returns beam search's best N hypotheses and their scores;
-num_samples=N draws N samples per sentence in one search (`draw_keys`), for MBR's `choose`
-(translate_batches, t2t/eval/mbr.py).
-
-A hypothesis that ends at its length limit without EOS is never dropped nor silently cut: it is
-flagged (hit_limit), and flagged again (capped) when that limit was max_decode_len rather than
-source length + max_decode_extra, i.e. when the static buffer truncated it.
+With a mesh, predict is shard_map-ped over every device: each decodes its own rows (`feed` pads
+them to a multiple of the devices) with the parameters replicated, without logical axis rules
+(every mesh axis is manual inside). An ensemble (a tuple of configs, t2t/eval/ensemble.py)
+decodes with the mean of its members' log-probabilities. Bulk translation of many batches, in
+order: t2t/eval/translate.py.
 
 Shape letters: B batch, S source length, K beam size, N rows fed to the decoder (B * K, or B for
 greedy), L generated positions, D d_model, V vocabulary.
@@ -48,8 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -58,9 +35,8 @@ from flax import linen as nn
 from flax import struct
 from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec
-from tqdm import tqdm
 
-from t2t import constraints, decode, sharding
+from t2t import decode, sharding
 from t2t.ids import EOS_ID, PAD_ID
 from t2t.model import Transformer, TransformerConfig, next_logits
 
@@ -78,7 +54,7 @@ class Prediction:
     # score_B's, -inf for an empty slot) float32 [B, N], best first; else None
     nbest_ids_BNL: jax.Array | None = None
     nbest_scores_BN: jax.Array | None = None
-    # predict(..., constraints_BCP): ids_BL holds every phrase of its row; else None
+    # predict(..., constraints): ids_BL holds every phrase of its row; else None
     constraints_met_B: jax.Array | None = None
     # DecodeConfig(num_samples=N > 1): every draw, int32 [B, N, L] (ids_BL is draw 0); else None
     samples_BNL: jax.Array | None = None
@@ -87,7 +63,7 @@ class Prediction:
     limit_is_cap_B: jax.Array | None = None
 
 
-Predict = Callable[..., Prediction]  # (params, inputs_BS[, constraints_BCP])
+Predict = Callable[..., Prediction]  # (params, inputs_BS[, constraints])
 
 
 # Beam search's first cache length over the bucket's source length. On the demo model, 300 test
@@ -298,7 +274,7 @@ class DecodeConfig:
 
 
 def _search(decoding: DecodeConfig, tokens_to_logits, cache, constants, *, keys_B,
-            batch_size: int, L: int, limit_B, first: int, log_probs: bool, constraints_BCP):
+            batch_size: int, L: int, limit_B, first: int, log_probs: bool, constraints):
     """The decoding.decode_strategy search of one bucket: (ids_BL, score_B, nbest_ids_BNL,
     nbest_scores_BN), the last three None where the strategy has none."""
     strategy, sampling, eos_id = decoding.decode_strategy, decoding.sampling, decoding.eos_id
@@ -319,7 +295,7 @@ def _search(decoding: DecodeConfig, tokens_to_logits, cache, constants, *, keys_
             max_lengths=limit_B, unfinished=decoding.beam_unfinished,
             stop=decoding.beam_stop, constants=constants,
             shrink_to=shrink_ladder(batch_size, decoding.beam_shrink_floor), cache_lengths=(first,),
-            grow_cache=_grow_cache, log_probs=log_probs, constraints_BCP=constraints_BCP)
+            grow_cache=_grow_cache, log_probs=log_probs, constraints=constraints)
         ids_BL, score_B = seqs_BKL[:, 0], scores_BK[:, 0]
         if decoding.nbest > 1:
             nbest_ids_BNL = seqs_BKL[:, :decoding.nbest]
@@ -331,9 +307,9 @@ def _search(decoding: DecodeConfig, tokens_to_logits, cache, constants, *, keys_
 def make_predict_fn(model_config: TransformerConfig | tuple[TransformerConfig, ...],
                     decoding: DecodeConfig, *, num_valid_ids: int | None = None,
                     mesh=None) -> Predict:
-    """A jitted predict(params, inputs_BS, constraints_BCP=None) -> Prediction with the best beam
+    """A jitted predict(params, inputs_BS, constraints=None) -> Prediction with the best beam
     (or greedy output, or a sample), decoding as `decoding` says (DecodeConfig: its fields'
-    comments); constraints_BCP: each row's phrases, for beam search (decode.beam_search).
+    comments); constraints: each row's phrases for beam search (t2t/eval/constraints.py).
 
     mesh: decode on every device of it, the batch split over all its axes (inputs_BS: a global
     array whose rows divide by mesh.size, e.g. from `feed`), the parameters replicated inside
@@ -361,7 +337,7 @@ def make_predict_fn(model_config: TransformerConfig | tuple[TransformerConfig, .
     max_decode_len, max_decode_extra = decoding.max_decode_len, decoding.max_decode_extra
     num_samples = decoding.num_samples
 
-    def predict(params, inputs_BS, constraints_BCP=None) -> Prediction:
+    def predict(params, inputs_BS, constraints=None) -> Prediction:
         keys_B = samples_BNL = None
         if strategy == 'sample':
             keys_B = sample_keys(inputs_BS, decoding.decode_seed)
@@ -369,7 +345,7 @@ def make_predict_fn(model_config: TransformerConfig | tuple[TransformerConfig, .
             keys_B = draw_keys(keys_B, num_samples)
             inputs_BS = jnp.repeat(inputs_BS, num_samples, axis=0)
         B, S = inputs_BS.shape
-        if constraints_BCP is not None and strategy != 'beam':
+        if constraints is not None and strategy != 'beam':
             raise ValueError(f'constraints need decode_strategy=beam, not {strategy!r}')
         L = min(max_decode_len, S + max_decode_extra)  # static: the longest limit in this bucket
         src_len_B = jnp.sum(inputs_BS != PAD_ID, axis=1).astype(jnp.int32)
@@ -396,7 +372,7 @@ def make_predict_fn(model_config: TransformerConfig | tuple[TransformerConfig, .
 
         ids_BL, score_B, nbest_ids_BNL, nbest_scores_BN = _search(
             decoding, tokens_to_logits, cache, constants, keys_B=keys_B, batch_size=B, L=L,
-            limit_B=limit_B, first=first, log_probs=ensemble, constraints_BCP=constraints_BCP)
+            limit_B=limit_B, first=first, log_probs=ensemble, constraints=constraints)
         limit_is_cap_B = wanted_B > max_decode_len
         if num_samples > 1:  # back to one row per sentence: draw 0 the output, all draws beside
             samples_BNL = ids_BL.reshape(-1, num_samples, L)
@@ -407,22 +383,22 @@ def make_predict_fn(model_config: TransformerConfig | tuple[TransformerConfig, .
                           capped_B=hit_limit_B & limit_is_cap_B, score_B=score_B,
                           nbest_ids_BNL=nbest_ids_BNL, nbest_scores_BN=nbest_scores_BN,
                           samples_BNL=samples_BNL, limit_is_cap_B=limit_is_cap_B,
-                          constraints_met_B=None if constraints_BCP is None else
-                          constraints.contains_all(ids_BL, constraints_BCP))
+                          constraints_met_B=None if constraints is None else
+                          constraints.met(ids_BL))
 
     if mesh is None:
         return jax.jit(predict)
 
-    def predict_rows(params, inputs_BS, constraints_BCP) -> Prediction:
-        with nn.logical_axis_rules(()):  # constraints are no-ops: every mesh axis is manual here
-            return predict(params, inputs_BS, constraints_BCP)
+    def predict_rows(params, inputs_BS, constraints) -> Prediction:
+        with nn.logical_axis_rules(()):  # sharding constraints: no-ops, every mesh axis is manual
+            return predict(params, inputs_BS, constraints)
 
     rows = PartitionSpec(sharding.MESH_AXES)  # each device: its own rows, the whole search
     blocks = jax.shard_map(predict_rows, mesh=mesh, in_specs=(PartitionSpec(), rows, rows),
                            out_specs=rows, check_vma=False)
 
-    def predict_block(params, inputs_BS, constraints_BCP=None) -> Prediction:
-        return blocks(params, inputs_BS, constraints_BCP)  # shard_map takes no default
+    def predict_block(params, inputs_BS, constraints=None) -> Prediction:
+        return blocks(params, inputs_BS, constraints)  # shard_map takes no default
 
     return jax.jit(predict_block)
 
@@ -453,120 +429,3 @@ def fetch(prediction: Prediction, rows: int) -> Prediction:
     the arrays span several processes: every process must call it)."""
     return jax.tree.map(lambda x: np.asarray(x)[:rows],
                         multihost_utils.process_allgather(prediction, tiled=True))
-
-
-@dataclasses.dataclass(frozen=True)
-class Translations:
-    """Detokenized hypotheses in original order, and what the length limits did to them."""
-
-    hypotheses: list[str | None]  # None where no batch held the example (e.g. skipped as too long)
-    hit_limit: list[int]  # indices whose best hypothesis ended at its limit without EOS
-    capped: list[int]  # of those, the indices cut by max_decode_len
-    seconds: float  # wall time of decoding, compiles included
-    # predict(nbest > 1): per index [(beam score, hypothesis)], best first (empty slots left
-    # out), None where hypotheses has None; else None
-    nbest: list[list[tuple[float, str]] | None] | None = None
-    # batches with constraints: the indices whose best hypothesis lacks one of its phrases
-    unmet_constraints: list[int] | None = None
-
-    @property
-    def num_translated(self) -> int:
-        return sum(h is not None for h in self.hypotheses)
-
-    @property
-    def sentences_per_s(self) -> float:
-        return self.num_translated / max(self.seconds, 1e-9)
-
-
-Choose = Callable[[list[list[str]]], list[int]]
-
-
-def _chosen(got: Prediction, rows: list[int], tokenizer, choose: Choose) -> Prediction:
-    """A fetched prediction whose output at each of `rows` is the candidate `choose` picks among
-    the row's draws (samples_BNL), else its n-best, else its one output; the limit flags follow
-    the chosen candidate, and score_B is dropped (a draw has none)."""
-    if got.samples_BNL is not None:
-        cands_BNL, valid_BN = got.samples_BNL, np.ones(got.samples_BNL.shape[:2], bool)
-    elif got.nbest_ids_BNL is not None:
-        cands_BNL, valid_BN = got.nbest_ids_BNL, got.nbest_scores_BN > -np.inf
-    else:
-        cands_BNL, valid_BN = got.ids_BL[:, None], np.ones((len(got.ids_BL), 1), bool)
-    slots = [np.flatnonzero(valid_BN[row]) for row in rows]
-    texts = [[tokenizer.decode(cands_BNL[row, k].tolist()) for k in ks]
-             for row, ks in zip(rows, slots, strict=True)]
-    ids_BL = np.array(got.ids_BL)
-    for row, ks, pick in zip(rows, slots, choose(texts), strict=True):
-        ids_BL[row] = cands_BNL[row, ks[pick]]
-    chosen_B = np.isin(np.arange(len(ids_BL)), rows)  # real sentences: a source, a limit > 0
-    hit_B = np.where(chosen_B, ~np.any(ids_BL == EOS_ID, axis=1), got.hit_limit_B)
-    return got.replace(ids_BL=ids_BL, hit_limit_B=hit_B, capped_B=hit_B & got.limit_is_cap_B,
-                       score_B=None)
-
-
-def translate_batches(predict: Predict, params, batches: Iterable[dict], tokenizer,
-                      num_examples: int, *, progress: bool = True, mesh=None,
-                      choose: Choose | None = None) -> Translations:
-    """Decodes every batch; the hypothesis of the row with `index` i lands at position i.
-
-    Batches are dicts with `inputs` [B, S] and `index` [B] (-1 marks padding rows), as yielded by
-    t2t.data EvalSplit.batches: global batches, the same on every process (which must all call
-    this with a mesh that spans them); and optionally `constraints` [B, C, P], each row's phrases
-    (t2t/eval/terms.py). The next batch is dispatched before the previous one is fetched, so
-    detokenizing (and `choose`) overlaps with decoding.
-
-    choose: each batch's sentences' candidates (texts: a predict with num_samples > 1 gives its
-    draws, one with nbest > 1 its n-best) -> the index of the one to output per sentence (MBR,
-    t2t/eval/mbr.py).
-    """
-    hypotheses: list[str | None] = [None] * num_examples
-    nbest: list[list[tuple[float, str]] | None] = [None] * num_examples
-    hit_limit, capped, unmet = [], [], []
-    constrained = False
-    bar = tqdm(total=num_examples, unit='sent', desc='decoding', disable=not progress,
-               dynamic_ncols=True)
-
-    def collect(index_B, prediction: Prediction):
-        got = fetch(prediction, len(index_B))
-        if choose is not None:
-            got = _chosen(got, [r for r, i in enumerate(np.asarray(index_B).tolist()) if i >= 0],
-                          tokenizer, choose)
-        ids_BL, hit_B, capped_B = got.ids_BL, got.hit_limit_B, got.capped_B
-        done = 0
-        for row, i in enumerate(np.asarray(index_B).tolist()):
-            if i < 0:
-                continue
-            if not 0 <= i < num_examples or hypotheses[i] is not None:
-                raise ValueError(f'batch index {i} is out of range [0, {num_examples}) or repeated')
-            hypotheses[i] = tokenizer.decode(ids_BL[row].tolist())
-            if got.nbest_ids_BNL is not None:
-                nbest[i] = [(float(score), tokenizer.decode(ids.tolist())) for ids, score in
-                            zip(got.nbest_ids_BNL[row], got.nbest_scores_BN[row], strict=True)
-                            if score > -np.inf]
-            if hit_B[row]:
-                hit_limit.append(i)
-            if capped_B[row]:
-                capped.append(i)
-            if got.constraints_met_B is not None and not got.constraints_met_B[row]:
-                unmet.append(i)
-            done += 1
-        bar.update(done)
-
-    start = time.perf_counter()
-    pending = None
-    for batch in batches:
-        if 'constraints' in batch:
-            constrained = True
-            prediction = predict(params, feed(batch['inputs'], mesh),
-                                 feed(batch['constraints'], mesh))
-        else:
-            prediction = predict(params, feed(batch['inputs'], mesh))  # asynchronous dispatch
-        if pending is not None:
-            collect(*pending)
-        pending = (batch['index'], prediction)
-    if pending is not None:
-        collect(*pending)
-    seconds = time.perf_counter() - start
-    bar.close()
-    has_nbest = any(entry is not None for entry in nbest)
-    return Translations(hypotheses, sorted(hit_limit), sorted(capped), seconds,
-                        nbest if has_nbest else None, sorted(unmet) if constrained else None)

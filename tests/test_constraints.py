@@ -1,4 +1,4 @@
-"""Lexically constrained beam search (t2t/constraints.py) on tests/test_decode.py's toy model.
+"""Lexically constrained beam search (t2t/eval/constraints.py) on tests/test_decode.py's toy model.
 
 A wide beam keeps every prefix alive, so its constrained search must equal exhaustive search
 restricted to the outputs the constraints allow; a narrow one must still put every phrase in
@@ -14,7 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from t2t import constraints, decode
+from t2t import decode
+from t2t.eval import constraints
+from t2t.eval.constraints import Constraints
 from tests.test_decode import EOS, V, _hash, _log_softmax, _pad, _pen, _table, _trim, init_cache
 from tests.test_decode import run_beam as run_plain
 from tests.test_decode import tokens_to_logits as toy_tokens_to_logits
@@ -37,7 +39,7 @@ def run_beam(table_RV, offset_B, max_lengths_B, phrases_BCP, *, beam_size, max_d
         functools.partial(toy_tokens_to_logits, table_RV), init_cache(offset_B, max_decode_len),
         batch_size=offset_B.shape[0], beam_size=beam_size, alpha=0.6, eos_id=EOS,
         max_decode_len=max_decode_len, max_lengths=max_lengths_B, unfinished=unfinished,
-        constraints_BCP=phrases_BCP, shrink_to=shrink_to)
+        constraints=Constraints(phrases_BCP), shrink_to=shrink_to)
 
 
 def _contains(seq, phrase):
@@ -153,7 +155,7 @@ def test_the_matcher_finds_a_phrase_exactly_where_it_occurs(phrase):
     tokens_BT = np.zeros((B, T), np.int32)
     for b, s in enumerate(seqs):
         tokens_BT[b, :len(s)] = s
-    state = constraints.init(_phrases([[phrase]] * B, C=1, P=5), beam_size=1, batch_size=B)
+    state = Constraints(_phrases([[phrase]] * B, C=1, P=5)).start(beam_size=1)
     parent_B1 = jnp.zeros((B, 1), jnp.int32)
     done_BT = np.zeros((B, T), bool)
     advance = jax.jit(constraints.advance)
@@ -184,7 +186,12 @@ def test_allocation_takes_the_banks_round_robin_furthest_first():
 
 
 def test_bad_constraint_shape_is_an_error():
-    with pytest.raises(ValueError, match=r'constraints_BCP has shape \(3, 2\)'):
+    def search(phrases):
         decode.beam_search(lambda ids, c, _: (jnp.zeros((ids.shape[0], V)), c), {},
                            batch_size=3, beam_size=2, alpha=0.6, eos_id=EOS, max_decode_len=4,
-                           constraints_BCP=jnp.zeros((3, 2), jnp.int32))
+                           constraints=Constraints(phrases))
+
+    with pytest.raises(ValueError, match=r'constraints have shape \(3, 2\)'):
+        search(jnp.zeros((3, 2), jnp.int32))
+    with pytest.raises(ValueError, match=r'leading dim batch_size=3'):
+        search(jnp.zeros((2, 2, 2), jnp.int32))

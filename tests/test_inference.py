@@ -14,6 +14,7 @@ from flax import linen as nn
 from configs import tiny
 from t2t import decode, inference, sharding
 from t2t.data.pipeline import EvalSplit
+from t2t.eval import translate
 from t2t.ids import EOS_ID, PAD_ID
 from t2t.model import Transformer, TransformerConfig
 
@@ -236,7 +237,7 @@ def test_translate_batches_keeps_the_original_order():
     assert sorted(order[order >= 0].tolist()) == list(range(len(texts)))
     assert order[order >= 0].tolist() != list(range(len(texts)))
 
-    result = inference.translate_batches(_echo_predict, None, iter(batches), tok, len(texts),
+    result = translate.translate_batches(_echo_predict, None, iter(batches), tok, len(texts),
                                          progress=False)
     assert result.hypotheses == texts
     assert result.hit_limit == [5] and result.capped == []

@@ -9,8 +9,8 @@ import pytest
 from ml_collections import ConfigDict
 
 from configs import tiny
-from t2t import constraints, inference
-from t2t.eval import evaluation, terms
+from t2t import inference
+from t2t.eval import constraints, evaluation, terms
 from t2t.eval.checkpoints import EvalError
 from tests import toy_corpus
 from tests.helpers import run_script
@@ -41,7 +41,7 @@ def test_every_phrase_appears_in_every_output_of_the_trained_model(trained_tiny)
     batch = next(terms.with_constraints([{'index': np.arange(n)}], ids, terms.shape(ids)))
     predict = inference.make_predict_fn(m['cfg'], DECODING, num_valid_ids=tokenizer.vocab_size)
     free = predict(m['params'], x)
-    forced = predict(m['params'], x, batch['constraints'])
+    forced = predict(m['params'], x, constraints.Constraints(batch['constraints']))
 
     texts = [tokenizer.decode(row.tolist()) for row in np.asarray(forced.ids_BL)]
     assert np.all(np.asarray(forced.constraints_met_B)), np.asarray(forced.constraints_met_B)

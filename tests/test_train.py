@@ -208,6 +208,7 @@ def test_train_leaves_checkpoints_events_and_metrics(corpus, tmp_path):
     # BLEU and chrF of the first 10 validation sentences, decoded again from the checkpoint and
     # scored by sacrebleu itself (sentences skipped as too long count as empty output).
     from t2t import data, inference
+    from t2t.eval import translate as eval_translate
     from t2t.model import TransformerConfig
 
     tokenizer = data.get_tokenizer(config)
@@ -221,7 +222,7 @@ def test_train_leaves_checkpoints_events_and_metrics(corpus, tmp_path):
                                skipped=tuple(i for i in split.skipped if i < 10))
 
     def translate(params):  # skipped as too long: None, scored as empty output
-        return [h or '' for h in inference.translate_batches(
+        return [h or '' for h in eval_translate.translate_batches(
             predict, params, head.batches(config.eval_batch_size), tokenizer, 10,
             progress=False, mesh=mesh).hypotheses]
 

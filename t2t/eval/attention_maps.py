@@ -35,6 +35,7 @@ import numpy as np
 
 from t2t import inference
 from t2t.eval import checkpoints as eval_checkpoints
+from t2t.eval import translate
 from t2t.eval.checkpoints import EvalError
 from t2t.ids import EOS_ID, PAD_ID
 from t2t.infra import workdir as wd
@@ -255,7 +256,7 @@ def recall_report(config, workdir, *, split: str = '', step: int | None = None) 
     greedy = inference.DecodeConfig.from_config(config).replace(decode_strategy='greedy')
     predict = inference.make_predict_fn(model_config, greedy, num_valid_ids=tokenizer.vocab_size)
     n = len(eval_split.sources)
-    result = inference.translate_batches(predict, params, eval_split.batches(
+    result = translate.translate_batches(predict, params, eval_split.batches(
         config.eval_batch_size), tokenizer, n, progress=False)
     correct = sum(h == r for h, r in zip(result.hypotheses, eval_split.references, strict=True))
     sums, counts = {}, {}  # per answer id: [L, H] sums of the weight of query 0 on key 0

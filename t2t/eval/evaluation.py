@@ -40,6 +40,7 @@ from t2t import inference, sharding
 from t2t.data import identity
 from t2t.eval import averaging, bleu
 from t2t.eval.checkpoints import EvalError, check_params, load_params, select, weights_label
+from t2t.eval.translate import translate_batches
 from t2t.infra import workdir as wd
 from t2t.model import TransformerConfig
 from t2t.run import checkpoint, checkpoint_read, startup
@@ -102,9 +103,8 @@ def evaluate_params(config, params, tokenizer, eval_split, *, split: str, label:
     batches = eval_split.batches(config.eval_batch_size)
     if constraints is not None:
         batches = constraints.batches(batches)
-    result = inference.translate_batches(predict, params, batches, tokenizer, n,
-                                         progress=progress, mesh=mesh,
-                                         choose=mbr.choose if mbr else None)
+    result = translate_batches(predict, params, batches, tokenizer, n, progress=progress,
+                               mesh=mesh, choose=mbr.choose if mbr else None)
     missing = {i for i, h in enumerate(result.hypotheses) if h is None}
     if missing != set(eval_split.skipped):
         raise RuntimeError(f'{len(missing)} examples were not decoded but '

@@ -3,7 +3,7 @@
     mbr = MBR(samples=16, candidates='sample', utility='chrf')   # evaluate.py --mbr_samples=16
     decoding = mbr.decoding(inference.DecodeConfig.from_config(config))
     predict = inference.make_predict_fn(model_config, decoding, ...)
-    result = inference.translate_batches(predict, ..., choose=mbr.choose)
+    result = translate.translate_batches(predict, ..., choose=mbr.choose)
 
 Candidates: `samples` draws per sentence (decode_strategy='sample' with the config's temperature,
 top_k, top_p and decode_seed; draw 0 is the sentence's plain sample), or beam search's best

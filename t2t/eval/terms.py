@@ -1,4 +1,4 @@
-"""Constraints for evaluate.py: phrases each translation must contain (t2t/constraints.py).
+"""Constraints for evaluate.py: phrases each translation must contain (t2t/eval/constraints.py).
 
     --constraints FILE       one JSON list of phrases per source line, e.g. ["Haus", "grünes Auto"]
                              ([] for none); fairseq-interactive's --constraints takes them

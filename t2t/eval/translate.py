@@ -1,4 +1,7 @@
-"""Bulk translation that streams: a file of any size, in order, resumable after a kill.
+"""Bulk translation: batches decoded in original order, and a file of any size streamed through
+them, in order, resumable after a kill.
+
+    result = translate_batches(predict, params, eval_split.batches(64), tokenizer, n, mesh=mesh)
 
     stats = translate_stream(predict, params, tokenizer, 'in.txt', 'out.txt', max_len=256,
                              mesh=mesh)   # evaluate.py --translate --input=in.txt --output=out.txt
@@ -8,7 +11,7 @@ sorted by length and cut into batches of a few bucketed shapes: lengths round up
 two (at least MIN_BUCKET) and each bucket's batch holds token_budget // length rows (a multiple
 of the mesh's devices; a bucket's last batch of a window halves that up to 3 times to fit its
 sentences), so each shape compiles once, whatever the file. Batches run on every
-device of every host (inference.translate_batches); the hypotheses go back to input order and
+device of every host (`translate_batches`); the hypotheses go back to input order and
 the window is appended to the output, then `<output>.progress` records how many lines and bytes
 are done (written atomically after the output is flushed and synced). Run again with the same
 files and it resumes after the last finished window (a finished run's file stays: a rerun adds
@@ -34,13 +37,14 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 from tqdm import tqdm
 
 from t2t import inference
 from t2t.eval import terms
+from t2t.eval.constraints import Constraints
 from t2t.ids import EOS_ID, PAD_ID
 from t2t.infra import workdir as wd
 
@@ -63,6 +67,124 @@ class StreamStats:
     @property
     def sentences_per_s(self) -> float:
         return self.translated / max(self.seconds, 1e-9)
+
+
+@dataclasses.dataclass(frozen=True)
+class Translations:
+    """Detokenized hypotheses in original order, and what the length limits did to them."""
+
+    hypotheses: list[str | None]  # None where no batch held the example (e.g. skipped as too long)
+    hit_limit: list[int]  # indices whose best hypothesis ended at its limit without EOS
+    capped: list[int]  # of those, the indices cut by max_decode_len
+    seconds: float  # wall time of decoding, compiles included
+    # predict(nbest > 1): per index [(beam score, hypothesis)], best first (empty slots left
+    # out), None where hypotheses has None; else None
+    nbest: list[list[tuple[float, str]] | None] | None = None
+    # batches with constraints: the indices whose best hypothesis lacks one of its phrases
+    unmet_constraints: list[int] | None = None
+
+    @property
+    def num_translated(self) -> int:
+        return sum(h is not None for h in self.hypotheses)
+
+    @property
+    def sentences_per_s(self) -> float:
+        return self.num_translated / max(self.seconds, 1e-9)
+
+
+Choose = Callable[[list[list[str]]], list[int]]
+
+
+def _chosen(got: inference.Prediction, rows: list[int], tokenizer,
+            choose: Choose) -> inference.Prediction:
+    """A fetched prediction whose output at each of `rows` is the candidate `choose` picks among
+    the row's draws (samples_BNL), else its n-best, else its one output; the limit flags follow
+    the chosen candidate, and score_B is dropped (a draw has none)."""
+    if got.samples_BNL is not None:
+        cands_BNL, valid_BN = got.samples_BNL, np.ones(got.samples_BNL.shape[:2], bool)
+    elif got.nbest_ids_BNL is not None:
+        cands_BNL, valid_BN = got.nbest_ids_BNL, got.nbest_scores_BN > -np.inf
+    else:
+        cands_BNL, valid_BN = got.ids_BL[:, None], np.ones((len(got.ids_BL), 1), bool)
+    slots = [np.flatnonzero(valid_BN[row]) for row in rows]
+    texts = [[tokenizer.decode(cands_BNL[row, k].tolist()) for k in ks]
+             for row, ks in zip(rows, slots, strict=True)]
+    ids_BL = np.array(got.ids_BL)
+    for row, ks, pick in zip(rows, slots, choose(texts), strict=True):
+        ids_BL[row] = cands_BNL[row, ks[pick]]
+    chosen_B = np.isin(np.arange(len(ids_BL)), rows)  # real sentences: a source, a limit > 0
+    hit_B = np.where(chosen_B, ~np.any(ids_BL == EOS_ID, axis=1), got.hit_limit_B)
+    return got.replace(ids_BL=ids_BL, hit_limit_B=hit_B, capped_B=hit_B & got.limit_is_cap_B,
+                       score_B=None)
+
+
+def translate_batches(predict: inference.Predict, params, batches: Iterable[dict], tokenizer,
+                      num_examples: int, *, progress: bool = True, mesh=None,
+                      choose: Choose | None = None) -> Translations:
+    """Decodes every batch; the hypothesis of the row with `index` i lands at position i.
+
+    Batches are dicts with `inputs` [B, S] and `index` [B] (-1 marks padding rows), as yielded by
+    t2t.data EvalSplit.batches: global batches, the same on every process (which must all call
+    this with a mesh that spans them); and optionally `constraints` [B, C, P], each row's phrases
+    (t2t/eval/terms.py). The next batch is dispatched before the previous one is fetched, so
+    detokenizing (and `choose`) overlaps with decoding.
+
+    choose: each batch's sentences' candidates (texts: a predict with num_samples > 1 gives its
+    draws, one with nbest > 1 its n-best) -> the index of the one to output per sentence (MBR,
+    t2t/eval/mbr.py).
+    """
+    hypotheses: list[str | None] = [None] * num_examples
+    nbest: list[list[tuple[float, str]] | None] = [None] * num_examples
+    hit_limit, capped, unmet = [], [], []
+    constrained = False
+    bar = tqdm(total=num_examples, unit='sent', desc='decoding', disable=not progress,
+               dynamic_ncols=True)
+
+    def collect(index_B, prediction: inference.Prediction):
+        got = inference.fetch(prediction, len(index_B))
+        if choose is not None:
+            got = _chosen(got, [r for r, i in enumerate(np.asarray(index_B).tolist()) if i >= 0],
+                          tokenizer, choose)
+        ids_BL, hit_B, capped_B = got.ids_BL, got.hit_limit_B, got.capped_B
+        done = 0
+        for row, i in enumerate(np.asarray(index_B).tolist()):
+            if i < 0:
+                continue
+            if not 0 <= i < num_examples or hypotheses[i] is not None:
+                raise ValueError(f'batch index {i} is out of range [0, {num_examples}) or repeated')
+            hypotheses[i] = tokenizer.decode(ids_BL[row].tolist())
+            if got.nbest_ids_BNL is not None:
+                nbest[i] = [(float(score), tokenizer.decode(ids.tolist())) for ids, score in
+                            zip(got.nbest_ids_BNL[row], got.nbest_scores_BN[row], strict=True)
+                            if score > -np.inf]
+            if hit_B[row]:
+                hit_limit.append(i)
+            if capped_B[row]:
+                capped.append(i)
+            if got.constraints_met_B is not None and not got.constraints_met_B[row]:
+                unmet.append(i)
+            done += 1
+        bar.update(done)
+
+    start = time.perf_counter()
+    pending = None
+    for batch in batches:
+        if 'constraints' in batch:
+            constrained = True
+            prediction = predict(params, inference.feed(batch['inputs'], mesh),
+                                 Constraints(inference.feed(batch['constraints'], mesh)))
+        else:  # asynchronous dispatch
+            prediction = predict(params, inference.feed(batch['inputs'], mesh))
+        if pending is not None:
+            collect(*pending)
+        pending = (batch['index'], prediction)
+    if pending is not None:
+        collect(*pending)
+    seconds = time.perf_counter() - start
+    bar.close()
+    has_nbest = any(entry is not None for entry in nbest)
+    return Translations(hypotheses, sorted(hit_limit), sorted(capped), seconds,
+                        nbest if has_nbest else None, sorted(unmet) if constrained else None)
 
 
 def bucket_length(n: int, max_len: int) -> int:
@@ -186,13 +308,13 @@ def translate_stream(predict: inference.Predict, params, tokenizer, input_path: 
                      window: int = DEFAULT_WINDOW, truncate_long: bool = False,
                      progress: bool = True, write: bool = True, nbest_alpha: float | None = None,
                      mesh=None, constraints=None,
-                     choose: inference.Choose | None = None) -> StreamStats:
+                     choose: Choose | None = None) -> StreamStats:
     """Translates `input_path` ('-': stdin) line by line into `output_path` ('-': stdout).
 
     nbest_alpha: the output is n-best TSV (predict built with nbest > 1 and this alpha).
     constraints: t2t/eval/terms.py Constraints, the phrases each line's translation must hold
     (each window's are checked against their lines' limits before it is decoded).
-    choose: each line's output is its candidate this picks (inference.translate_batches; MBR).
+    choose: each line's output is its candidate this picks (translate_batches; MBR).
 
     write=False: decode (every process of a multi-host run must) but write nothing (processes
     other than 0). Raises ValueError for a bad progress file or a too small token budget.
@@ -236,7 +358,7 @@ def translate_stream(predict: inference.Predict, params, tokenizer, input_path: 
                                      multiple=multiple)
             if constraints is not None:
                 batches = terms.lines(constraints, stats.lines, texts, ids).batches(batches)
-            result = inference.translate_batches(predict, params, batches, tokenizer, len(ids),
+            result = translate_batches(predict, params, batches, tokenizer, len(ids),
                                                  progress=False, mesh=mesh, choose=choose)
             stats.translated += result.num_translated
             stats.hit_limit += len(result.hit_limit)

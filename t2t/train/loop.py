@@ -500,7 +500,7 @@ def _make_bleu_eval(config, model_config, tokenizer, eval_data, mesh):
     if config.eval_bleu_sentences <= 0:
         return None
     from t2t import inference
-    from t2t.eval import bleu
+    from t2t.eval import bleu, translate
 
     predict = inference.config_predict_fn(config, model_config, num_valid_ids=tokenizer.vocab_size,
                                           mesh=mesh)
@@ -511,7 +511,7 @@ def _make_bleu_eval(config, model_config, tokenizer, eval_data, mesh):
         skipped=tuple(i for i in eval_data.skipped if i < n))
 
     def run(params):
-        result = inference.translate_batches(
+        result = translate.translate_batches(
             predict, params, head.batches(config.eval_batch_size), tokenizer, n, progress=False,
             mesh=mesh)
         # Examples skipped as too long count as empty output, as evaluate.py scores them.

@@ -1,5 +1,9 @@
 """Lexically constrained beam search: dynamic beam allocation (Post & Vilar 2018) in jitted JAX.
 
+`Constraints(phrases_BCP)` is what decode.beam_search (and inference's predict) take as
+`constraints`: started for K beams it is the search's carry, and its `step` replaces the plain
+step after the model; without constraints the search is the plain one, operation for operation.
+
 An example's constraints are phrases, token sequences its output must contain, each somewhere,
 in any order (fairseq's `--constraints`, unordered). They come padded: phrases_BCP int32, 0
 (PAD, never generated) after a phrase's last token and in unused slots.
@@ -9,7 +13,7 @@ prefix of the phrase that ends the output (Knuth-Morris-Pratt: a broken match fa
 longest border, so 'a a b' is found in 'a a a b'), and whether the phrase has appeared whole. Its
 bank is the constraint tokens it has met: those of the phrases done plus the matched prefixes.
 
-`candidates` is the constrained form of one step of decode.beam_search:
+`candidates` is the constrained form of the candidates of one step of decode.beam_search:
 - EOS is blocked (log-prob -inf, not renormalized, as PAD) for a hypothesis with a phrase to go;
 - the candidates are the 2K best over all beams (the unconstrained step's), every beam's next
   token of each phrase it has not done and its own best token (fairseq's
@@ -31,20 +35,78 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
+from t2t import decode
 from t2t.ids import PAD_ID
 
 NEG_INF = float('-inf')
 
 
 @struct.dataclass
-class ConstraintState:
-    """What beam search carries for the constraints; every leaf's leading dim is the batch."""
+class Constraints:
+    """Each example's phrases; once started (`start`), what beam search carries for them. Every
+    leaf's leading dim is the batch."""
 
     phrases_BCP: jax.Array  # int32: the phrases, 0-padded
-    lengths_BC: jax.Array  # int32: tokens per phrase (0: an unused slot)
-    border_BCPJ: jax.Array  # bool: phrase[:j] is a suffix of phrase[:s] (s = the third index)
-    progress_BKC: jax.Array  # int32: the matched prefix of each phrase, per beam
-    done_BKC: jax.Array  # bool: the phrase has appeared whole (unused slots: True)
+    lengths_BC: jax.Array | None = None  # int32: tokens per phrase (0: an unused slot)
+    border_BCPJ: jax.Array | None = None  # bool: phrase[:j] is a suffix of phrase[:s] (s: 3rd)
+    progress_BKC: jax.Array | None = None  # int32: the matched prefix of each phrase, per beam
+    done_BKC: jax.Array | None = None  # bool: the phrase has appeared whole (unused slots: True)
+
+    def start(self, beam_size: int) -> Constraints:
+        """The carry before the first token: nothing matched, unused slots done."""
+        if jnp.ndim(self.phrases_BCP) != 3:
+            raise ValueError(f'constraints have shape {jnp.shape(self.phrases_BCP)}, expected '
+                             '(batch, phrases, tokens)')
+        phrases_BCP = jnp.asarray(self.phrases_BCP, jnp.int32)
+        B, C, _ = phrases_BCP.shape
+        lengths_BC = jnp.sum(phrases_BCP != PAD_ID, axis=-1).astype(jnp.int32)
+        return Constraints(
+            phrases_BCP=phrases_BCP, lengths_BC=lengths_BC, border_BCPJ=_borders(phrases_BCP),
+            progress_BKC=jnp.zeros((B, beam_size, C), jnp.int32),
+            done_BKC=jnp.broadcast_to((lengths_BC == 0)[:, None, :], (B, beam_size, C)))
+
+    def step(self, state: decode.BeamState, cand_log_probs_BKV, cache, searching_B, *, alpha,
+             eos_id: int, unfinished: str) -> decode.BeamState:
+        """beam_search's step after the model: the alive beams by dynamic beam allocation;
+        finished, in classes each admitted only when the example has none of an earlier class:
+        EOS (its phrases all met), then (under 'fallback'; with EOS under 'compete') cut at the
+        limit with all phrases, then cut without them."""
+        i, K = state.step, state.alive_log_probs_BK.shape[1]
+        cand_log_probs_BKV = block_eos(cand_log_probs_BKV, self, eos_id)
+        log_probs_BX, parent_BX, token_BX = candidates(cand_log_probs_BKV, self, eos_id)
+        progress_BXC, done_BXC, met_BX = advance(self, parent_BX, token_BX)
+        seqs_BXT = decode.gather_beams(state.alive_seqs_BKT, parent_BX)
+        seqs_BXT = seqs_BXT.at[:, :, i + 1].set(token_BX)
+        length = i + 1
+        ended_BX = (token_BX == eos_id) | (length >= state.limit_B[:, None])
+        live_BX = log_probs_BX > NEG_INF
+        alive_pos_BK, alive_log_probs_BK = allocate(
+            log_probs_BX, live_BX & ~ended_BX, met_BX, K, num_banks(self.phrases_BCP))
+
+        new_BX = ended_BX & live_BX & searching_B[:, None]
+        met_all_BX = jnp.all(done_BXC, axis=-1)
+        first_BX = new_BX & ((token_BX == eos_id) if unfinished == 'fallback' else met_all_BX)
+        second_BX = new_BX & met_all_BX & ~first_BX
+        has_first_B = jnp.any(state.finished_flags_BK, axis=1) | jnp.any(first_BX, axis=1)
+        has_second_B = has_first_B | jnp.any(second_BX, axis=1)
+        new_BX = (first_BX | (second_BX & ~has_first_B[:, None])
+                  | (new_BX & ~met_all_BX & ~has_second_B[:, None]))
+        new_scores_BX = jnp.where(new_BX, log_probs_BX / decode.length_penalty(length, alpha),
+                                  NEG_INF)
+        alive_parent_BK = jnp.take_along_axis(parent_BX, alive_pos_BK, axis=1)
+        return state.replace(
+            step=i + 1,
+            alive_seqs_BKT=decode.gather_beams(seqs_BXT, alive_pos_BK),
+            alive_log_probs_BK=alive_log_probs_BK,
+            alive_cache=decode.gather_cache(cache, alive_parent_BK),
+            **decode.best_finished(state, new_scores_BX, new_BX, seqs_BXT),
+            constraints=self.replace(progress_BKC=decode.gather_beams(progress_BXC, alive_pos_BK),
+                                     done_BKC=decode.gather_beams(done_BXC, alive_pos_BK)),
+        )
+
+    def met(self, ids_BL):
+        """bool[B]: every phrase of the example is in its row of ids."""
+        return contains_all(ids_BL, self.phrases_BCP)
 
 
 def _borders(phrases_BCP):
@@ -57,26 +119,12 @@ def _borders(phrases_BCP):
     return jnp.all(same_BCSJK, axis=-1) & (j <= s)[..., 0]
 
 
-def init(phrases_BCP, beam_size: int, batch_size: int) -> ConstraintState:
-    """The state before the first token: nothing matched, unused slots done."""
-    if jnp.ndim(phrases_BCP) != 3 or jnp.shape(phrases_BCP)[0] != batch_size:
-        raise ValueError(f'constraints_BCP has shape {jnp.shape(phrases_BCP)}, expected '
-                         f'({batch_size}, phrases, tokens)')
-    phrases_BCP = jnp.asarray(phrases_BCP, jnp.int32)
-    B, C, _ = phrases_BCP.shape
-    lengths_BC = jnp.sum(phrases_BCP != PAD_ID, axis=-1).astype(jnp.int32)
-    return ConstraintState(
-        phrases_BCP=phrases_BCP, lengths_BC=lengths_BC, border_BCPJ=_borders(phrases_BCP),
-        progress_BKC=jnp.zeros((B, beam_size, C), jnp.int32),
-        done_BKC=jnp.broadcast_to((lengths_BC == 0)[:, None, :], (B, beam_size, C)))
-
-
 def num_banks(phrases_BCP) -> int:
     """Static: the banks a search may fill, 0 .. every slot's tokens."""
     return phrases_BCP.shape[1] * phrases_BCP.shape[2] + 1
 
 
-def advance(state: ConstraintState, parent_BX, token_BX):
+def advance(state: Constraints, parent_BX, token_BX):
     """The state after beam parent_BX emits token_BX: (progress_BXC, done_BXC, met_BX)."""
     progress_BXC = jnp.take_along_axis(state.progress_BKC, parent_BX[:, :, None], axis=1)
     done_BXC = jnp.take_along_axis(state.done_BKC, parent_BX[:, :, None], axis=1)
@@ -96,7 +144,7 @@ def advance(state: ConstraintState, parent_BX, token_BX):
     return progress_BXC, done_BXC, met_BX
 
 
-def next_tokens(state: ConstraintState):
+def next_tokens(state: Constraints):
     """(token_BKC, wanted_BKC): each beam's next token of every phrase it has not done."""
     token_BKC = jnp.take_along_axis(state.phrases_BCP[:, None], state.progress_BKC[..., None],
                                     axis=-1)[..., 0]
@@ -122,7 +170,7 @@ def allocate(log_probs_BX, eligible_BX, met_BX, beam_size: int, banks: int):
     return pos_BK, jnp.where(chosen_BK, picked_BK, NEG_INF)
 
 
-def block_eos(cand_log_probs_BKV, state: ConstraintState, eos_id: int):
+def block_eos(cand_log_probs_BKV, state: Constraints, eos_id: int):
     """EOS at -inf for the beams with a phrase still to go."""
     if eos_id < 0:
         return cand_log_probs_BKV
@@ -131,7 +179,7 @@ def block_eos(cand_log_probs_BKV, state: ConstraintState, eos_id: int):
         jnp.where(all_done_BK, cand_log_probs_BKV[:, :, eos_id], NEG_INF))
 
 
-def candidates(cand_log_probs_BKV, state: ConstraintState, eos_id: int):
+def candidates(cand_log_probs_BKV, state: Constraints, eos_id: int):
     """The step's candidates (EOS already blocked): (log_probs_BX, parent_BX, token_BX), the 2K
     best first (as the unconstrained step's top_k), then each beam's constraint tokens, its best
     token and its EOS (-inf until its phrases are met: else a beam with them all would wait for
@@ -177,3 +225,4 @@ def contains_all(ids_BL, phrases_BCP):
                       axis=-1)
     present_BC = jnp.any(hit_BCL, axis=-1) | ~jnp.any(used_BCP, axis=-1)
     return jnp.all(present_BC, axis=-1)
+
