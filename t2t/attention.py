@@ -1,14 +1,9 @@
-"""Attention: masks, kernels and the multi-head attention layer of the Transformer (t2t/model.py).
+"""Attention (t2t/model.py's): masks, kernels and the multi-head attention layer.
 
-A mask is built once at the top of the model's encode()/decode() (`make_attention_mask`) in the
-form its kernel takes (`AttentionMask`): a dense boolean [B, 1, Q, K] for the einsum ('xla') and
-jax.nn.dot_product_attention ('dot_product'), sequence lengths for cuDNN flash attention
-('cudnn', GPU), segment ids for the Pallas splash attention kernel ('splash', TPU). The kernels
-compute softmax(q k^T * scale + mask) v; `MultiHeadAttention` projects q, k, v (rotary positions
-applied to q and k with position_embedding='rope'), runs the kernel and projects the heads back,
-and in decode mode keeps the keys/values of earlier steps in its caches. It reads its own
-`AttentionConfig` (model.TransformerConfig.attention makes it), so this module needs nothing of
-the model's.
+A mask is built once at the top of the model's encode()/decode() in the form its kernel takes
+(`AttentionMask`). Every kernel computes softmax(q k^T * scale + mask) v; `MultiHeadAttention`
+projects q, k, v (rotary positions on q and k with position_embedding='rope'), runs the kernel,
+projects the heads back, and in decode mode keeps earlier steps' keys/values in its caches.
 
 Shape letters: B batch, Q queries, K keys (or, last, the head dim), S key length, H heads,
 D d_model, L any length.
@@ -51,32 +46,24 @@ def attention_mask(q_valid_BQ: Array, k_valid_BK: Array, q_segment_BQ=None, k_se
 
 @struct.dataclass
 class AttentionMask:
-    """Who may attend to whom, in the form the attention implementation takes.
+    """Who may attend to whom, in the form the attention implementation takes."""
 
-    dense_B1QK: boolean [B, 1, Q, K] ('xla', 'dot_product'; 'cudnn' on packed rows).
-    q_lengths_B / k_lengths_B: int32 numbers of leading valid tokens ('cudnn' on right-padded
-      rows: cuDNN skips the padding itself, no [Q, K] mask is ever materialized).
-    q_segment_BQ / k_segment_BK: int32 segment ids, 0 on padding ('splash'; unpacked rows are
-      segment 1).
-    causal: key k is visible to query q only if k <= q (with the lengths or segments).
-    """
-
-    dense_B1QK: Array | None = None
+    dense_B1QK: Array | None = None  # bool ('xla', 'dot_product'; 'cudnn' on packed rows)
+    # int32 numbers of leading valid tokens ('cudnn' on right-padded rows: cuDNN skips the
+    # padding itself, no [Q, K] mask is materialized)
     q_lengths_B: Array | None = None
     k_lengths_B: Array | None = None
+    # int32 segment ids, 0 on padding ('splash'; unpacked rows are segment 1)
     q_segment_BQ: Array | None = None
     k_segment_BK: Array | None = None
-    causal: bool = struct.field(pytree_node=False, default=False)
+    causal: bool = struct.field(pytree_node=False, default=False)  # with lengths or segments
 
 
 def make_attention_mask(impl: str, q_valid_BQ: Array, k_valid_BK: Array, q_segment_BQ=None,
                         k_segment_BK=None, causal: bool = False) -> AttentionMask:
     """The mask of `attention_mask` in the form that attention implementation `impl` takes.
-
-    'cudnn' uses sequence lengths, so it assumes right padding (valid tokens first), as every
-    t2t batch has. Packed rows (segment ids given) fall back to the dense mask with cuDNN:
-    jax.nn.dot_product_attention takes no segment ids; jax turns the mask into a bias.
-    """
+    'cudnn' uses sequence lengths (right padding, as every t2t batch has); packed rows fall back
+    to the dense mask, as jax.nn.dot_product_attention takes no segment ids."""
     if impl == 'cudnn' and q_segment_BQ is None:
         return AttentionMask(q_lengths_B=q_valid_BQ.sum(-1, dtype=jnp.int32),
                              k_lengths_B=k_valid_BK.sum(-1, dtype=jnp.int32), causal=causal)
@@ -105,10 +92,8 @@ def cudnn_arguments(mask: AttentionMask) -> dict:
 def attention_weights(q_BQHK: Array, k_BKHK: Array, mask_B1QK: Array, scale: float,
                       keys: str = 'bshk', dtype=None) -> Array:
     """softmax(q k^T * scale + mask) in float32: [B, H, Q, K] (mask: boolean [B, 1, Q, K]).
-
-    keys: the layout of k, 'bshk' ([B, K, H, head dim], as projected) or 'bhsk' (head-major,
-    as the decode caches keep them). dtype: the weights returned in it (the value matmul's) and
-    kept so for the backward pass (softmax_kept_as); None: float32.
+    keys: k's layout, 'bshk' (as projected) or 'bhsk' (head-major, the decode caches'). dtype:
+    the weights returned and kept for the backward pass in it (softmax_kept_as); None: float32.
     """
     logits_BHQK = jnp.einsum(f'bqhk,{keys}->bhqs', q_BQHK, k_BKHK) * jnp.asarray(
         scale, q_BQHK.dtype)
@@ -120,11 +105,9 @@ def attention_weights(q_BQHK: Array, k_BKHK: Array, mask_B1QK: Array, scale: flo
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def softmax_kept_as(logits: Array, dtype) -> Array:
-    """softmax over the last axis in float32, returned in dtype; its gradient is computed in
-    float32 from that returned copy. Autodiff of the float32 softmax keeps its float32 output for
-    the backward pass: [B, H, Q, K] a layer, more HBM traffic than the weights in the compute
-    dtype on a TPU
-    (bench/RESULTS.md, "The loss chunks and XLA's negative estimate")."""
+    """softmax over the last axis in float32, returned in dtype, its gradient computed in float32
+    from that copy: autodiff would keep the float32 output [B, H, Q, K] a layer for the backward
+    pass (bench/RESULTS.md, "The loss chunks and XLA's negative estimate")."""
     return jax.nn.softmax(logits, axis=-1).astype(dtype)
 
 
@@ -146,13 +129,11 @@ def dot_product_attention(q_BQHK: Array, k_BKHK: Array, v_BKHK: Array, mask, *,
                           impl: str = 'xla', softmax_residual: str = 'float32') -> Array:
     """softmax(q k^T * scale + mask) v with the softmax in float32; returns [B, Q, H, K].
 
-    mask: an AttentionMask built for `impl`, or a boolean [B, 1, Q, K] array.
-    impl: 'xla' (written out here), 'dot_product' (jax.nn.dot_product_attention, which lets jax
-    pick the kernel: XLA's today), 'cudnn' (the same function forced to cuDNN's fused flash
-    attention, with sequence lengths and the causal flag: GPU only, bfloat16/float16 inputs) or
-    'splash' (the Pallas splash attention kernel with segment ids: TPU only).
-    softmax_residual ('xla'): 'float32', autodiff of the float32 softmax, or 'compute', the
-    weights in v's dtype the one copy kept for the backward pass (softmax_kept_as).
+    mask: an AttentionMask built for `impl`, or a boolean [B, 1, Q, K] array. impl: 'xla'
+    (written out here), 'dot_product' (jax.nn.dot_product_attention: jax picks the kernel),
+    'cudnn' (the same forced to cuDNN flash attention: GPU, bfloat16/float16) or 'splash' (the
+    Pallas splash kernel: TPU). softmax_residual ('xla'): 'compute' keeps only the weights in
+    v's dtype for the backward pass (softmax_kept_as).
     """
     if not isinstance(mask, AttentionMask):
         mask = AttentionMask(dense_B1QK=mask)
@@ -179,12 +160,10 @@ def splash_attention(q_BQHK: Array, k_BKHK: Array, v_BKHK: Array, mask: Attentio
                      scale: float, interpret: bool = False) -> Array:
     """Attention through jax's Pallas splash attention kernel for TPU (segment ids + causal).
 
-    Lengths are padded to a multiple of 128 (the padding gets segment ids no real token has,
-    and is cut off again). Under a mesh the kernel runs per shard (shard_map): batch split as
-    'batch', heads as 'heads', lengths whole. Inside a shard_map over every mesh axis (the
-    prediction function's) it runs on the local block as it is; over some axes only, it splits
-    that block over the others. interpret=True runs the kernel's Python interpretation on any
-    backend (tests).
+    Lengths are padded to a multiple of 128 (with segment ids no real token has, cut off again).
+    Under a mesh the kernel runs per shard (shard_map over the mesh axes not already manual):
+    batch split as 'batch', heads as 'heads', lengths whole. interpret=True: the kernel's Python
+    interpretation on any backend (tests).
     """
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
@@ -211,8 +190,7 @@ def splash_attention(q_BQHK: Array, k_BKHK: Array, v_BKHK: Array, mask: Attentio
 
     args = (q_BQHK, k_BKHK, v_BKHK, mask.q_segment_BQ, mask.k_segment_BK)
     mesh = jax.sharding.get_abstract_mesh()
-    # Inside a shard_map (the prediction function's) the axes it maps are manual: the arrays are
-    # already this device's block, so only the remaining axes may split it further.
+    # Inside a shard_map (the prediction function's) the arrays are already this device's block.
     free = () if mesh.empty else tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
     if math.prod(mesh.shape[a] for a in free) == 1:
         return per_shard(*args)
@@ -272,10 +250,9 @@ def apply_rope(x_BLHK: Array, positions_BL: Array) -> Array:
 def _head_projection(cfg: AttentionConfig, direction: str, name: str) -> nn.DenseGeneral:
     """x W (+ b) between [.., D] and [.., H, K] ('in': q/k/v; 'out': the output projection).
 
-    Glorot uniform over the flattened [fan_in, fan_out] matrix, as for a plain Dense layer; kernel
-    and bias are stored in their true shapes with one logical name per dimension. flax draws both
-    flat and reshapes them after applying the names (a sharding constraint under a mesh, which
-    fails on the flat draw), so the inits reshape first. Biases only with cfg.attention_bias.
+    Glorot uniform over the flattened [fan_in, fan_out] matrix, as a plain Dense layer's; kernel
+    and bias stored in their true shapes, a logical name per dimension (the inits reshape first:
+    flax would apply the names to its flat draw). Biases only with cfg.attention_bias.
     """
     d, h, k = cfg.d_model, cfg.num_heads, cfg.head_dim
     if direction == 'in':
@@ -345,12 +322,9 @@ class MultiHeadAttention(nn.Module):
         return nn.with_logical_constraint(out_BQD, ('batch', 'length', 'embed'))
 
     def _decode_attention(self, q_B1HK, kv_BSD, mask, kv_positions_BS, cache_index, scale):
-        """Decode mode: one query per row over the cached keys/values.
-
-        The caches are kept head-major, [B, H, L, K], the layout a batched matmul over (B, H)
-        reads as it is: stored as [B, L, H, K] they were transposed in full at every step.
-        One query gains nothing from a fused kernel, so every attention_impl takes this path.
-        """
+        """Decode mode: one query per row over the cached keys/values, kept head-major
+        [B, H, L, K] (the layout a matmul over (B, H) reads as it is; any attention_impl: one
+        query gains nothing from a fused kernel)."""
         cfg = self.config
         if self.kind == 'cross':
             k_BHSK, v_BHSK = self._cross_cache(kv_BSD)
@@ -367,10 +341,8 @@ class MultiHeadAttention(nn.Module):
         return jnp.einsum('bhqs,bhsk->bqhk', weights_BH1S.astype(v_BHSK.dtype), v_BHSK)
 
     def _self_cache(self, k_B1HK, v_B1HK, cache_index):
-        """Writes this step's key/value at cache_index; attends to positions <= cache_index.
-
-        Returns the head-major buffers [B, H, decode_len, K] and the mask [B, 1, 1, decode_len].
-        """
+        """Writes this step's key/value at cache_index: (the buffers [B, H, decode_len, K], the
+        mask [B, 1, 1, decode_len] of the positions <= cache_index)."""
         cfg = self.config
         b, _, h, k = k_B1HK.shape
         initialized = self.has_variable('cache', 'cached_key')
@@ -387,12 +359,8 @@ class MultiHeadAttention(nn.Module):
         return ck.value, cv.value, jnp.broadcast_to(mask_B11L, (b, 1, 1, cfg.decode_len))
 
     def _cross_cache(self, encoded_BSD):
-        """Head-major keys/values [B, H, S, K] of the encoder output, projected once when the
-        cache is created.
-
-        They live in their own collection, 'cross_cache': they never change while decoding, so a
-        beam search need not reorder them with the growing self-attention 'cache'.
-        """
+        """Keys/values [B, H, S, K] of the encoder output, projected once, in 'cross_cache':
+        they never change, so a beam search never reorders them (decode.py's constants)."""
         def project(name):
             return lambda: _head_projection(self.config, 'in', name)(encoded_BSD).swapaxes(1, 2)
 

@@ -158,44 +158,31 @@ def beam_search(
 ):
     """Beam search with the GNMT length penalty (alive / finished, 2K top-k per step).
 
-    Args:
-      tokens_to_logits: (ids_N1 int32[N, 1], cache, constants) -> (logits_NV, new_cache), N = B*K.
-      cache: the decode cache of B sequences (leaves of ndim >= 1 lead with B; scalars shared),
-        tiled to B * K rows here and gathered by parent beam every step.
-      batch_size, beam_size, max_decode_len, eos_id: static ints; max_decode_len is the buffer
-        length, the most tokens (EOS included) a hypothesis may have.
-      alpha: length-penalty exponent (0.6 in the paper); a float or a traced scalar.
-      max_lengths: optional int32[B], each example's token limit (the paper: source length + 50),
-        clipped to [0, max_decode_len]; 0 decodes nothing (all slots -inf, sequences 0s).
-      unfinished: static, what a hypothesis cut at its limit without EOS counts for. 'fallback'
-        (tensor2tensor's): finished only if no hypothesis of its example ended in EOS.
-        'compete': finished like one that emitted EOS there, competing on score.
-      stop: static. 'bound' (tensor2tensor's): an example stops once no alive beam can beat the
-        worst of its K finished (log-probs only fall: its best is its log-prob over the largest
-        penalty ahead), which never changes the result. 'k_finished' (fairseq, CTranslate2,
-        transformers' early_stopping): once K have finished, earlier; a later winner is lost.
-      constants: optional pytree the model reads per row and never changes (leaves lead with B),
-        tiled to B * K rows once.
-      shrink_to: static, decreasing batch sizes the search compacts to once fewer examples are
-        still searching (module docstring); () searches in one stage.
-      cache_lengths, grow_cache: a cache that grows (static increasing ints; (cache, length) ->
-        cache): the cache handed in holds cache_lengths[0] positions, the batch runs that many
-        steps at most, then grow_cache extends it to the next length, and last to max_decode_len.
-      log_probs: static; tokens_to_logits returns log-probabilities already (an ensemble's mean,
-        t2t/eval/ensemble.py), summed as they are (a log_softmax would renormalize the mean).
-      constraints: optional phrases each hypothesis must contain (t2t/eval/constraints.py): a
-        pytree of leaves [B, ...] with start(beam_size) -> the carry kept in BeamState, whose
-        step(state, cand_log_probs_BKV, cache, searching_B, alpha=, eos_id=, unfinished=) is
-        the search's step after the model in place of `_beam_step`.
+    tokens_to_logits and cache: as in the module docstring (N = B * K). batch_size, beam_size,
+    max_decode_len (the buffer: the most tokens of a hypothesis, EOS included), eos_id: static.
+    alpha: the length penalty's exponent (0.6 in the paper), may be traced. max_lengths: int32[B],
+    each example's token limit (the paper: source length + 50) in [0, max_decode_len]; 0 decodes
+    nothing. constants: what the model reads per row and never changes (leaves lead with B).
+    A hypothesis cut at its limit is scored as if it emitted EOS there (|Y| = limit).
 
-    A hypothesis cut at its limit is scored as if it emitted EOS there (|Y| = limit). The loop
-    stops when every example has stopped, or at max_decode_len.
+    Static rules: unfinished, what a hypothesis cut at its limit counts for: 'fallback'
+    (tensor2tensor's) finished only if none of its example ended in EOS, 'compete' finished like
+    one with EOS. stop: 'bound' (tensor2tensor's) stops an example once no alive beam can beat
+    its worst of K finished (log-probs only fall), which never changes the result; 'k_finished'
+    (fairseq, CTranslate2) once K have finished, where a later winner is lost.
 
-    Returns:
-      sequences int32[B, K, max_decode_len]: generated tokens (BOS excluded), EOS, then 0s;
-      scores float32[B, K]: sum log-prob / length_penalty(|Y|, alpha), sorted best first. A slot
-      is -inf only when fewer than K hypotheses exist at all (a tiny vocabulary) or, under
-      'fallback', when fewer than K ending in EOS were found (its sequence is 0s).
+    Levers: shrink_to, decreasing batch sizes to compact to (module docstring). cache_lengths and
+    grow_cache(cache, length): the cache handed in holds cache_lengths[0] positions, grown to the
+    next length (last max_decode_len) when the steps reach it. log_probs: tokens_to_logits gives
+    log-probabilities already (an ensemble's mean, not renormalized). constraints: phrases each
+    hypothesis must contain (t2t/eval/constraints.py), leaves [B, ...]: start(beam_size) is the
+    carry kept in BeamState, whose step(state, cand_log_probs_BKV, cache, searching_B, alpha=,
+    eos_id=, unfinished=) replaces `_beam_step`.
+
+    Returns (sequences int32[B, K, max_decode_len]: tokens (BOS excluded), EOS, then 0s; scores
+    float32[B, K]: sum log-prob / length_penalty(|Y|, alpha), best first). A slot is -inf only
+    when fewer than K hypotheses exist (a tiny vocabulary) or, under 'fallback', fewer than K
+    ended in EOS (its sequence is 0s).
     """
     _check_beam_arguments(batch_size, unfinished, stop, shrink_to, cache_lengths)
     _check_leaves(cache, batch_size, 'cache')
@@ -362,35 +349,17 @@ class GreedyState:
     finished_B: jax.Array  # bool: emitted EOS or reached its limit
 
 
-def greedy_search(
-    tokens_to_logits: TokensToLogits,
-    cache,
-    *,
-    batch_size: int,
-    eos_id: int,
-    max_decode_len: int,
-    max_lengths=None,
-    constants=None,
-    pick: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
-):
-    """Greedy (argmax) decoding with the conventions of `beam_search`, one row per example (N = B).
-
-    The cache and constants are used as given (leading dim B, no tiling). An example stops at
-    EOS or at its limit (max_lengths clipped to [0, max_decode_len]); later positions are 0. The
-    loop stops when all examples have stopped. pick: (logits_BV with PAD at -inf, step) ->
-    int32[B], the token of each row instead of the argmax (`sample_search`).
-
-    Returns:
-      sequences int32[B, max_decode_len]: generated tokens (BOS excluded), EOS, then 0s.
+def greedy_search(tokens_to_logits: TokensToLogits, cache, *, batch_size: int, eos_id: int,
+                  max_decode_len: int, max_lengths=None, constants=None,
+                  pick: Callable[[jax.Array, jax.Array], jax.Array] | None = None):
+    """Greedy (argmax) decoding with beam_search's conventions, one row per example (N = B, the
+    cache and constants as given): sequences int32[B, max_decode_len], tokens, EOS, then 0s.
+    pick: (logits_BV with PAD at -inf, step) -> int32[B], each row's token instead of the argmax.
     """
     B, L = batch_size, max_decode_len
     limit_B = _length_limits(B, L, max_lengths)
-    state = GreedyState(
-        step=jnp.array(0, jnp.int32),
-        seqs_BT=jnp.full((B, L + 1), PAD_ID, jnp.int32),
-        cache=cache,
-        finished_B=limit_B == 0,
-    )
+    state = GreedyState(step=jnp.array(0, jnp.int32), cache=cache, finished_B=limit_B == 0,
+                        seqs_BT=jnp.full((B, L + 1), PAD_ID, jnp.int32))
 
     def cond_fn(state: GreedyState):
         return (state.step < L) & ~jnp.all(state.finished_B)
@@ -406,12 +375,8 @@ def greedy_search(
             token_B = pick(logits_BV, i)
         token_B = jnp.where(state.finished_B, 0, token_B)
         finished_B = state.finished_B | (token_B == eos_id) | (i + 1 >= limit_B)
-        return GreedyState(
-            step=i + 1,
-            seqs_BT=state.seqs_BT.at[:, i + 1].set(token_B),
-            cache=cache,
-            finished_B=finished_B,
-        )
+        return GreedyState(step=i + 1, seqs_BT=state.seqs_BT.at[:, i + 1].set(token_B),
+                           cache=cache, finished_B=finished_B)
 
     state = lax.while_loop(cond_fn, body_fn, state)
     return state.seqs_BT[:, 1:]
@@ -420,9 +385,8 @@ def greedy_search(
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     """What `sample_search` draws from: softmax(logits / temperature) over the top_k tokens
-    (0: all), then over the fewest most likely of those whose mass reaches top_p (1: all).
-    temperature > 0, top_k >= 0, top_p in (0, 1]: the rules of inference.DecodeConfig, which
-    makes it."""
+    (0: all), then over the fewest most likely of those whose mass reaches top_p (1: all);
+    inference.DecodeConfig makes it, checked."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -448,27 +412,11 @@ def sampling_logits(logits_BV, sampling: Sampling):
     return logits_BV
 
 
-def sample_search(
-    tokens_to_logits: TokensToLogits,
-    cache,
-    *,
-    keys_B,
-    sampling: Sampling,
-    batch_size: int,
-    eos_id: int,
-    max_decode_len: int,
-    max_lengths=None,
-    constants=None,
-):
-    """Ancestral sampling, `greedy_search` with each token drawn from `sampling_logits`.
-
-    keys_B: one PRNG key per row; step t of row b draws with fold_in(keys_B[b], t), so a row's
-    sample depends on its key and its own logits only, never on the other rows of the batch.
-    PAD is never drawn. top_k=1 is greedy decoding (but for exact ties).
-
-    Returns:
-      sequences int32[B, max_decode_len]: generated tokens (BOS excluded), EOS, then 0s.
-    """
+def sample_search(tokens_to_logits: TokensToLogits, cache, *, keys_B, sampling: Sampling,
+                  batch_size: int, eos_id: int, max_decode_len: int, max_lengths=None,
+                  constants=None):
+    """Ancestral sampling: `greedy_search` with each token drawn from `sampling_logits`, step t
+    of row b with fold_in(keys_B[b], t) (a row's sample depends on its key and logits alone)."""
     def pick(logits_BV, step):
         keys_B_step = jax.vmap(jax.random.fold_in, (0, None))(keys_B, step)
         logits_BV = sampling_logits(logits_BV, sampling)

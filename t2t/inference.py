@@ -38,40 +38,34 @@ from jax.sharding import PartitionSpec
 
 from t2t import decode, sharding
 from t2t.ids import EOS_ID, PAD_ID
-from t2t.model import Transformer, TransformerConfig, next_logits
+from t2t.model import Transformer, TransformerConfig
 
 
 @struct.dataclass
 class Prediction:
-    """What `predict` returns for one batch (a pytree of device arrays)."""
+    """What `predict` returns for one batch (device arrays); None where not asked for."""
 
     ids_BL: jax.Array  # int32: the best hypothesis, EOS then 0s (no EOS when it hit its limit)
     hit_limit_B: jax.Array  # bool: ended at its length limit without emitting EOS
     capped_B: jax.Array  # bool: hit_limit where the limit was max_decode_len (truncated)
-    # float32: beam search's score of ids_BL, sum log-prob / length penalty; None for greedy
-    score_B: jax.Array | None = None
-    # make_predict_fn(nbest=N > 1): beam search's best N, int32 [B, N, L], their scores (as
-    # score_B's, -inf for an empty slot) float32 [B, N], best first; else None
-    nbest_ids_BNL: jax.Array | None = None
-    nbest_scores_BN: jax.Array | None = None
-    # predict(..., constraints): ids_BL holds every phrase of its row; else None
-    constraints_met_B: jax.Array | None = None
-    # DecodeConfig(num_samples=N > 1): every draw, int32 [B, N, L] (ids_BL is draw 0); else None
-    samples_BNL: jax.Array | None = None
-    # bool: the sentence's length limit is max_decode_len (its source + max_decode_extra is
-    # more), so any of its outputs that hit the limit was truncated (capped)
-    limit_is_cap_B: jax.Array | None = None
+    score_B: jax.Array | None = None  # beam search's score of ids_BL (sum log p / penalty)
+    nbest_ids_BNL: jax.Array | None = None  # DecodeConfig.nbest = N > 1: the best N, best first
+    nbest_scores_BN: jax.Array | None = None  # their scores, -inf for an empty slot
+    constraints_met_B: jax.Array | None = None  # predict(..., constraints): ids_BL has them all
+    samples_BNL: jax.Array | None = None  # num_samples = N > 1: every draw (ids_BL is draw 0)
+    limit_is_cap_B: jax.Array | None = None  # the length limit is max_decode_len
 
 
 Predict = Callable[..., Prediction]  # (params, inputs_BS[, constraints])
 
 
-# Beam search's first cache length over the bucket's source length. On the demo model, 300 test
-# lines, CPU s warm: 5.2 with the whole buffer (source + 50) from the start; 3.3-3.6 with + 4,
-# + 8 (the same outputs); 3.9 with + 16. Two growth steps (+ 4, then twice that) gained nothing
-# beyond the noise and compiled once more.
+# Beam search's first cache: the bucket's source length + 8, grown to the whole buffer once a
+# step needs it, unless that saves fewer than 16 positions; each stage of compaction is its own
+# compiled loop, and quarters compile half the stages of halves for the same warm time
+# (bench/RESULTS.md, "Bulk translation: compaction, a short first cache and the stop rules").
 SHORT_CACHE_OVER_SOURCE = 8
-SHORT_CACHE_MIN_SAVING = 16  # positions below L, or the whole buffer from the start
+SHORT_CACHE_MIN_SAVING = 16
+SHRINK_FACTOR = 4
 
 
 def _self_attention_buffers(cache):
@@ -90,11 +84,6 @@ def _grow_cache(cache, length: int):
              for path, x in _self_attention_buffers(cache)}
     return jax.tree_util.tree_map_with_path(lambda path, x: grown.get(path, x), cache)
 
-
-# Each stage of a compacting beam search is its own compiled loop: quarters rather than halves
-# compile half as many stages for about the same warm time (bench/RESULTS.md, "Bulk translation:
-# compaction, a short first cache and the stop rules").
-SHRINK_FACTOR = 4
 
 # Odd multiplier of the source hash that seeds a row's sampling key (any odd 32-bit number).
 _HASH_MULTIPLIER = 0x01000193
@@ -134,6 +123,11 @@ def shrink_ladder(rows: int, floor: int) -> tuple[int, ...]:
     return tuple(ladder)
 
 
+def next_logits(model: Transformer, encoded_BSD, inputs_BS, prev_ids_B1):
+    """A decode-mode model's apply method: the logits [B, 1, V] of the token after prev_ids_B1."""
+    return model.logits(model.decode(encoded_BSD, inputs_BS, prev_ids_B1))
+
+
 class _Member:
     """One model's side of decoding: the encoder once per batch, then one token per step."""
 
@@ -153,9 +147,7 @@ class _Member:
             {'params': params}, encoded_BSD, inputs_BS,
             jnp.full((inputs_BS.shape[0], 1), PAD_ID, jnp.int32),
             method=next_logits, mutable=['cache', 'cross_cache'])
-        # Once the caches exist the decoder reads only the source padding mask and the
-        # cross-attention keys/values: the same for every beam of an example, so the search
-        # never reorders them (decode.beam_search's constants).
+        # Then the decoder reads only the source mask and the cross keys/values: constants.
         return variables['cache'], {'inputs': inputs_BS, 'cross_cache': variables['cross_cache']}
 
     def step(self, params, ids_N1, cache, constants):
@@ -173,9 +165,8 @@ class _Member:
 
 
 def _ensemble_step(members: Sequence[_Member], params, ids_N1, caches, constants):
-    """An ensemble's decode.TokensToLogits: the mean over members of their log-probabilities
-    (log_softmax of each one's logits; not renormalized: a hypothesis' sum is its members' mean
-    sum), over the vocabulary rows all members have. Each member advances its own cache."""
+    """An ensemble's decode.TokensToLogits: the mean of the members' log-probabilities (not
+    renormalized) over the vocabulary rows all have; each member advances its own cache."""
     stepped = [m.step(p, ids_N1, c, k)
                for m, p, c, k in zip(members, params, caches, constants, strict=True)]
     V = min(logits_NV.shape[-1] for logits_NV, _ in stepped)
@@ -307,24 +298,15 @@ def _search(decoding: DecodeConfig, tokens_to_logits, cache, constants, *, keys_
 def make_predict_fn(model_config: TransformerConfig | tuple[TransformerConfig, ...],
                     decoding: DecodeConfig, *, num_valid_ids: int | None = None,
                     mesh=None) -> Predict:
-    """A jitted predict(params, inputs_BS, constraints=None) -> Prediction with the best beam
-    (or greedy output, or a sample), decoding as `decoding` says (DecodeConfig: its fields'
-    comments); constraints: each row's phrases for beam search (t2t/eval/constraints.py).
+    """A jitted predict(params, inputs_BS, constraints=None) -> Prediction, decoding as
+    `decoding` says; constraints: each row's phrases for beam search (t2t/eval/constraints.py).
+    Cached: every caller with the same settings shares the function and its compiled buckets.
 
-    mesh: decode on every device of it, the batch split over all its axes (inputs_BS: a global
-    array whose rows divide by mesh.size, e.g. from `feed`), the parameters replicated inside
-    (sharded ones are gathered by the compiled function; put host ones once with
-    `sharding.put_global(params, sharding.replicated(mesh))`).
-
-    num_valid_ids: the tokenizer's size when the embedding has more rows (a vocabulary that came
-    out smaller than vocab_size); ids from it up are never generated. Cached, so every caller with
-    the same settings shares one function and its compiled buckets.
-
-    An ensemble: model_config a tuple of its members' configs (any sizes and architectures, one
-    vocabulary), params the tuple of their params. Every member encodes the batch and keeps its
-    own cache; each step the search reads the mean of their log-probabilities (`_ensemble_step`),
-    beam search's scores are sums of it, greedy takes its argmax and sampling draws from its
-    softmax (renormalized there).
+    mesh: the batch split over all its devices (rows a multiple of mesh.size, e.g. from `feed`),
+    the parameters replicated inside. num_valid_ids: the tokenizer's size when the embedding has
+    more rows; ids from it up are never generated. An ensemble: model_config a tuple of its
+    members' configs, params the tuple of theirs; each step reads the mean of their
+    log-probabilities (`_ensemble_step`).
     """
     configs = model_config if isinstance(model_config, tuple) else (model_config,)
     for member in configs:  # positions beyond a table would clamp

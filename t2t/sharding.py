@@ -2,11 +2,9 @@
 
 Mesh axes: 'data' (data parallel), 'fsdp' (data parallel, parameters and optimizer state sharded
 along 'embed'), 'tensor' (heads / d_ff / vocabulary split, Megatron style). Shardings are derived
-from the logical names on the model's parameters (eval_shape of init) and activations, never
-written by hand. Several slices: `mesh_shape` is the mesh inside a slice, `dcn_mesh_shape` the
-mesh of slices; the device mesh is their product (jax's hybrid mesh). A process is fed the rows
-its devices hold under the batch sharding (`process_rows`): once fsdp or tensor spans processes,
-not a function of the process index alone.
+from the logical names on the parameters (eval_shape of init) and activations, never written by
+hand. Several slices: `mesh_shape` inside a slice, `dcn_mesh_shape` the mesh of slices (jax's
+hybrid mesh). A process is fed the rows its devices hold (`process_rows`).
 """
 
 from __future__ import annotations
@@ -61,8 +59,7 @@ def resolve_mesh_shape(mesh_shape: Sequence[int], num_devices: int,
 
 
 def _slice_attribute(devices) -> str:
-    """What groups devices into slices: TPU slices number their devices' slice_index; elsewhere
-    (CPU and GPU devices report slice 0 or none) each process stands for a slice."""
+    """What groups devices into slices: TPU devices' slice_index; elsewhere each process."""
     if len({getattr(d, 'slice_index', None) for d in devices} - {None}) > 1:
         return 'slice_index'
     return 'process_index'
@@ -70,11 +67,9 @@ def _slice_attribute(devices) -> str:
 
 def make_mesh(mesh_shape: Sequence[int], devices=None,
               dcn_mesh_shape: Sequence[int] = (1, 1, 1)) -> Mesh:
-    """A (data, fsdp, tensor) mesh over all (global) devices, in an ICI/DCN-aware order.
-
-    With prod(dcn_mesh_shape) > 1, mesh_shape is the mesh of one slice (its -1 resolved per slice)
-    and the mesh axes are mesh_shape * dcn_mesh_shape, slices varying slowest along each axis.
-    """
+    """A (data, fsdp, tensor) mesh over all (global) devices, in an ICI/DCN-aware order. With
+    several slices mesh_shape is one slice's (its -1 resolved per slice) and each axis is
+    mesh_shape * dcn_mesh_shape long, slices varying slowest."""
     devices = jax.devices() if devices is None else list(devices)
     dcn = tuple(int(s) for s in dcn_mesh_shape)
     if len(dcn) != len(MESH_AXES) or min(dcn) < 1:
@@ -104,11 +99,8 @@ def logical_to_sharding(logical_specs, mesh: Mesh):
 
 
 def tree_shardings(abstract_boxed_tree, mesh: Mesh):
-    """NamedShardings for every leaf of an (abstract) tree whose parameters carry logical names.
-
-    The result has the structure of the unboxed tree: boxed parameters (nn.Partitioned) become their
-    sharding, every other leaf (step counters, rng keys) is replicated.
-    """
+    """NamedShardings of an (abstract) tree's leaves, in the unboxed tree's structure: boxed
+    parameters (nn.Partitioned) by their logical names, other leaves (step, rng) replicated."""
     return logical_to_sharding(nn.get_partition_spec(abstract_boxed_tree), mesh)
 
 
@@ -132,8 +124,7 @@ def data_parallel_size(mesh: Mesh) -> int:
 
 
 def _devices_along(logical_name: str) -> int:
-    """Devices a logical axis is split over under the active mesh and logical axis rules (1
-    without them)."""
+    """Devices a logical axis is split over under the active mesh and rules (1 without)."""
     rules, mesh = nn.get_logical_axis_rules(), jax.sharding.get_abstract_mesh()
     if not rules or mesh.empty:
         return 1
@@ -160,12 +151,9 @@ def embedding_copies() -> int:
 
 
 def per_batch_shard(w_VD, shards: int):
-    """[V, D] -> [S, V, D]: a copy of the weights for each batch shard, on that shard's devices.
-
-    What reads the copies (each shard its own) leaves the gradients of all its reads in the
-    shard's slot, and the transpose of this broadcast, a sum over S, is the weights' one gradient
-    reduction across devices: the tied embedding, read by both lookups and the output projection,
-    is reduced once, not once per read. S == 1: a leading axis of 1, no constraint."""
+    """[V, D] -> [S, V, D]: a copy of the weights for each batch shard, on that shard's devices
+    (t2t/tables.py: the transpose of this broadcast, a sum over S, is the one gradient reduction
+    of every read). S == 1: a leading axis of 1, no constraint."""
     w_SVD = jnp.broadcast_to(w_VD, (shards, *w_VD.shape))
     if shards == 1:
         return w_SVD
@@ -173,11 +161,8 @@ def per_batch_shard(w_VD, shards: int):
 
 
 def process_rows(batch_sharding: NamedSharding, num_rows: int, devices=None) -> np.ndarray:
-    """Sorted global row ids of a [num_rows, ...] batch held by this process's devices.
-
-    `devices` (default: this process's addressable devices) lets a test ask on behalf of another
-    process. The order is the one `jax.make_array_from_process_local_data` maps local rows to.
-    """
+    """Sorted global row ids of a [num_rows, ...] batch held by this process's devices (or by
+    `devices`: a test asks for another process), the order `put_rows` maps local rows to."""
     if devices is None:
         index_map = batch_sharding.addressable_devices_indices_map((num_rows,))
     else:
@@ -210,11 +195,8 @@ def put_global(tree, target_sharding):
 
 
 def init_sharded(init_fn, mesh: Mesh, *args):
-    """Runs init_fn(*args) under jit so that each device creates only its shard of the result.
-
-    init_fn may return parameters boxed with logical names; the returned tree is unboxed.
-    Returns (tree, shardings).
-    """
+    """(tree, shardings): init_fn(*args) (parameters boxed with logical names) under jit, each
+    device creating only its shard; the tree unboxed."""
     abstract = jax.eval_shape(init_fn, *args)
     shardings = tree_shardings(abstract, mesh)
     with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):

@@ -22,7 +22,8 @@ from t2t.attention import (
     splash_attention,
 )
 from t2t.ids import PAD_ID
-from t2t.model import Transformer, TransformerConfig, next_logits
+from t2t.inference import next_logits
+from t2t.model import Transformer, TransformerConfig
 from t2t.run import layers_convert
 
 SMALL = dict(vocab_size=40, d_model=32, d_ff=64, num_heads=4, num_encoder_layers=2,

@@ -23,7 +23,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from t2t import attention_choice, inference, loss, model, sharding, train_lib
+from t2t import attention_choice, inference, loss, model_config, sharding, train_lib
 from t2t.data import hf, mixture, sources
 from t2t.data.tokenizer import MIN_VOCAB_SIZE
 from t2t.infra import trackers, uploads
@@ -149,7 +149,7 @@ def _model_rules() -> list[Rule]:
         Rule('dropout_rate', _in_unit, UNIT),
         Rule('attention_dropout_rate', _in_unit, UNIT),
         Rule('relu_dropout_rate', _in_unit, UNIT),
-        Rule('position_embedding', *_one_of(model._POSITIONS)),
+        Rule('position_embedding', *_one_of(model_config._POSITIONS)),
         Rule('position_embedding', lambda v, c: v != 'rope' or c.num_heads < 1
              or c.d_model // c.num_heads % 2 == 0,
              'needs an even head dimension: d_model={c.d_model} / num_heads={c.num_heads}'),
@@ -158,12 +158,12 @@ def _model_rules() -> list[Rule]:
         # GPUs) are checked once the devices are known (cli.check_platform)
         Rule('attention_impl', lambda v, c: v != 'cudnn' or _cudnn_problem(c) is None,
              _Why(lambda c: f'cannot run: {_cudnn_problem(c)} (use auto or xla)')),
-        Rule('softmax_residual', *_one_of(model.SOFTMAX_RESIDUALS)),
+        Rule('softmax_residual', *_one_of(model_config.SOFTMAX_RESIDUALS)),
         Rule('attention_dropout_rate', lambda v, c: v == 0 or c.attention_impl in ('xla', 'auto'),
              'needs attention_impl=xla or auto (attention_impl={c.attention_impl!r} has no '
              'dropout on attention weights)'),
-        Rule('remat', *_one_of(tuple(model._REMAT_POLICIES))),
-        Rule('dtype', *_one_of(tuple(model._DTYPES))),
+        Rule('remat', *_one_of(tuple(model_config.REMAT_POLICIES))),
+        Rule('dtype', *_one_of(tuple(model_config._DTYPES))),
         Rule('loss_chunk_len', _at_least(0), 'must be >= 0 (0: one chunk)'),
         Rule('loss_chunk_tokens', _at_least(0), 'must be >= 0 (0: chunks not grown)'),
         Rule('loss_impl', *_one_of(loss.IMPLS)),
