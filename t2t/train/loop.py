@@ -293,8 +293,8 @@ def _train_and_evaluate(config, workdir, devices, ledger: goodput.Ledger) -> Tra
         """The eval scalars (also written), or None when a SIGTERM arrived meanwhile. With
         ema_decay > 0 the EMA weights are evaluated too, the same way: eval_*_ema."""
         weights = {'': state.params}
-        if train_lib.ema_params(state) is not None:
-            weights['_ema'] = train_lib.ema_params(state)
+        if state.ema is not None:
+            weights['_ema'] = state.ema
         summary = {}
         for suffix, params in weights.items():
             batches = eval_data.batches(config.eval_batch_size, eval_rows,
