@@ -6,9 +6,10 @@ jax.nn.dot_product_attention ('dot_product'), sequence lengths for cuDNN flash a
 ('cudnn', GPU), segment ids for the Pallas splash attention kernel ('splash', TPU). The kernels
 compute softmax(q k^T * scale + mask) v; `MultiHeadAttention` projects q, k, v (rotary positions
 applied to q and k with position_embedding='rope'), runs the kernel and projects the heads back,
-and in decode mode keeps the keys/values of earlier steps in its caches. It reads its own
-`AttentionConfig` (model.TransformerConfig.attention makes it), so this module needs nothing of
-the model's.
+and in decode mode keeps the keys/values of earlier steps in its caches. It reads the model's
+TransformerConfig (passed in, never imported: d_model, num_heads, head_dim, dtype, attention_bias,
+position_embedding, scale_attention, attention_impl, softmax_residual, attention_dropout_rate,
+deterministic, decode, decode_len, sow_attention), each field declared once, there.
 
 Shape letters: B batch, Q queries, K keys (or, last, the head dim), S key length, H heads,
 D d_model, L any length.
@@ -16,7 +17,6 @@ D d_model, L any length.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import Any
@@ -235,29 +235,6 @@ def _splash_spec(names: tuple[str, ...], free: tuple[str, ...]) -> jax.sharding.
 # The layer
 
 
-@dataclasses.dataclass(frozen=True)
-class AttentionConfig:
-    """What MultiHeadAttention reads: the model config's fields of the same names (hashable)."""
-
-    d_model: int
-    num_heads: int
-    dtype: Any = jnp.float32
-    attention_bias: bool = False  # biases in the q/k/v/o projections
-    position_embedding: str = 'sinusoidal'  # 'rope': rotary positions on self-attention's q, k
-    scale_attention: bool = True  # logits times 1 / sqrt(d_k)
-    attention_impl: str = 'xla'  # the kernel (dot_product_attention)
-    softmax_residual: str = 'float32'  # 'compute': the backward pass keeps the weights in dtype
-    attention_dropout_rate: float = 0.0  # on the attention weights ('xla')
-    deterministic: bool = False
-    decode: bool = False
-    decode_len: int = 0  # length of the self-attention cache in decode mode
-    sow_attention: bool = False  # the weights into 'intermediates'
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.num_heads
-
-
 def apply_rope(x_BLHK: Array, positions_BL: Array) -> Array:
     """Rotary position embedding (Su et al. 2021) on the last axis, pairs (i, i + K/2)."""
     k = x_BLHK.shape[-1]
@@ -269,7 +246,7 @@ def apply_rope(x_BLHK: Array, positions_BL: Array) -> Array:
     return out.astype(x_BLHK.dtype)
 
 
-def _head_projection(cfg: AttentionConfig, direction: str, name: str) -> nn.DenseGeneral:
+def _head_projection(cfg, direction: str, name: str) -> nn.DenseGeneral:
     """x W (+ b) between [.., D] and [.., H, K] ('in': q/k/v; 'out': the output projection).
 
     Glorot uniform over the flattened [fan_in, fan_out] matrix, as for a plain Dense layer; kernel
@@ -305,7 +282,7 @@ class MultiHeadAttention(nn.Module):
     or 'cross' (keys from the encoder output, projected once and cached in decode mode).
     """
 
-    config: AttentionConfig
+    config: Any  # the model's TransformerConfig (the fields the module docstring lists)
     kind: str = 'self'
 
     @nn.compact

@@ -63,13 +63,21 @@ class StepConfig:
     guard_window: int = 0  # > 0: the state holds the last this many applied losses (a guard)
 
     def __post_init__(self):
-        if self.rng_impl not in RNG_IMPLS:
-            raise ValueError(f'rng_impl={self.rng_impl!r}; one of {tuple(RNG_IMPLS)}')
-        if not 0 <= self.ema_decay < 1:
-            raise ValueError(f'ema_decay={self.ema_decay!r} must be in [0, 1)')
-        if self.loss_impl not in loss.IMPLS or self.z_loss < 0:
-            raise ValueError(f'loss_impl={self.loss_impl!r} (one of {loss.IMPLS}), '
-                             f'z_loss={self.z_loss!r} (>= 0)')
+        rules = (  # (holds, key, what the key needs), in the order a config is checked
+            (self.loss_chunk_len >= 0, 'loss_chunk_len', 'must be >= 0 (0: one chunk)'),
+            (self.loss_chunk_tokens >= 0, 'loss_chunk_tokens',
+             'must be >= 0 (0: chunks not grown)'),
+            (self.loss_impl in loss.IMPLS, 'loss_impl', f'must be one of {loss.IMPLS}'),
+            (self.z_loss >= 0, 'z_loss', 'must be >= 0 (0: off)'),
+            (self.rng_impl in RNG_IMPLS, 'rng_impl', f'must be one of {tuple(RNG_IMPLS)}'),
+            (0 <= self.label_smoothing < 1, 'label_smoothing', 'must be in [0, 1)'),
+            (0 <= self.ema_decay < 1, 'ema_decay', 'must be in [0, 1)'),
+            (self.grad_accum_steps >= 1, 'grad_accum_steps', 'must be >= 1'),
+            (self.spike_skip >= 0, 'spike_skip', 'must be >= 0 (standard deviations; 0: off)'),
+        )
+        for holds, key, needs in rules:
+            if not holds:
+                raise ValueError(f'{key}={getattr(self, key)!r} {needs}')
 
     @classmethod
     def from_config(cls, config) -> StepConfig:
