@@ -46,7 +46,7 @@ def ema_run(corpus, tmp_path_factory):
     config = tiny_config(corpus, **SETTINGS)
     workdir = tmp_path_factory.mktemp('ema') / 'run'
     with pytest.MonkeyPatch.context() as patch:  # the routing of BLEU, without a beam compile
-        patch.setattr(loop, '_make_bleu_eval', lambda *args: _fake_bleu)
+        patch.setattr(evaluation, 'make_bleu_eval', lambda *args: _fake_bleu)
         result = loop.train_and_evaluate(config, str(workdir))
     assert result.step == LAST
     return {'config': config, 'workdir': workdir, 'result': result,
