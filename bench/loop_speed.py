@@ -17,7 +17,7 @@ profiler's cost to the steps it does not trace. Compare against runs without it,
 
 --bookkeeping measures the loop's metrics bookkeeping alone instead: --steps iterations of a
 stand-in step (a jitted function of a device counter returning a train step's metric scalars)
-fed to the loop's interval (`_Interval.add` every step, `_log_train` every --log_every steps),
+fed to the loop's interval (`Interval.add` every step, `log_train` every --log_every steps),
 against the stand-in step alone; the RESULT line gives microseconds per step of both.
 """
 
@@ -58,7 +58,7 @@ def _bookkeeping(config, steps: int, log_every: int) -> dict:
 
     from t2t import optim
     from t2t.infra import metrics
-    from t2t.train import loop
+    from t2t.train.interval import Interval, log_train
 
     @jax.jit
     def step_fn(counter):
@@ -70,9 +70,9 @@ def _bookkeeping(config, steps: int, log_every: int) -> dict:
     writer = metrics.MetricWriter('unused', enabled=False)
     counter = jnp.zeros((), jnp.int32)
     counter, m = step_fn(counter)
-    interval = loop._Interval()
+    interval = Interval()
     interval.add(1, m)
-    loop._log_train(writer, interval, config, 1, state, 1.0, (1.0, 1.0), None, 1)  # compiles
+    log_train(writer, interval, config, 1, state, 1.0, (1.0, 1.0), None, 1)  # compiles
 
     start = time.perf_counter()
     for _ in range(steps):
@@ -80,14 +80,14 @@ def _bookkeeping(config, steps: int, log_every: int) -> dict:
     jax.block_until_ready(counter)
     alone = time.perf_counter() - start
 
-    interval = loop._Interval()
+    interval = Interval()
     start = time.perf_counter()
     for i in range(1, steps + 1):
         counter, m = step_fn(counter)
         interval.add(i, m)
         if i % log_every == 0:
-            loop._log_train(writer, interval, config, i, state, 1.0, (1.0, 1.0), None, 1)
-            interval = loop._Interval()
+            log_train(writer, interval, config, i, state, 1.0, (1.0, 1.0), None, 1)
+            interval = Interval()
     jax.block_until_ready(counter)
     booked = time.perf_counter() - start
     return {'step_alone_us': alone / steps * 1e6, 'step_with_bookkeeping_us': booked / steps * 1e6}

@@ -37,7 +37,6 @@ import statistics
 import sys
 import time
 import traceback
-from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -101,13 +100,6 @@ def model_config(shape, vocab: int, dtype: str, attention: str, **kw) -> Transfo
         attention_impl=attention, **kw)
 
 
-def optimizer_config(d_model: int) -> SimpleNamespace:
-    """The attributes t2t.optim.make_optimizer reads, with configs/common.py's values."""
-    return SimpleNamespace(d_model=d_model, warmup_steps=4000, learning_rate_scale=1.0,
-                           adam_b1=0.9, adam_b2=0.98, adam_eps=1e-9, clip_grad_norm=0.0,
-                           weight_decay=0.0)
-
-
 def levers(args) -> dict:
     """The speed/memory config keys of this run (model and step config fields)."""
     return dict(remat=args.remat, scan_layers=args.scan_layers, loss_impl=args.loss_impl,
@@ -122,7 +114,7 @@ def build_train_step(shape, attention: str, args):
                       scan_layers=args.scan_layers)
     step_config = train_lib.StepConfig(model=mc, label_smoothing=0.1, loss_impl=args.loss_impl,
                                        loss_chunk_len=args.loss_chunk_len, rng_impl=args.rng_impl)
-    tx = optim.make_optimizer(optimizer_config(d))
+    tx = optim.make_optimizer(optim.OptimConfig(d_model=d))  # the paper's Adam and schedule
     mesh = sharding.make_mesh((-1, 1, 1))
     init = functools.partial(train_lib.init_state, model_config=mc, tx=tx, batch_shape=(1, S),
                              rng_impl=args.rng_impl)

@@ -4,6 +4,7 @@ A mask is built once at the top of the model's encode()/decode() in the form its
 (`AttentionMask`). Every kernel computes softmax(q k^T * scale + mask) v; `MultiHeadAttention`
 projects q, k, v (rotary positions on q and k with position_embedding='rope'), runs the kernel,
 projects the heads back, and in decode mode keeps earlier steps' keys/values in its caches.
+It reads the model's TransformerConfig (passed in, never imported), each field declared once, there.
 
 Shape letters: B batch, Q queries, K keys (or, last, the head dim), S key length, H heads,
 D d_model, L any length.
@@ -11,7 +12,6 @@ D d_model, L any length.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import Any
@@ -213,29 +213,6 @@ def _splash_spec(names: tuple[str, ...], free: tuple[str, ...]) -> jax.sharding.
 # The layer
 
 
-@dataclasses.dataclass(frozen=True)
-class AttentionConfig:
-    """What MultiHeadAttention reads: the model config's fields of the same names (hashable)."""
-
-    d_model: int
-    num_heads: int
-    dtype: Any = jnp.float32
-    attention_bias: bool = False  # biases in the q/k/v/o projections
-    position_embedding: str = 'sinusoidal'  # 'rope': rotary positions on self-attention's q, k
-    scale_attention: bool = True  # logits times 1 / sqrt(d_k)
-    attention_impl: str = 'xla'  # the kernel (dot_product_attention)
-    softmax_residual: str = 'float32'  # 'compute': the backward pass keeps the weights in dtype
-    attention_dropout_rate: float = 0.0  # on the attention weights ('xla')
-    deterministic: bool = False
-    decode: bool = False
-    decode_len: int = 0  # length of the self-attention cache in decode mode
-    sow_attention: bool = False  # the weights into 'intermediates'
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.num_heads
-
-
 def apply_rope(x_BLHK: Array, positions_BL: Array) -> Array:
     """Rotary position embedding (Su et al. 2021) on the last axis, pairs (i, i + K/2)."""
     k = x_BLHK.shape[-1]
@@ -247,7 +224,7 @@ def apply_rope(x_BLHK: Array, positions_BL: Array) -> Array:
     return out.astype(x_BLHK.dtype)
 
 
-def _head_projection(cfg: AttentionConfig, direction: str, name: str) -> nn.DenseGeneral:
+def _head_projection(cfg, direction: str, name: str) -> nn.DenseGeneral:
     """x W (+ b) between [.., D] and [.., H, K] ('in': q/k/v; 'out': the output projection).
 
     Glorot uniform over the flattened [fan_in, fan_out] matrix, as a plain Dense layer's; kernel
@@ -282,7 +259,7 @@ class MultiHeadAttention(nn.Module):
     or 'cross' (keys from the encoder output, projected once and cached in decode mode).
     """
 
-    config: AttentionConfig
+    config: Any  # the model's TransformerConfig (the fields the module docstring lists)
     kind: str = 'self'
 
     @nn.compact

@@ -137,7 +137,7 @@ class EncoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x_BSD, mask_B1SS, positions_BS):
         cfg = self.config
-        attn = MultiHeadAttention(cfg.attention, 'self', name='self_attention')
+        attn = MultiHeadAttention(cfg, 'self', name='self_attention')
         x_BSD = Residual(cfg, name='attention_block')(
             x_BSD, lambda h: attn(h, h, mask_B1SS, positions_BS, positions_BS))
         x_BSD = Residual(cfg, name='ffn_block')(x_BSD, FeedForward(cfg, name='ffn'))
@@ -153,8 +153,8 @@ class DecoderLayer(nn.Module):
     def __call__(self, y_BTD, encoded_BSD, self_mask_B1TT, cross_mask_B1TS, positions_BT,
                  cache_index=None):
         cfg = self.config
-        self_attn = MultiHeadAttention(cfg.attention, 'self', name='self_attention')
-        cross_attn = MultiHeadAttention(cfg.attention, 'cross', name='cross_attention')
+        self_attn = MultiHeadAttention(cfg, 'self', name='self_attention')
+        cross_attn = MultiHeadAttention(cfg, 'cross', name='cross_attention')
         y_BTD = Residual(cfg, name='self_attention_block')(
             y_BTD, lambda h: self_attn(h, h, self_mask_B1TT, positions_BT, positions_BT,
                                        cache_index=cache_index))

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from t2t import attention_choice
-from t2t.attention import KERNELS, AttentionConfig
+from t2t.attention import KERNELS
 
 _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 _POSITIONS = ('sinusoidal', 'learned', 'rope', 'none')
@@ -59,34 +59,41 @@ class TransformerConfig:
     table_copies: bool = True
 
     def __post_init__(self):
-        if self.d_model % self.num_heads:
-            raise ValueError(
-                f'd_model={self.d_model} is not divisible by num_heads={self.num_heads}')
-        if self.position_embedding not in _POSITIONS:
-            raise ValueError(f'position_embedding={self.position_embedding!r}; one of {_POSITIONS}')
-        if self.attention_impl == 'auto':
-            raise ValueError("attention_impl='auto' names no kernel: resolve it for the devices "
-                             '(TransformerConfig.from_config, t2t/attention_choice.py)')
-        if self.attention_impl not in _ATTENTION_IMPLS:
-            raise ValueError(f'attention_impl={self.attention_impl!r}; one of {_ATTENTION_IMPLS}')
-        if self.softmax_residual not in SOFTMAX_RESIDUALS:
-            raise ValueError(f'softmax_residual={self.softmax_residual!r}; one of '
-                             f'{SOFTMAX_RESIDUALS}')
-        if self.remat not in REMAT_POLICIES:
-            raise ValueError(f'remat={self.remat!r}; one of {tuple(REMAT_POLICIES)}')
-        if self.position_embedding == 'rope' and (self.d_model // self.num_heads) % 2:
-            raise ValueError('rope needs an even head dimension d_model / num_heads')
-        for name in ('dropout_rate', 'attention_dropout_rate', 'relu_dropout_rate'):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f'{name}={getattr(self, name)} is not in [0, 1)')
-        if self.attention_impl != 'xla' and self.attention_dropout_rate > 0:
-            raise ValueError(
-                f'attention_impl={self.attention_impl!r} has no dropout on attention weights: '
-                'set attention_dropout_rate=0 or attention_impl=xla'
-            )
-        if self.sow_attention and self.attention_impl not in ('xla', 'dot_product'):
-            raise ValueError(f'sow_attention needs the dense-mask attention (xla or dot_product), '
-                             f'not attention_impl={self.attention_impl!r}')
+        heads = self.num_heads >= 1  # the checks that divide by it wait for its own
+        rules = (  # (holds, key, what the key needs), in the order a config is checked
+            (self.max_position >= 1, 'max_position', 'must be >= 1'),
+            (self.d_model >= 1, 'd_model', 'must be >= 1'),
+            (self.d_ff >= 1, 'd_ff', 'must be >= 1'),
+            (heads, 'num_heads', 'must be >= 1'),
+            (not heads or self.d_model % self.num_heads == 0, 'd_model',
+             f'must be divisible by num_heads={self.num_heads}'),
+            (self.num_encoder_layers >= 1, 'num_encoder_layers', 'must be >= 1'),
+            (self.num_decoder_layers >= 1, 'num_decoder_layers', 'must be >= 1'),
+            *((0 <= getattr(self, key) < 1, key, 'must be in [0, 1)')
+              for key in ('dropout_rate', 'attention_dropout_rate', 'relu_dropout_rate')),
+            (self.position_embedding in _POSITIONS, 'position_embedding',
+             f'must be one of {_POSITIONS}'),
+            (self.position_embedding != 'rope' or not heads or self.head_dim % 2 == 0,
+             'position_embedding', f'needs an even head dimension: d_model={self.d_model} / '
+             f'num_heads={self.num_heads}'),
+            (self.attention_impl != 'auto', 'attention_impl',
+             'names no kernel: resolve it for the devices (TransformerConfig.from_config, '
+             't2t/attention_choice.py)'),
+            (self.attention_impl in _ATTENTION_IMPLS, 'attention_impl',
+             f'must be one of {_ATTENTION_IMPLS}'),
+            (self.softmax_residual in SOFTMAX_RESIDUALS, 'softmax_residual',
+             f'must be one of {SOFTMAX_RESIDUALS}'),
+            (self.attention_dropout_rate == 0 or self.attention_impl == 'xla',
+             'attention_dropout_rate', f'needs attention_impl=xla (attention_impl='
+             f'{self.attention_impl!r} has no dropout on attention weights)'),
+            (self.remat in REMAT_POLICIES, 'remat', f'must be one of {tuple(REMAT_POLICIES)}'),
+            (not self.sow_attention or self.attention_impl in ('xla', 'dot_product'),
+             'sow_attention', 'needs the dense-mask attention (attention_impl xla or '
+             f'dot_product, not {self.attention_impl!r})'),
+        )
+        for holds, key, needs in rules:
+            if not holds:
+                raise ValueError(f'{key}={getattr(self, key)!r} {needs}')
 
     @classmethod
     def from_config(cls, config, **overrides) -> TransformerConfig:
@@ -97,7 +104,7 @@ class TransformerConfig:
         (t2t/attention_choice.py).
         """
         if config.dtype not in _DTYPES:
-            raise ValueError(f'dtype={config.dtype!r}; one of {tuple(_DTYPES)}')
+            raise ValueError(f'dtype={config.dtype!r} must be one of {tuple(_DTYPES)}')
         kwargs = {f.name: config[f.name] for f in dataclasses.fields(cls) if f.name in config}
         kwargs['dtype'] = _DTYPES[config.dtype]
         if kwargs.get('attention_impl') == 'auto' and 'attention_impl' not in overrides:
@@ -111,9 +118,3 @@ class TransformerConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
-
-    @property
-    def attention(self) -> AttentionConfig:
-        """The fields the attention layer reads."""
-        return AttentionConfig(**{f.name: getattr(self, f.name)
-                                  for f in dataclasses.fields(AttentionConfig)})

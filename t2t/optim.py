@@ -8,9 +8,47 @@ first update sees count 0. The paper's step number is count + 1; using count dir
 the first update a learning rate of exactly 0 (a wasted step) and shift the peak off `warmup`.
 """
 
+from __future__ import annotations
+
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import optax
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """The optimizer's settings, configs/common.py's keys of the same names; checked when made
+    (one line naming the key), hashable. The defaults are the paper's."""
+
+    d_model: int
+    warmup_steps: int = 4000
+    learning_rate_scale: float = 1.0
+    adam_b1: float = 0.9
+    adam_b2: float = 0.98
+    adam_eps: float = 1e-9
+    weight_decay: float = 0.0  # > 0: AdamW's decoupled decay on parameters with ndim > 1
+    clip_grad_norm: float = 0.0  # > 0: the gradients' global norm is clipped to it before Adam
+
+    def __post_init__(self):
+        rules = (  # (holds, key, what the key needs), in the order a config is checked
+            (self.learning_rate_scale > 0, 'learning_rate_scale', 'must be > 0'),
+            (self.warmup_steps >= 1, 'warmup_steps',
+             'must be >= 1 (the steps the learning rate rises over)'),
+            (0 <= self.adam_b1 < 1, 'adam_b1', 'must be in [0, 1)'),
+            (0 <= self.adam_b2 < 1, 'adam_b2', 'must be in [0, 1)'),
+            (self.adam_eps > 0, 'adam_eps', 'must be > 0'),
+            (self.weight_decay >= 0, 'weight_decay', 'must be >= 0'),
+            (self.clip_grad_norm >= 0, 'clip_grad_norm', 'must be >= 0 (0: off)'),
+        )
+        for holds, key, needs in rules:
+            if not holds:
+                raise ValueError(f'{key}={getattr(self, key)!r} {needs}')
+
+    @classmethod
+    def from_config(cls, config) -> OptimConfig:
+        return cls(**{f.name: config[f.name] for f in dataclasses.fields(cls)})
 
 
 def learning_rate_schedule(d_model: int, warmup_steps: int, scale: float = 1.0) -> optax.Schedule:
@@ -40,24 +78,25 @@ def _decay_mask(params):
 def make_optimizer(config) -> optax.GradientTransformation:
     """Adam with the warmup-rsqrt schedule; optional global-norm clipping and AdamW decay.
 
-    clip_grad_norm > 0 clips before Adam; weight_decay > 0 subtracts lr * weight_decay * param
-    (optax's decoupled decay) on parameters with ndim > 1. The schedule goes in through
-    `optax.inject_hyperparams`, so the state holds the rate each update applied
-    (`applied_learning_rate`): the logs report what Adam used, also when a skipped step leaves
-    the state unchanged. State: InjectStatefulHyperparamsState(count, hyperparams,
+    config: an OptimConfig, or an experiment's ConfigDict, made into one here: what the update
+    closes over (and runs inside jit) is the frozen dataclass, never the ConfigDict.
+
+    The schedule goes in through `optax.inject_hyperparams`, so the state holds the rate each
+    update applied (`applied_learning_rate`): the logs report what Adam used, also when a skipped
+    step leaves the state unchanged. State: InjectStatefulHyperparamsState(count, hyperparams,
     hyperparams_states, inner_state=(clip state,) adam state).
     """
-    schedule = learning_rate_schedule(
-        config.d_model, config.warmup_steps, config.learning_rate_scale
-    )
+    if not isinstance(config, OptimConfig):
+        config = OptimConfig.from_config(config)
+    schedule = learning_rate_schedule(config.d_model, config.warmup_steps,
+                                      config.learning_rate_scale)
     adam_kwargs = dict(b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps)
 
     def adam(learning_rate):
         # Only the rate is a hyperparameter in the state: Adam's constants stay Python floats.
         if config.weight_decay > 0:
-            tx = optax.adamw(
-                learning_rate, weight_decay=config.weight_decay, mask=_decay_mask, **adam_kwargs
-            )
+            tx = optax.adamw(learning_rate, weight_decay=config.weight_decay, mask=_decay_mask,
+                             **adam_kwargs)
         else:
             tx = optax.adam(learning_rate, **adam_kwargs)
         if config.clip_grad_norm > 0:

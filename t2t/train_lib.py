@@ -31,30 +31,16 @@ BATCH_KEYS = ('inputs', 'targets', 'inputs_segment_ids', 'targets_segment_ids',
 
 @struct.dataclass
 class TrainState:
+    """What a step updates. The optional parts are None when their option is off: a None field
+    holds no array, so such a state flattens, shards and saves exactly as one without the field
+    (t2t/run/checkpoint.py stores only the fields that are set)."""
+
     step: jax.Array  # int32 scalar: updates applied so far
     params: Any
     opt_state: Any
     rng: jax.Array  # uint32 raw key data (of StepConfig.rng_impl): the run's base dropout key
-
-
-@struct.dataclass
-class EmaTrainState(TrainState):
-    """The state of a run with ema_decay > 0. A subclass rather than a None field, so that a run
-    without EMA has exactly the state and checkpoint it had before the EMA existed."""
-
-    ema: Any  # exponential moving average of params, same tree and shardings (optim.update_ema)
-
-
-@struct.dataclass
-class GuardTrainState(TrainState):
-    """The state of a run with divergence guards (spike_skip or rollback_after > 0)."""
-
-    guard: Any  # the recent losses and the skipped-step run (`init_guard`), replicated
-
-
-@struct.dataclass
-class EmaGuardTrainState(EmaTrainState):
-    guard: Any  # as GuardTrainState's
+    ema: Any = None  # ema_decay > 0: the moving average of params, same tree and shardings
+    guard: Any = None  # spike_skip or rollback_after > 0: recent losses, skip run (`init_guard`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,20 +56,28 @@ class StepConfig:
     loss_impl: str = 'plain'  # 'plain' (on the model's logits) or 'fused' (t2t/loss.py)
     z_loss: float = 0.0  # weight of log(Z)^2 in the loss (0: off)
     rng_impl: str = 'threefry'  # dropout key generator: 'threefry', 'rbg' or 'unsafe_rbg'
-    ema_decay: float = 0.0  # > 0: the state's EMA of the params (EmaTrainState) at this decay
+    ema_decay: float = 0.0  # > 0: the state's EMA of the params (TrainState.ema) at this decay
     ema_warmup: bool = False  # the decay of update t is min(ema_decay, (1 + t) / (10 + t))
     clip_grad_norm: float = 0.0  # > 0: the optimizer clips at it; metrics count clipped steps
     spike_skip: float = 0.0  # > 0: skip a step whose loss is over the recent mean + this x std
     guard_window: int = 0  # > 0: the state holds the last this many applied losses (a guard)
 
     def __post_init__(self):
-        if self.rng_impl not in RNG_IMPLS:
-            raise ValueError(f'rng_impl={self.rng_impl!r}; one of {tuple(RNG_IMPLS)}')
-        if not 0 <= self.ema_decay < 1:
-            raise ValueError(f'ema_decay={self.ema_decay!r} must be in [0, 1)')
-        if self.loss_impl not in loss.IMPLS or self.z_loss < 0:
-            raise ValueError(f'loss_impl={self.loss_impl!r} (one of {loss.IMPLS}), '
-                             f'z_loss={self.z_loss!r} (>= 0)')
+        rules = (  # (holds, key, what the key needs), in the order a config is checked
+            (self.loss_chunk_len >= 0, 'loss_chunk_len', 'must be >= 0 (0: one chunk)'),
+            (self.loss_chunk_tokens >= 0, 'loss_chunk_tokens',
+             'must be >= 0 (0: chunks not grown)'),
+            (self.loss_impl in loss.IMPLS, 'loss_impl', f'must be one of {loss.IMPLS}'),
+            (self.z_loss >= 0, 'z_loss', 'must be >= 0 (0: off)'),
+            (self.rng_impl in RNG_IMPLS, 'rng_impl', f'must be one of {tuple(RNG_IMPLS)}'),
+            (0 <= self.label_smoothing < 1, 'label_smoothing', 'must be in [0, 1)'),
+            (0 <= self.ema_decay < 1, 'ema_decay', 'must be in [0, 1)'),
+            (self.grad_accum_steps >= 1, 'grad_accum_steps', 'must be >= 1'),
+            (self.spike_skip >= 0, 'spike_skip', 'must be >= 0 (standard deviations; 0: off)'),
+        )
+        for holds, key, needs in rules:
+            if not holds:
+                raise ValueError(f'{key}={getattr(self, key)!r} {needs}')
 
     @classmethod
     def from_config(cls, config) -> StepConfig:
@@ -159,8 +153,8 @@ def init_state(rng, model_config: TransformerConfig, tx: optax.GradientTransform
                ema: bool = False, guard_window: int = 0) -> TrainState:
     """A fresh state; parameters are boxed with logical axis names (see sharding.init_sharded).
 
-    ema: an EmaTrainState whose average starts at the initial parameters (boxed alike, so it is
-    sharded like them). guard_window > 0: a Guard state (`init_guard`) beside them."""
+    ema: the state's average starts at the initial parameters (boxed alike, so it is sharded
+    like them). guard_window > 0: a guard (`init_guard`) beside them."""
     init_rng, dropout_rng = jax.random.split(rng)
     if rng_impl != 'threefry':  # the same draw seeds the other generator
         seed = jax.random.bits(dropout_rng, (), jnp.uint32)
@@ -168,19 +162,9 @@ def init_state(rng, model_config: TransformerConfig, tx: optax.GradientTransform
     ids = jnp.ones(batch_shape, jnp.int32)
     model = Transformer(model_config.replace(deterministic=True))
     params = model.init(init_rng, ids, ids)['params']
-    fields = dict(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                  rng=dropout_rng)
-    if ema:
-        fields['ema'] = params
-    if guard_window:
-        return (EmaGuardTrainState if ema else GuardTrainState)(
-            **fields, guard=init_guard(guard_window))
-    return EmaTrainState(**fields) if ema else TrainState(**fields)
-
-
-def ema_params(state):
-    """The EMA of the params a state holds (EmaTrainState), else None."""
-    return getattr(state, 'ema', None)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                      rng=dropout_rng, ema=params if ema else None,
+                      guard=init_guard(guard_window) if guard_window else None)
 
 
 def _config_init(config, tx):

@@ -214,6 +214,54 @@ def test_a_checkpoint_of_another_config_is_an_error_not_corruption(tmp_path):
     assert ckpt.all_steps(manager) == [1] and not (tmp_path / 'corrupt').exists()  # not moved
 
 
+# The state classes a run had before train_lib.TrainState took optional fields: one per option.
+@flax.struct.dataclass
+class EmaState(State):
+    ema: dict
+
+
+@flax.struct.dataclass
+class GuardState(State):
+    guard: dict
+
+
+@flax.struct.dataclass
+class EmaGuardState(EmaState):
+    guard: dict
+
+
+@pytest.mark.parametrize('old_class', [State, EmaState, GuardState, EmaGuardState])
+def test_checkpoints_of_the_former_state_classes_restore_into_the_one_train_state(tmp_path,
+                                                                                  old_class):
+    from t2t.train_lib import TrainState, init_guard
+
+    base = make_state(seed=5, step=3)
+    fields = {f: getattr(base, f) for f in ('step', 'params', 'opt_state', 'rng')}
+    extra = {}
+    if 'ema' in old_class.__dataclass_fields__:
+        extra['ema'] = jax.tree.map(lambda x: x + 1, base.params)
+    if 'guard' in old_class.__dataclass_fields__:
+        extra['guard'] = jax.tree.map(lambda x: x + 2, init_guard(4))
+    old = jax.device_get(old_class(**fields, **extra))
+    manager = ckpt.make_manager(tmp_path / 'old', config(), async_=False)
+    ckpt.save(manager, 3, old)
+    new = TrainState(**fields, **extra)  # the fields of an option that is off stay None
+    restored = ckpt.restore(manager, 3, jax.eval_shape(lambda: new))
+    assert type(restored) is TrainState
+    assert (restored.ema is None, restored.guard is None) == ('ema' not in extra,
+                                                              'guard' not in extra)
+    assert_bitwise_equal(restored, new)
+    # The one class writes the layout the former one wrote: the same names, arrays and bits.
+    manager_new = ckpt.make_manager(tmp_path / 'new', config(), async_=False)
+    ckpt.save(manager_new, 3, new)
+    for m in (manager, manager_new):
+        ckpt.close(m)
+    old_meta, new_meta = (checkpoint_read.read_metadata(tmp_path / n) for n in ('old', 'new'))
+    assert old_meta['checksums'] == new_meta['checksums']
+    stored = [checkpoint_read.restore_params(tmp_path / n) for n in ('old', 'new')]
+    assert_bitwise_equal(*stored)
+
+
 def test_a_state_with_nan_is_refused(tmp_path):
     manager = ckpt.make_manager(tmp_path, config(), async_=False)
     state = make_state()

@@ -1,7 +1,6 @@
 """A bad --config.key=value is one line naming the key, before any data or compile (t2t/run/cli.py,
 the rules in t2t/run/config_checks.py)."""
 
-import dataclasses
 import importlib
 import subprocess
 import sys
@@ -11,12 +10,14 @@ import jax
 import pytest
 
 from configs import tiny
-from t2t import inference
+from t2t import inference, model, optim, train_lib
 from t2t.infra import exits
 from t2t.run import cli, config_checks, startup
 
 ROOT = Path(__file__).resolve().parents[1]
-DECODE_FIELDS = {field.name for field in dataclasses.fields(inference.DecodeConfig)}
+# The core's dataclasses of a config: each checks its own fields (the line of a bad one is theirs).
+DATACLASSES = (model.TransformerConfig, train_lib.StepConfig, optim.OptimConfig,
+               inference.DecodeConfig)
 
 
 def _exit_line(fn, *args) -> str:
@@ -79,8 +80,8 @@ BAD_VALUES = [
     ('num_heads', 0, 'num_heads=0 must be >= 1'),  # no ZeroDivisionError from d_model % 0
     ('batch_size', 15, 'batch_size=15 must be a multiple of grad_accum_steps=2',
      {'grad_accum_steps': 2}),
-    ('attention_dropout_rate', 0.1, "attention_dropout_rate=0.1 needs attention_impl=xla or "
-                                    "auto (attention_impl='dot_product' has no dropout on "
+    ('attention_dropout_rate', 0.1, "attention_dropout_rate=0.1 needs attention_impl=xla "
+                                    "(attention_impl='dot_product' has no dropout on "
                                     "attention weights)", {'attention_impl': 'dot_product'}),
     ('position_embedding', 'rope', "position_embedding='rope' needs an even head dimension: "
                                    "d_model=36 / num_heads=4", {'d_model': 36}),
@@ -90,6 +91,12 @@ BAD_VALUES = [
     ('z_loss', -1e-4, 'z_loss=-0.0001 must be >= 0 (0: off)'),
     ('average_fraction', 0.0, 'average_fraction=0.0 must be in (0, 1] (the final part of a run '
                               'whose checkpoints are averaged)'),
+    # the model's, the step's and the optimizer's own checks (their dataclasses'), made at startup
+    ('max_position', 0, 'max_position=0 must be >= 1'),  # before the lengths it bounds
+    ('loss_chunk_len', -1, 'loss_chunk_len=-1 must be >= 0 (0: one chunk)'),
+    ('spike_skip', -1.0, 'spike_skip=-1.0 must be >= 0 (standard deviations; 0: off)'),
+    ('adam_eps', 0.0, 'adam_eps=0.0 must be > 0'),
+    ('clip_grad_norm', -1.0, 'clip_grad_norm=-1.0 must be >= 0 (0: off)'),
     # decoding: inference.DecodeConfig's own check, made once at startup
     ('decode_strategy', 'nucleus',
      "decode_strategy='nucleus' must be one of ('beam', 'greedy', 'sample')"),
@@ -125,10 +132,14 @@ def test_an_invalid_value_is_one_line_naming_the_key_and_what_it_needs(case):
         with pytest.raises(startup.ConfigError) as error:
             startup.check_lengths(config)
         assert str(error.value) == line
-    if key in DECODE_FIELDS and 'max_position' not in line:  # the line is DecodeConfig's own
-        with pytest.raises(ValueError) as error:
-            inference.DecodeConfig.from_config(config)
-        assert str(error.value) == line
+    if config_checks.problem(config, keys=(key,)) is None:  # not the table's: a dataclass's
+        refused = []
+        for cls in DATACLASSES:
+            try:
+                cls.from_config(config)
+            except ValueError as error:
+                refused.append(str(error))
+        assert refused[:1] == [line]
 
 
 def test_every_config_file_passes_and_one_minus_one_in_the_mesh_is_valid():

@@ -58,7 +58,7 @@ def test_rate_zero_and_bad_rates():
     assert dr.dropout(x, 0.0, jax.random.PRNGKey(0)) is x
     with pytest.raises(ValueError, match='not in'):
         dr.keep_threshold(1.0)
-    with pytest.raises(ValueError, match='dropout_rate=1.0 is not in'):
+    with pytest.raises(ValueError, match=r'dropout_rate=1.0 must be in \[0, 1\)'):
         TransformerConfig(vocab_size=8, dropout_rate=1.0)
     with pytest.raises(ValueError, match='attention_dropout_rate=-0.1'):
         TransformerConfig(vocab_size=8, attention_dropout_rate=-0.1)

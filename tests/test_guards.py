@@ -11,6 +11,7 @@ from t2t import data
 from t2t.infra import metrics
 from t2t.run import checkpoint_read, config_checks
 from t2t.train import guards, loop
+from t2t.train.interval import Interval
 from tests import toy_corpus
 from tests.helpers import tiny_config
 from tests.test_numbers import _log, _step_metrics
@@ -55,18 +56,18 @@ def test_the_clipped_fraction_is_over_the_log_interval_also_across_a_resume():
     config = tiny_config(clip_grad_norm=1.0, spike_skip=2.0)
     steps = [dict(_step_metrics(3.0, 10.0), clipped=c, spikes=s)
              for c, s in ((1.0, 0.0), (0.0, 1.0), (1.0, 0.0))]
-    first = loop._Interval()
+    first = Interval()
     first.add(1, steps[0])
     carried = json.loads(json.dumps(first.unlogged()))  # a checkpoint after step 1
     assert (carried['clipped'], carried['window_steps'], carried['spikes']) == (1, 1, 0)
-    resumed = loop._Interval(carried)
+    resumed = Interval(carried)
     resumed.add(2, steps[1])
     resumed.add(3, steps[2])
     logged = _log(resumed, config, 3)
     assert logged['clipped_steps_fraction'] == pytest.approx(2 / 3, rel=1e-12)
     assert logged['spike_skipped_steps'] == 1 and logged['skipped_steps'] == 1
     # Without the options nothing new is summed or logged.
-    plain = loop._Interval()
+    plain = Interval()
     plain.add(1, _step_metrics(3.0, 10.0))
     assert set(plain.unlogged()) == {'loss_sum', 'nll_sum', 'correct_sum', 'tokens', 'nonfinite'}
     assert 'clipped_steps_fraction' not in _log(plain, tiny_config(), 1)

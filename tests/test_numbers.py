@@ -21,7 +21,7 @@ from t2t.ids import EOS_ID, PAD_ID
 from t2t.infra import metrics
 from t2t.model import Transformer, TransformerConfig
 from t2t.run import startup
-from t2t.train import loop
+from t2t.train.interval import Interval, log_train
 from tests.helpers import run_script, tiny_config
 
 # Its module fixtures are computed once: all its tests run on one xdist worker (--dist loadgroup).
@@ -101,11 +101,11 @@ def test_logged_learning_rate_is_the_one_applied_and_skips_do_not_advance_it():
                    - before['decoder_0']['ffn']['wi']['kernel'])
     assert moved.max() == pytest.approx(float(m2['learning_rate']), rel=1e-3)
     # The loop logs the last step's rate, the interval's skips and the total.
-    interval = loop._Interval()
+    interval = Interval()
     interval.add(1, m1)
     interval.add(2, m2)
     writer = metrics.MetricWriter('unused', enabled=False)
-    logged = loop._log_train(writer, interval, config, 2, state, 1.0, (1.0, 1.0), None, 8)
+    logged = log_train(writer, interval, config, 2, state, 1.0, (1.0, 1.0), None, 8)
     assert logged['learning_rate'] == float(m2['learning_rate'])
     assert logged['skipped_steps'] == 1 and logged['skipped_steps_total'] == 1
 
@@ -119,7 +119,7 @@ def _step_metrics(loss_sum, tokens):
 def _log(interval, config, step):
     tx = optim.make_optimizer(config)
     state = types.SimpleNamespace(opt_state=tx.init({'w': jnp.zeros(2)}))
-    return loop._log_train(metrics.MetricWriter('unused', enabled=False), interval, config, step,
+    return log_train(metrics.MetricWriter('unused', enabled=False), interval, config, step,
                            state, 1.0, (1.0, 1.0), None, 1)
 
 
@@ -127,7 +127,7 @@ def test_logged_loss_is_the_intervals_token_mean_and_a_resume_logs_the_same_floa
     config = tiny_config()
     steps = [_step_metrics(0.3 * 10, 10.0), _step_metrics(0.7 * 30, 30.0),
              _step_metrics(0.11 * 11, 11.0)]
-    full = loop._Interval()
+    full = Interval()
     for i, m in enumerate(steps, start=1):
         full.add(i, m)
     assert isinstance(full.sums['loss_sum'], jax.Array)  # summed on the device, not fetched
@@ -139,11 +139,11 @@ def test_logged_loss_is_the_intervals_token_mean_and_a_resume_logs_the_same_floa
     assert logged['perplexity'] == pytest.approx(np.exp(logged['nll']), rel=1e-12)
     assert logged['target_tokens_per_s'] > 0 and logged['grad_norm'] == 1.5
     # A checkpoint after step 1 carries its sums (as JSON); the resumed interval adds the rest.
-    first = loop._Interval()
+    first = Interval()
     first.add(1, steps[0])
     carried = json.loads(json.dumps(first.unlogged()))
     assert carried['tokens'] == 10 and isinstance(carried['tokens'], int)
-    resumed = loop._Interval(carried)
+    resumed = Interval(carried)
     resumed.add(2, steps[1])
     resumed.add(3, steps[2])
     again = _log(resumed, config, 3)
@@ -173,12 +173,12 @@ def test_mfu_counts_real_tokens_and_labels_the_padded_figure():
     per_step = 4 * 12 * sum(per_token)  # 4 rows x 12 slots per side, as if all were real
     m = {'loss_sum': 1.0, 'nll_sum': 1.0, 'correct_sum': 1.0, 'nonfinite': 0.0,
          'grad_norm': 1.0, 'learning_rate': 1e-3}
-    interval = loop._Interval()
+    interval = Interval()
     for step, (src, tgt) in enumerate([(30.0, 20.0), (10.0, 36.0)], start=1):
         interval.add(step, dict(m, source_tokens=src, tokens=tgt))
     tx = optim.make_optimizer(config)
     state = types.SimpleNamespace(opt_state=tx.init({'w': jnp.zeros(2)}))
-    logged = loop._log_train(metrics.MetricWriter('unused', enabled=False), interval, config, 2,
+    logged = log_train(metrics.MetricWriter('unused', enabled=False), interval, config, 2,
                              state, per_step, per_token, 1e12, 2)
     real = (40.0 * per_token[0] + 56.0 * per_token[1]) / 2
     assert logged['mfu_real_tokens'] / logged['mfu_padded_slots'] == pytest.approx(

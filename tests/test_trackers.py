@@ -11,6 +11,7 @@ import struct
 import jax
 import pytest
 
+from t2t.eval import evaluation
 from t2t.infra import metrics, trackers
 from t2t.run import config_checks
 from t2t.train import loop
@@ -58,7 +59,7 @@ def test_wandb_offline_and_trackio_receive_the_same_scalars(tmp_path, monkeypatc
     corpus = toy_corpus.make_corpus(tmp_path, train=200)
     config = tiny_config(corpus, trackers=('tensorboard', 'wandb', 'trackio'), **SETTINGS)
     workdir = tmp_path / 'run'
-    monkeypatch.setattr(loop, '_make_bleu_eval', lambda *args: lambda params: {})
+    monkeypatch.setattr(evaluation, 'make_bleu_eval', lambda *args: lambda params: {})
     assert loop.train_and_evaluate(config, str(workdir), devices=jax.devices()[:1]).step == 4
     logged = metrics.read_jsonl(workdir)
     assert [r['step'] for r in logged] == [2, 4] and 'loss' in logged[0]

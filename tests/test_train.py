@@ -13,10 +13,12 @@ import pytest
 import sacrebleu
 
 from t2t import optim, sharding, train_lib
+from t2t.eval import evaluation
 from t2t.infra import metrics
 from t2t.loss import label_smoothed_cross_entropy
 from t2t.run import checkpoint, checkpoint_read, startup
 from t2t.train import loop
+from t2t.train.interval import Interval
 from tests import toy_corpus
 from tests.helpers import tiny_config
 
@@ -139,7 +141,7 @@ def test_nonfinite_loss_stops_with_the_step_or_is_skipped():
     assert float(m['nonfinite']) == 1.0 and int(after_state.step) == 1
     np.testing.assert_array_equal(jax.device_get(after_state.params)['encoder_0']['ffn']['wi']
                                   ['kernel'], before['encoder_0']['ffn']['wi']['kernel'])
-    interval = loop._Interval()
+    interval = Interval()
     interval.add(7, m)
     with pytest.raises(loop.NonFiniteLossError, match='step 7'):
         interval.drain(skip_nonfinite=False)
@@ -239,7 +241,7 @@ def test_train_leaves_checkpoints_events_and_metrics(corpus, tmp_path):
     hypotheses = translate(state.params)
     mixed = [h if i % 2 and h else r for i, (h, r) in enumerate(zip(hypotheses, references,
                                                                     strict=True))]
-    scores = loop._make_bleu_eval(config, model_config, tokenizer, dataclasses.replace(
+    scores = evaluation.make_bleu_eval(config, model_config, tokenizer, dataclasses.replace(
         split, references=mixed + split.references[10:]), mesh)(state.params)
     assert scores['eval_chrf'] == sacrebleu.CHRF().corpus_score(hypotheses, [mixed]).score > 10
     assert scores['eval_bleu'] == sacrebleu.corpus_bleu(hypotheses, [mixed]).score

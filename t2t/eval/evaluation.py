@@ -29,6 +29,7 @@ process 0 prints and writes files. Checkpoints of any mesh or process count eval
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable
@@ -80,6 +81,47 @@ def merge_json(path, label: str, record: dict) -> None:
     wd.update(path, add)
 
 
+def translate_and_score(predict, params, batches, tokenizer, eval_split, *, lang: str,
+                        progress: bool = False, mesh=None, choose=None):
+    """(translations, hypotheses, scores) of `batches`, the examples of `eval_split` in order,
+    decoded on the devices of `mesh` and scored against its references (bleu.score_all). An
+    example skipped as too long counts as an empty hypothesis: evaluate.py's reports and the
+    BLEU of training (`make_bleu_eval`) are the same numbers."""
+    result = translate_batches(predict, params, batches, tokenizer, len(eval_split.references),
+                               progress=progress, mesh=mesh, choose=choose)
+    missing = {i for i, h in enumerate(result.hypotheses) if h is None}
+    if missing != set(eval_split.skipped):
+        raise RuntimeError(f'{len(missing)} examples were not decoded but '
+                           f'{len(eval_split.skipped)} were skipped')
+    hypotheses = [h or '' for h in result.hypotheses]
+    return result, hypotheses, bleu.score_all(hypotheses, eval_split.references, lang=lang)
+
+
+def make_bleu_eval(config, model_config, tokenizer, eval_data, mesh):
+    """The BLEU of training: a function params -> {'eval_bleu', 'eval_chrf'} on the first
+    eval_bleu_sentences of `eval_data`, or None (eval_bleu_sentences=0).
+
+    The sentences are decoded on every device of the mesh (each its own rows) and gathered back
+    in order on every process.
+    """
+    if config.eval_bleu_sentences <= 0:
+        return None
+    predict = inference.config_predict_fn(config, model_config, num_valid_ids=tokenizer.vocab_size,
+                                          mesh=mesh)
+    n = min(config.eval_bleu_sentences, len(eval_data.references))
+    head = dataclasses.replace(
+        eval_data, sources=eval_data.sources[:n], references=eval_data.references[:n],
+        inputs=eval_data.inputs[:n], targets=eval_data.targets[:n],
+        skipped=tuple(i for i in eval_data.skipped if i < n))
+
+    def run(params):
+        _, _, scores = translate_and_score(predict, params, head.batches(config.eval_batch_size),
+                                           tokenizer, head, lang=config.target_lang, mesh=mesh)
+        return {'eval_bleu': scores['sacrebleu'], 'eval_chrf': scores['chrf']}
+
+    return run
+
+
 def evaluate_params(config, params, tokenizer, eval_split, *, split: str, label: str,
                     steps: list[int], workdir, progress: bool = True,
                     echo: Callable[[str], None] = print, mesh=None,
@@ -103,20 +145,15 @@ def evaluate_params(config, params, tokenizer, eval_split, *, split: str, label:
     batches = eval_split.batches(config.eval_batch_size)
     if constraints is not None:
         batches = constraints.batches(batches)
-    result = translate_batches(predict, params, batches, tokenizer, n, progress=progress,
-                               mesh=mesh, choose=mbr.choose if mbr else None)
-    missing = {i for i, h in enumerate(result.hypotheses) if h is None}
-    if missing != set(eval_split.skipped):
-        raise RuntimeError(f'{len(missing)} examples were not decoded but '
-                           f'{len(eval_split.skipped)} were skipped')
-    hypotheses = [h or '' for h in result.hypotheses]
+    result, hypotheses, scores = translate_and_score(
+        predict, params, batches, tokenizer, eval_split, lang=config.target_lang,
+        progress=progress, mesh=mesh, choose=mbr.choose if mbr else None)
 
     hyp_path = wd.path(workdir, f'hypotheses-{_split_tag(split)}-{label}.txt')
     ref_path = wd.path(workdir, f'references-{_split_tag(split)}.txt')  # for sacrebleu's tests
     if jax.process_index() == 0:
         _write_lines(hyp_path, hypotheses)
         _write_lines(ref_path, eval_split.references)
-    scores = bleu.score_all(hypotheses, eval_split.references, lang=config.target_lang)
     record = {
         **scores,
         'steps': steps,
@@ -164,7 +201,7 @@ def evaluate_params(config, params, tokenizer, eval_split, *, split: str, label:
              f'accuracy {c["term_accuracy"]:.2f}%); best hypotheses without all their phrases\' '
              f'tokens (none with them fit the length limit): '
              f'{c["hypotheses_lacking_a_phrase_token_level"]}')
-    shown = [i for i in range(n) if i not in missing][:NUM_SHOWN]
+    shown = [i for i in range(n) if i not in set(eval_split.skipped)][:NUM_SHOWN]
     for i in shown:
         echo(f'  source     [{i}] {eval_split.sources[i]}')
         echo(f'  reference  [{i}] {eval_split.references[i]}')

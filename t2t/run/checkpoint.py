@@ -258,7 +258,7 @@ def save(manager: Manager, step: int, state, data_iter=None, force: bool = False
     }
     if data_iter is not None:
         meta[ITERATOR_KEY] = data_iter.get_state()
-    items = {STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)}
+    items = {STATE: ocp.args.StandardSave(_stored(state)), META: ocp.args.JsonSave(meta)}
     try:
         saved = mgr.save(step, args=ocp.args.Composite(**items), force=force)
     except Exception as e:  # e.g. the disk filled while the step directory was created
@@ -266,6 +266,16 @@ def save(manager: Manager, step: int, state, data_iter=None, force: bool = False
     if saved:
         manager.pending.append(step)
     return saved
+
+
+def _stored(state):
+    """The tree a checkpoint holds of `state`: a train state's fields that are set. A None field
+    (an option that is off: train_lib.TrainState) is not written: the checkpoint of a run
+    without EMA or guards has the layout it had before the state had such fields."""
+    if not dataclasses.is_dataclass(state):
+        return state
+    fields = (f.name for f in dataclasses.fields(state))
+    return {name: getattr(state, name) for name in fields if getattr(state, name) is not None}
 
 
 def _check_fits(mgr: ocp.CheckpointManager, step: int, abstract_state, step_dir) -> None:
@@ -316,18 +326,22 @@ def restore(manager: Manager, step: int | None, abstract_state, data_iter=None,
     step = resolve_step(mgr, step)
     step_dir = step_path(mgr, step)
     _check_fits(mgr, step, abstract_state, step_dir)
-    items = {STATE: ocp.args.StandardRestore(abstract_state), META: ocp.args.JsonRestore()}
+    items = {STATE: ocp.args.StandardRestore(_stored(abstract_state)),
+             META: ocp.args.JsonRestore()}
     try:
         restored = mgr.restore(step, args=ocp.args.Composite(**items))
     except Exception as e:  # orbax / tensorstore raise many types; name the step either way
         raise unreadable(step_dir, e) from e
     meta = restored[META] or {}
-    verify(meta.get('checksums'), restored[STATE], step_dir)
+    state = restored[STATE]
+    if dataclasses.is_dataclass(abstract_state):
+        state = dataclasses.replace(abstract_state, **state)
+    verify(meta.get('checksums'), state, step_dir)
     if data_iter is not None:
         if ITERATOR_KEY not in meta:
             raise CheckpointError(f'checkpoint {step_dir} holds no data iterator state')
         data_iter.set_state(meta[ITERATOR_KEY])
-    return (restored[STATE], meta) if with_metadata else restored[STATE]
+    return (state, meta) if with_metadata else state
 
 
 def quarantine(manager: Manager, step: int) -> epath.Path:

@@ -1,21 +1,19 @@
-"""The values each config key must have: one table, checked before any data is read or compiled.
+"""The values each config key must have, checked before any data is read or compiled.
 
-A rule is (key, the test its value must pass, what the key needs). The first rule a config breaks
-is one line naming the key, its value and what it needs:
+The first value a config gets wrong is one line naming the key, its value and what it needs:
 
     warmup_steps=0 must be >= 1 (the steps the learning rate rises over)
     max_len=300 exceeds max_position=256 (--config.max_len or --config.max_position)
 
-`cli.check_values` prints it for every entry point (train.py, evaluate.py, sweep.py, t2t.data,
-t2t.export); `startup.check_lengths` raises it for the library's own callers. After the table,
-`problem` makes the core's dataclasses of the config once, whose own checks hold the rules of
-their keys: inference.DecodeConfig (every decoding key) and train_lib.StepConfig (with
-TransformerConfig); their ValueError is already the one line. The library keeps checks for
-callers that build its objects directly (decode.beam_search, sharding.resolve_mesh_shape): the
-choices they accept are read from them here, and the table answers first, so no entry point
-rewords their messages. Whether the mesh fits the devices needs the devices: startup.make_mesh,
-before data.
-"""
+Every rule lives once. The keys of the core's frozen dataclasses are checked by the dataclasses
+themselves when `problem` makes them from the config: model.TransformerConfig, train_lib.StepConfig,
+optim.OptimConfig and inference.DecodeConfig (their ValueError is already the one line). The
+table below holds the rest: keys no dataclass has (data, loop, checkpoints, storage, trackers,
+the mesh), values only a config has (attention_impl='auto') and rules between keys of different
+objects (max_len against max_position); it answers first. `cli.check_values` prints the line for
+every entry point (train.py, evaluate.py, sweep.py, t2t.data, t2t.export);
+`startup.check_lengths` raises the length rules for the library's own callers. Whether the mesh
+fits the devices needs the devices: startup.make_mesh, before data."""
 
 from __future__ import annotations
 
@@ -23,7 +21,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from t2t import attention_choice, inference, loss, model_config, sharding, train_lib
+from t2t import attention_choice, inference, optim, sharding, train_lib
 from t2t.data import hf, mixture, sources
 from t2t.data.tokenizer import MIN_VOCAB_SIZE
 from t2t.infra import trackers, uploads
@@ -48,10 +46,6 @@ class Rule:
 
 def _at_least(least) -> Callable:
     return lambda v, c: v >= least
-
-
-def _in_unit(v, c) -> bool:
-    return 0 <= v < 1
 
 
 def _one_of(choices) -> tuple[Callable, str]:
@@ -88,7 +82,7 @@ def _cudnn_problem(config) -> str | None:
     return attention_choice.cudnn_problem(config, attention_choice.HOPPER)
 
 
-GE1, GE0, UNIT = 'must be >= 1', 'must be >= 0', 'must be in [0, 1)'
+GE1, GE0 = 'must be >= 1', 'must be >= 0'
 
 
 def _data_rules() -> list[Rule]:
@@ -127,65 +121,27 @@ def _data_rules() -> list[Rule]:
 
 
 def _model_rules() -> list[Rule]:
-    """The model: lengths, sizes, dropout, kernels, dtype and the loss."""
+    """The lengths the config asks of the model, and its kernel (values the config alone has:
+    'auto', resolved for the devices). The model's own fields: TransformerConfig's checks."""
     return [
-        # model
-        Rule('max_position', _at_least(1), GE1),
-        # (max_decode_len >= 1: inference.DecodeConfig)
         *(Rule(key, _at_least(1), GE1) for key in ('max_len', 'max_eval_len')),
         # Longer sequences would read positions beyond the table (the model refuses them at
         # trace time too: model.Embedder); checked for rotary positions as well, so that a
         # config is valid or not whatever its position_embedding.
-        *(Rule(key, lambda v, c: v <= c.max_position,
+        *(Rule(key, lambda v, c: c.max_position < 1 or v <= c.max_position,
                f'exceeds max_position={{c.max_position}} (--config.{key} or '
                '--config.max_position)') for key in LENGTH_KEYS),
-        Rule('d_model', _at_least(1), GE1),
-        Rule('d_ff', _at_least(1), GE1),
-        Rule('num_heads', _at_least(1), GE1),
-        Rule('d_model', lambda v, c: c.num_heads < 1 or v % c.num_heads == 0,
-             'must be divisible by num_heads={c.num_heads}'),
-        Rule('num_encoder_layers', _at_least(1), GE1),
-        Rule('num_decoder_layers', _at_least(1), GE1),
-        Rule('dropout_rate', _in_unit, UNIT),
-        Rule('attention_dropout_rate', _in_unit, UNIT),
-        Rule('relu_dropout_rate', _in_unit, UNIT),
-        Rule('position_embedding', *_one_of(model_config._POSITIONS)),
-        Rule('position_embedding', lambda v, c: v != 'rope' or c.num_heads < 1
-             or c.d_model // c.num_heads % 2 == 0,
-             'needs an even head dimension: d_model={c.d_model} / num_heads={c.num_heads}'),
         Rule('attention_impl', *_one_of(attention_choice.IMPLS)),
         # cuDNN's conditions that no GPU meets; the device's own (platform, head dim on older
         # GPUs) are checked once the devices are known (cli.check_platform)
         Rule('attention_impl', lambda v, c: v != 'cudnn' or _cudnn_problem(c) is None,
              _Why(lambda c: f'cannot run: {_cudnn_problem(c)} (use auto or xla)')),
-        Rule('softmax_residual', *_one_of(model_config.SOFTMAX_RESIDUALS)),
-        Rule('attention_dropout_rate', lambda v, c: v == 0 or c.attention_impl in ('xla', 'auto'),
-             'needs attention_impl=xla or auto (attention_impl={c.attention_impl!r} has no '
-             'dropout on attention weights)'),
-        Rule('remat', *_one_of(tuple(model_config.REMAT_POLICIES))),
-        Rule('dtype', *_one_of(tuple(model_config._DTYPES))),
-        Rule('loss_chunk_len', _at_least(0), 'must be >= 0 (0: one chunk)'),
-        Rule('loss_chunk_tokens', _at_least(0), 'must be >= 0 (0: chunks not grown)'),
-        Rule('loss_impl', *_one_of(loss.IMPLS)),
-        Rule('z_loss', _at_least(0), 'must be >= 0 (0: off)'),
-        Rule('rng_impl', *_one_of(tuple(train_lib.RNG_IMPLS))),
     ]
 
 
 def _optim_rules() -> list[Rule]:
-    """The optimizer and the schedule."""
+    """The batch and the length of training (the optimizer's own keys: optim.OptimConfig's)."""
     return [
-        # optimization
-        Rule('learning_rate_scale', lambda v, c: v > 0, 'must be > 0'),
-        Rule('warmup_steps', _at_least(1), 'must be >= 1 (the steps the learning rate rises over)'),
-        Rule('adam_b1', _in_unit, UNIT),
-        Rule('adam_b2', _in_unit, UNIT),
-        Rule('adam_eps', lambda v, c: v > 0, 'must be > 0'),
-        Rule('weight_decay', _at_least(0), GE0),
-        Rule('clip_grad_norm', _at_least(0), 'must be >= 0 (0: off)'),
-        Rule('label_smoothing', _in_unit, UNIT),
-        Rule('ema_decay', _in_unit, UNIT),
-        Rule('grad_accum_steps', _at_least(1), GE1),
         Rule('batch_size', lambda v, c: c.grad_accum_steps < 1 or v % c.grad_accum_steps == 0,
              'must be a multiple of grad_accum_steps={c.grad_accum_steps}'),
         Rule('num_train_steps', _at_least(1), GE1),
@@ -206,8 +162,7 @@ def _run_rules() -> list[Rule]:
              'a run whose checkpoints are averaged)'),
         Rule('num_eval_batches', lambda v, c: v >= 1 or v == -1, 'must be >= 1, or -1 for all'),
         Rule('eval_bleu_sentences', _at_least(0), 'must be >= 0 (0: no BLEU during training)'),
-        # divergence guards
-        Rule('spike_skip', _at_least(0), 'must be >= 0 (standard deviations; 0: off)'),
+        # divergence guards (spike_skip: train_lib.StepConfig's)
         Rule('spike_window', _at_least(2), 'must be >= 2 (steps whose loss spread spike_skip '
              'measures)'),
         Rule('rollback_after', _at_least(0), 'must be >= 0 (0: off)'),
@@ -234,7 +189,6 @@ def _run_rules() -> list[Rule]:
         Rule('trackers', lambda v, c: trackers.problem(v) is None,
              _Why(lambda c: trackers.problem(c.trackers))),
         Rule('wandb_mode', *_one_of(trackers.WANDB_MODES)),
-        # decoding: inference.DecodeConfig's own check (`problem`)
         # devices
         Rule('mesh_shape', lambda v, c: _mesh(v, c, allow_rest=True),
              f'must be {len(sharding.MESH_AXES)} sizes ({axes}), each >= 1 or one -1 (the devices '
@@ -266,7 +220,8 @@ def problem(config, keys=None) -> str | None:
             # start its backends before jax.distributed (cli.check_platform resolves it).
             config = config.copy_and_resolve_references()
             config.attention_impl = 'xla'
-        for make in (inference.DecodeConfig.from_config, train_lib.StepConfig.from_config):
+        for make in (train_lib.StepConfig.from_config, optim.OptimConfig.from_config,
+                     inference.DecodeConfig.from_config):
             try:
                 make(config)
             except ValueError as e:
