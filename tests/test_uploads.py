@@ -160,6 +160,9 @@ class _Writer:
     def unwritten(self):
         return self.behind
 
+    def unwritten_records(self):
+        return len(self.behind)
+
 
 @pytest.fixture
 def saver_parts(monkeypatch):
@@ -204,9 +207,9 @@ def test_a_save_the_storage_refuses_is_retried_in_the_background_while_training_
     # A preemption now: the pending save is not reported saved; one line says what is not.
     writer.behind = {'gs://b/run/metrics.jsonl': 12}
     assert saver.finish(_state(4), ended=True, preempted=True) is False
-    assert lines[-1] == ('not yet in storage after 0 s: checkpoint 3, 12 bytes of metrics '
-                         '(metrics.jsonl), redone from the checkpoint; the last checkpoint in '
-                         'storage is none'), lines
+    assert lines[-1] == ('not yet in storage after 0 s: checkpoint 3, 1 metric record in 12 '
+                         'bytes (metrics.jsonl), redone from the checkpoint; the last checkpoint '
+                         'in storage is none'), lines
     # The storage answers again: checkpoint 3 is saved from the host copy of step 3's state;
     # the next due save waits for it, never two in flight.
     fake.down, writer.behind = False, {}

@@ -162,6 +162,11 @@ class MetricWriter:
         """{object: bytes kept and not yet in the bucket}."""
         return {} if self._uploader is None else self._uploader.unwritten()
 
+    def unwritten_records(self) -> int:
+        """The records of metrics.jsonl kept and not yet in the bucket."""
+        return 0 if self._uploader is None else \
+            self._uploader.unwritten_lines(self.logdir / JSONL_NAME)
+
     def close(self, limit_s: float = 0.0, quiet: bool = False, upload: bool = True) -> None:
         """Closes the files; in a bucket, waits up to limit_s (at least the storage layer's
         retries) for the records not yet written (then workdir.StorageError naming them).

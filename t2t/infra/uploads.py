@@ -191,6 +191,13 @@ class Uploader:
         with self._cond:
             return {p: f.pending for p, f in self._files.items() if f.pending}
 
+    def unwritten_lines(self, path) -> int:
+        """The lines among `path`'s bytes kept and not yet written (a JSON-lines file's
+        records)."""
+        with self._cond:
+            f = self._files.get(str(path))
+            return f.content[len(f.content) - f.pending:].count(b'\n') if f else 0
+
     def wait(self, seconds: float, mark: dict[str, int] | None = None) -> bool:
         """Waits up to `seconds` for every byte (given a `mark`: every byte added before it) to
         be written: True when it is."""
