@@ -19,7 +19,9 @@ every write fails, is shorter too.
 """
 
 import json
+import os
 import re
+import signal
 import time
 
 import pytest
@@ -57,13 +59,20 @@ def _finish(proc, logs):
 
 
 def _wait_for_line(proc, logs, pattern: str, timeout_s: float) -> None:
+    """Until `pattern` is a line of LOGS.out (LOGS.err is shown when proc ends first)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        with open(f'{logs}.out') as f:
-            if re.search(pattern, f.read(), re.M):
-                return
-        assert proc.poll() is None and time.monotonic() < deadline, open(f'{logs}.err').read()
+        if os.path.exists(f'{logs}.out'):
+            with open(f'{logs}.out') as f:
+                if re.search(pattern, f.read(), re.M):
+                    return
+        assert proc.poll() is None and time.monotonic() < deadline, _text(f'{logs}.err')[-3000:]
         time.sleep(0.01)
+
+
+def _text(path) -> str:
+    with open(path, 'rb') as f:
+        return f.read().decode(errors='replace')
 
 
 def _steps_once(workdir, steps=STEPS) -> None:
@@ -76,8 +85,13 @@ def _steps_once(workdir, steps=STEPS) -> None:
     assert sorted(losses) == list(range(1, steps + 1)), losses
 
 
-def test_faults_an_outage_and_one_past_the_limit(tmp_path):
-    data_dir = str(tmp_path / 'data')
+@pytest.fixture(scope='module')
+def data_dir(tmp_path_factory):
+    """The prepared data every run of the module shares (the first run prepares it)."""
+    return str(tmp_path_factory.mktemp('bucket-faults') / 'data')
+
+
+def test_faults_an_outage_and_one_past_the_limit(tmp_path, data_dir):
     with gcs_server.serve() as url:
         # Prepares the data and compiles first; keeps every checkpoint to compare with, and trains
         # on to where the outage run is resumed to.
@@ -187,3 +201,97 @@ def test_faults_an_outage_and_one_past_the_limit(tmp_path):
         finally:
             for front in fronts.values():
                 front.stop()
+
+
+PROCESSES, DEVICES = 2, 2  # as the chaos run: collectives within a process and across the two
+
+
+def test_two_processes_agree_on_a_save_retried_through_an_outage(tmp_path, data_dir):
+    """The outage run on 2 processes (scripts/launch_local.py, 2 CPU devices each): checkpoint 6
+    is due in the outage and retried in the background, every move agreed by both processes,
+    while both train on (steps 6-11 in the outage); checkpoint 12 waits for it; exit 0, each
+    step's record once and in order, checkpoints 6 and 12 bitwise equal to an uninterrupted
+    2-process run's (begun first, beside it)."""
+    every = [f'--config.checkpoint_every_steps={OUTAGE_EVERY}']
+    with gcs_server.serve() as url, \
+            chaos_run.launch(str(tmp_path / 'reference'), str(tmp_path / 'reference-logs'), STEPS,
+                             data_dir, *every, processes=PROCESSES,
+                             devices=DEVICES) as reference:
+        front = fault_front.start(url, seed=4)
+        workdir = gcs_server.make_bucket(url, 'two') + '/run'
+        logs, process_0 = tmp_path / 'logs', tmp_path / 'logs' / 'attempt-0-process-0'
+        try:
+            _wait_for_line(reference, tmp_path / 'reference-logs' / 'attempt-0-process-0',
+                           r'^step 1 \|', 300)
+            # Past the launcher's hang guard: checkpoint 12 waits silently for the outage's end.
+            with chaos_run.launch(workdir, str(logs), STEPS, data_dir, *every,
+                                  processes=PROCESSES, devices=DEVICES, hang_timeout_s=300,
+                                  env={**os.environ, **gcs_server.environment(front.url),
+                                       'T2T_STORAGE_RETRY_S': f'{RETRY_S:g}'}) as run:
+                _wait_for_line(run, process_0, r'^step 5 \|', 300)
+                front.outage(OUTAGE_S)
+                _wait_for_line(run, process_0, r'^step 11 \|', OUTAGE_S)
+                assert front.in_outage()  # trained through the outage: the loop did not wait
+                assert run.wait(timeout=600) == 0, _text(logs / 'launcher.err')[-3000:]
+            assert reference.wait(timeout=600) == 0
+        finally:
+            front.stop()
+        print(f'two processes: front {front.counts}')  # pytest -rP shows it
+        out = _text(f'{process_0}.out')
+        for i in range(PROCESSES):
+            err = _text(logs / f'attempt-0-process-{i}.err')
+            assert 'Traceback' not in err and 'watchdog:' not in err, err[-3000:]
+        assert front.counts['outage_503'] > 5, front.counts
+        assert re.search(r'^saving checkpoint 6 .*; it is saved in the background for up to '
+                         r'\d+ s \(storage_outage_limit_s\), training goes on$', out, re.M), out
+        assert re.search(r'^checkpoint 12 is due while checkpoint 6 is still being saved', out,
+                         re.M), out
+        assert re.search(r'^checkpoint 6 saved after \d+ s of storage failures$', out, re.M), out
+        _steps_once(workdir)
+        for step in (OUTAGE_EVERY, STEPS):
+            assert chaos_run.params_differ(str(tmp_path / 'reference'), workdir, step) == [], step
+
+
+def test_a_sigterm_in_an_outage_says_what_is_not_in_storage_and_a_restart_redoes_it_once(
+        tmp_path, data_dir):
+    """A run's bucket goes down at checkpoint 6's first request; at step 8 or later, with that
+    save pending and the records since held, a SIGTERM: the run waits PREEMPTION_GRACE_S for
+    them, says in one line what is not in storage (both checkpoints, the metric records and
+    their bytes) and the last checkpoint that is (3), and exits 0 without a traceback.
+    Restarted once the bucket is back, it resumes from checkpoint 3 and ends with each step's
+    record once and in order: the records after checkpoint 3 that reached the bucket before the
+    outage are removed and written again by the resumed run, the held ones were never written."""
+    with gcs_server.serve() as url:
+        front = fault_front.start(url, seed=5)
+        workdir = gcs_server.make_bucket(url, 'sigterm') + '/run'
+        front.outage(600, when=r'/checkpoints/6')
+        try:
+            run = _train(tmp_path / 'run', workdir, data_dir,
+                         {**gcs_server.environment(front.url),
+                          'T2T_STORAGE_RETRY_S': f'{RETRY_S:g}'})
+            _wait_for_line(run, tmp_path / 'run', r'^step 8 \|', 300)
+            assert front.in_outage()
+            run.send_signal(signal.SIGTERM)
+            began = time.monotonic()
+            status, out, err = _finish(run, tmp_path / 'run')
+            took = time.monotonic() - began
+        finally:
+            front.stop()
+        print(f'sigterm: exit {status} {took:.0f} s after the signal; front {front.counts}')
+        assert status == 0 and 'Traceback' not in err, err[-3000:]
+        said = [line for line in (out + err).splitlines() if 'not yet in storage' in line]
+        assert len(said) == 1, (said, err[-3000:])
+        match = re.fullmatch(r'not yet in storage after \d+ s: checkpoint 6, checkpoint (\d+), '
+                             r'(\d+) metric records in \d+ bytes \(events\.out\.tfevents\.\S+, '
+                             r'metrics\.jsonl\), redone from the checkpoint; the last checkpoint '
+                             r'in storage is step 3', said[0])
+        assert match, said
+        stopped, held = int(match.group(1)), int(match.group(2))
+        assert stopped >= 8 and held >= stopped - 6, said  # steps 7.. at least
+        assert re.search(rf'^finished at step {stopped} \(preemption\)', out, re.M), out
+        assert took < 60, took  # the grace, the writers' few seconds, no storage retries
+        resumed = _train(tmp_path / 'resumed', workdir, data_dir, gcs_server.environment(url))
+        status, out, err = _finish(resumed, tmp_path / 'resumed')
+        assert status == 0, err[-3000:]
+        assert re.search(r'^resuming from checkpoint 3 in ', out, re.M), out
+        _steps_once(workdir)

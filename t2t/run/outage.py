@@ -283,6 +283,11 @@ class Saver:
 
     def _start_save(self, state) -> None:
         """A try (every process, the loop's thread): orbax's save begins; its wait is a _Try."""
+        if self._tries:  # orbax raises a failed save's error once in every thread that waits:
+            try:  # here too, though its _Try has said it (the save's thread has ended)
+                self.manager.manager.wait_until_finished()
+            except Exception:  # noqa: BLE001 - known: the try failed
+                pass
         self._tries += 1
         try:
             started = checkpoint.save(self.manager, self.pending, state, force=True,
