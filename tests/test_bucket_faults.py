@@ -29,6 +29,7 @@ import pytest
 from t2t.goodput import report as goodput_report
 from t2t.infra import exits, metrics
 from t2t.infra import workdir as wd
+from t2t.run import outage
 from tests import chaos_run, fault_front, gcs_server
 from tests.helpers import start_script
 
@@ -281,17 +282,50 @@ def test_a_sigterm_in_an_outage_says_what_is_not_in_storage_and_a_restart_redoes
         assert status == 0 and 'Traceback' not in err, err[-3000:]
         said = [line for line in (out + err).splitlines() if 'not yet in storage' in line]
         assert len(said) == 1, (said, err[-3000:])
-        match = re.fullmatch(r'not yet in storage after \d+ s: checkpoint 6, checkpoint (\d+), '
+        match = re.fullmatch(r'not yet in storage after (\d+) s: checkpoint 6, checkpoint (\d+), '
                              r'(\d+) metric records in \d+ bytes \(events\.out\.tfevents\.\S+, '
-                             r'metrics\.jsonl\), redone from the checkpoint; the last checkpoint '
-                             r'in storage is step 3', said[0])
+                             r'metrics\.jsonl\), redone from the checkpoint(, \d+ bytes of the '
+                             r'goodput ledger)?; the last checkpoint in storage is step 3', said[0])
         assert match, said
-        stopped, held = int(match.group(1)), int(match.group(2))
+        waited, stopped, held = map(int, match.group(1, 2, 3))
+        assert abs(waited - outage.PREEMPTION_GRACE_S) <= 2, said  # the grace, spent waiting
         assert stopped >= 8 and held >= stopped - 6, said  # steps 7.. at least
         assert re.search(rf'^finished at step {stopped} \(preemption\)', out, re.M), out
-        assert took < 60, took  # the grace, the writers' few seconds, no storage retries
+        assert re.search(r'^goodput: no report \(HttpError: .*: the workdir\'s storage is failing',
+                         out, re.M), out  # not read: its retries would outlast a preemption
+        # The grace, the ledger's WRITE_WAIT_S and the exit: no storage retries waited out.
+        assert took < outage.PREEMPTION_GRACE_S + 20, took
         resumed = _train(tmp_path / 'resumed', workdir, data_dir, gcs_server.environment(url))
         status, out, err = _finish(resumed, tmp_path / 'resumed')
         assert status == 0, err[-3000:]
         assert re.search(r'^resuming from checkpoint 3 in ', out, re.M), out
         _steps_once(workdir)
+
+
+BAD_SETTINGS = {  # the issue's must-show: each a one-line error (t2t/run/config_checks.py)
+    'storage_queue_mb=0': 'storage_queue_mb=0.0 must be > 0',
+    'storage_queue_mb=-1': 'storage_queue_mb=-1.0 must be > 0',
+    f'storage_outage_limit_s={RETRY_S:g}': f'storage_outage_limit_s={RETRY_S:g} must be 0 (not '
+                                          'retried) or >= 8 s, the longest wait between two tries',
+}
+
+
+def test_bad_storage_settings_are_one_line_before_the_bucket_is_touched(tmp_path, data_dir):
+    """A write queue of no bytes, or an outage limit below the longest wait between two tries:
+    train.py says so in one line and exits 1, no request sent to the bucket."""
+    with gcs_server.serve() as url:
+        front = fault_front.start(url, seed=6)
+        workdir = gcs_server.make_bucket(url, 'bad') + '/run'
+        try:
+            runs = {setting: _train(tmp_path / str(k), workdir, data_dir,
+                                    gcs_server.environment(front.url), f'--config.{setting}')
+                    for k, setting in enumerate(BAD_SETTINGS)}
+            results = {setting: _finish(proc, tmp_path / str(k))
+                       for k, (setting, proc) in enumerate(runs.items())}
+        finally:
+            front.stop()
+        for setting, (status, _, err) in results.items():
+            assert status == 1, (setting, err[-3000:])
+            assert len(err.strip().splitlines()) == 1, (setting, err)
+            assert err.startswith(f'train.py: {BAD_SETTINGS[setting]}'), (setting, err)
+        assert front.counts['requests'] == 0, front.counts

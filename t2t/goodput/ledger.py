@@ -310,7 +310,9 @@ class Ledger:
             _active = None
         if self._appender is not None:
             wait_s = self.close_wait_s(outcome)
-            if not self._appender.close(wait_s):
+            # Preempted in an outage: the run's one line named what is not in storage, this too.
+            said = outcome == 'preemption' and uploads.QUEUE.down() is not None
+            if not self._appender.close(wait_s) and not said:
                 logging.warning('goodput: the last records of %s were not written in %.0f s; '
                                 'its report ends this attempt where its records do, as killed',
                                 self.path, wait_s)

@@ -45,6 +45,7 @@ class Queue:
         self.last_durable = lambda: None  # callable: the newest checkpoint step in storage
         self._cond = threading.Condition()
         self._failing = {}  # uploader -> (since, error, path) while its writes fail
+        self._abandoned = None  # the same, of the last uploader closed with writes left
         self.reset_stats()
 
     def configure(self, max_bytes: int, limit_s: float, on_wait=None, last_durable=None) -> None:
@@ -52,6 +53,7 @@ class Queue:
         with self._cond:
             self.max_bytes, self.limit_s, self.on_wait = max_bytes, limit_s, on_wait
             self.last_durable = last_durable or (lambda: None)
+            self._abandoned = None
             self._cond.notify_all()
 
     def reset_stats(self) -> None:
@@ -76,10 +78,12 @@ class Queue:
             self.write_s += wrote_s
             self._cond.notify_all()
 
-    def _set_failing(self, uploader, failure) -> None:
+    def _set_failing(self, uploader, failure, abandoned: bool = False) -> None:
         with self._cond:
             if failure is None:
-                self._failing.pop(uploader, None)
+                failed = self._failing.pop(uploader, None)
+                if abandoned and failed is not None:
+                    self._abandoned = failed
             else:
                 self._failing.setdefault(uploader, failure)
             self._cond.notify_all()
@@ -88,6 +92,12 @@ class Queue:
         """(since, error, path) of the longest-failing writer, or None."""
         with self._cond:
             return min(self._failing.values(), key=lambda f: f[0], default=None)
+
+    def down(self):
+        """(since, error, path) of a writer failing now, or of the last one closed with writes
+        left unwritten while failing (since `configure`); None: the storage is not known down."""
+        with self._cond:
+            return self.failing() or self._abandoned
 
     def check(self) -> None:
         """Raises workdir.StorageError when a writer has failed longer than limit_s."""
@@ -277,7 +287,7 @@ class Uploader:
             self.queue._change(-sum(f.pending for f in self._files.values()), dropped=True)
             for f in self._files.values():
                 f.pending = 0
-        self.queue._set_failing(self, None)
+        self.queue._set_failing(self, None, abandoned=not written)
         return written
 
 

@@ -232,7 +232,7 @@ class Saver:
         self._try = None  # this process's part of the try under way
         self._save_args = None  # the last synchronous save's, for `finish`
         self._step = None
-        self._deadline = None  # a preempted run's end of grace (process 0's clock)
+        self._deadline = self._grace_began = None  # a preempted run's grace (one for all)
 
     def check(self) -> None:
         """One round while a save is pending (every process calls it at every step): raises the
@@ -397,6 +397,7 @@ class Saver:
     def _grace_from(self, now: float) -> None:
         """A preempted run's grace (one for its last saves and records) begins, once."""
         if self._deadline is None:
+            self._grace_began = now
             self._deadline = now + min(PREEMPTION_GRACE_S, self.limit_s)
 
     def finish(self, state, ended: bool, preempted: bool) -> bool:
@@ -426,21 +427,26 @@ class Saver:
         unwritten = self.writer.unwritten() if preempted or not saved else {}
         if saved and not unwritten:
             return True
-        line = self._not_durable(time.monotonic() - began, unwritten, saved)
+        line = self._not_durable(time.monotonic() - (self._grace_began if preempted else began),
+                                 unwritten, saved)
         if preempted or not ended:
             self._say(line)
             return saved
         raise wd.StorageError(line)
 
     def _not_durable(self, seconds: float, unwritten: dict, saved: bool) -> str:
-        """The one line of what is not yet in storage at the end of a run."""
+        """The one line of what is not yet in storage at the end of a run (a preempted one:
+        seconds since its grace began): the checkpoints, the metric records, and the rest of the
+        write queue (the goodput ledger's records, which its `end` does not name again)."""
         steps = [s for s in (self.pending, self.skipped) if s is not None and not saved]
         records = self.writer.unwritten_records() if unwritten else 0
         files = ', '.join(sorted(p.rsplit('/', 1)[-1] for p in unwritten))
+        ledger = uploads.QUEUE.pending - sum(unwritten.values())
         return (f'not yet in storage after {seconds:.0f} s: '
                 + ', '.join([f'checkpoint {s}' for s in steps]
                             + ([f'{records} metric record{"s" if records != 1 else ""} in '
                                 f'{sum(unwritten.values())} bytes ({files}), redone from the '
-                                'checkpoint'] if unwritten else []))
+                                'checkpoint'] if unwritten else [])
+                            + ([f'{ledger} bytes of the goodput ledger'] if ledger > 0 else []))
                 + '; the last checkpoint in storage is '
                 + (f'step {self.durable}' if self.durable is not None else 'none'))
