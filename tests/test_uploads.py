@@ -168,6 +168,7 @@ class _Writer:
 @pytest.fixture
 def saver_parts(monkeypatch):
     fake = _Checkpoints()
+    monkeypatch.setattr(uploads, 'QUEUE', uploads.Queue())  # the saver's say in it: this test's
     for name in ('save', 'wait', 'remove_unfinished'):
         monkeypatch.setattr(checkpoint, name, getattr(fake, name))
     monkeypatch.setattr(checkpoint, 'latest_step', lambda m: fake.finished[-1]

@@ -183,7 +183,7 @@ class MetricWriter:
                 self._stage_events()
                 # the storage layer's retries at least (limit 0: a write is not retried further);
                 # quiet, a moment while the storage answers, none once it fails
-                wait_s = 0.0 if not upload or (quiet and self._uploader.behind) else \
+                wait_s = 0.0 if not upload or (quiet and uploads.QUEUE.down()) else \
                     5.0 if quiet else max(limit_s, wd.RETRY_BUDGET_S)
                 began = time.monotonic()
                 left = self._uploader.unwritten()

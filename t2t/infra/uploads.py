@@ -46,6 +46,7 @@ class Queue:
         self._cond = threading.Condition()
         self._failing = {}  # uploader -> (since, error, path) while its writes fail
         self._abandoned = None  # the same, of the last uploader closed with writes left
+        self._down = {}  # owner -> (since, error, path): other writes failing (a checkpoint's)
         self.reset_stats()
 
     def configure(self, max_bytes: int, limit_s: float, on_wait=None, last_durable=None) -> None:
@@ -53,7 +54,7 @@ class Queue:
         with self._cond:
             self.max_bytes, self.limit_s, self.on_wait = max_bytes, limit_s, on_wait
             self.last_durable = last_durable or (lambda: None)
-            self._abandoned = None
+            self._abandoned, self._down = None, {}
             self._cond.notify_all()
 
     def reset_stats(self) -> None:
@@ -94,10 +95,21 @@ class Queue:
             return min(self._failing.values(), key=lambda f: f[0], default=None)
 
     def down(self):
-        """(since, error, path) of a writer failing now, or of the last one closed with writes
-        left unwritten while failing (since `configure`); None: the storage is not known down."""
+        """(since, error, path) of a writer failing now, of other writes said to (`set_down`),
+        or of the last writer closed with writes left unwritten while failing (since
+        `configure`); None: the storage is not known to be down."""
         with self._cond:
-            return self.failing() or self._abandoned
+            return self.failing() or min(self._down.values(), key=lambda f: f[0],
+                                         default=None) or self._abandoned
+
+    def set_down(self, owner, failure) -> None:
+        """Writes of `owner` outside the queue (a checkpoint's save) fail since (since, error,
+        path), or work again (None): `down` only, no limit of the queue's."""
+        with self._cond:
+            if failure is None:
+                self._down.pop(owner, None)
+            else:
+                self._down.setdefault(owner, failure)
 
     def check(self) -> None:
         """Raises workdir.StorageError when a writer has failed longer than limit_s."""

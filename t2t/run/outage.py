@@ -357,16 +357,21 @@ class Saver:
                   f'up to {self.limit_s:.0f} s (storage_outage_limit_s), training goes on')
 
     def _failed(self, error: BaseException | None) -> None:
-        """A try failed (error: this process's, None: another's): the next after a back-off."""
+        """A try failed (error: this process's, None: another's): the next after a back-off.
+        The write queue knows the storage is down meanwhile (uploads.Queue.down)."""
         self._error = error or self._error
         if not self._failing:
             self._slow_road(f'failed ({_why(error)})')
+        uploads.QUEUE.set_down(self, (self._since, wd.transient_cause(self._error) or
+                                      RuntimeError('on another process'),
+                                      str(self.manager.directory / str(self.pending))))
         self._next_try = time.monotonic() + self._delay
         self._delay = min(2 * self._delay, MAX_DELAY_S)
 
     def _saved(self) -> None:
         step, self.pending, self._copy = self.pending, None, None
         self.durable = step
+        uploads.QUEUE.set_down(self, None)
         if self._failing:
             self._say(f'checkpoint {step} saved after {time.monotonic() - self._since:.0f} s of '
                       'storage failures')
