@@ -305,7 +305,7 @@ def test_a_sigterm_in_an_outage_says_what_is_not_in_storage_and_a_restart_redoes
 BAD_SETTINGS = {  # the must-show: each a one-line error (t2t/run/config_checks.py)
     'storage_queue_mb=0': 'storage_queue_mb=0.0 must be > 0',
     'storage_queue_mb=-1': 'storage_queue_mb=-1.0 must be > 0',
-    f'storage_outage_limit_s={RETRY_S:g}': f'storage_outage_limit_s={RETRY_S:g} must be 0 (not '
+    f'storage_outage_limit_s={RETRY_S:g}': f'storage_outage_limit_s={RETRY_S} must be 0 (not '
                                           'retried) or >= 8 s, the longest wait between two tries',
 }
 

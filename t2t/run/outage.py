@@ -34,6 +34,7 @@ from t2t.run import checkpoint
 MAX_DELAY_S = uploads.BACKOFF_MAX_S
 FLUSH_WAIT_S = 2.0  # a due save waits this long for the metrics before it takes the slow road
 PREEMPTION_GRACE_S = 20.0  # what a SIGTERM leaves for durable writes before the process goes
+ERROR_WAIT_S = 5.0  # what a run ending on an error leaves its pending save
 
 
 def _discard_unfinished(manager: checkpoint.Manager, steps) -> None:
@@ -192,6 +193,10 @@ class _Try:
         except BaseException as e:  # noqa: BLE001 - read by the loop's next round
             self.error = e
 
+    def join(self, seconds: float) -> None:
+        if self._thread is not None:
+            self._thread.join(seconds)
+
     def state(self) -> int:
         if self._thread is not None and self._thread.is_alive():
             return RUNNING
@@ -234,6 +239,9 @@ class Saver:
         self._step = None
         self._deadline = self._grace_began = None  # a preempted run's grace (one for all)
 
+    def _grace(self) -> float:
+        return min(PREEMPTION_GRACE_S, self.limit_s)
+
     def check(self) -> None:
         """One round while a save is pending (every process calls it at every step): raises the
         error that ended it (a StorageError past the limit)."""
@@ -251,7 +259,7 @@ class Saver:
             if self._failing and not preempted:
                 self._say(f'checkpoint {step} is due while checkpoint {self.pending} is still '
                           'being saved through a storage outage: training waits for it')
-            if not self._wait(preempted):
+            if not self._wait(self._grace() if preempted else None):
                 self.skipped = step
                 return
         mgr = self.manager.manager
@@ -386,31 +394,28 @@ class Saver:
             f'saving checkpoint {self.manager.directory / str(self.pending)}', self._since,
             error, self.limit_s, self.durable)
 
-    def _wait(self, preempted: bool) -> bool:
-        """Rounds until the pending save is in storage: True. preempted: False once process 0's
-        grace (PREEMPTION_GRACE_S from the first preempted wait) is spent first."""
-        if preempted:
-            self._grace_from(time.monotonic())
+    def _wait(self, grace_s: float | None = None) -> bool:
+        """Rounds until the pending save is in storage: True. grace_s: False once process 0's
+        grace is spent first (it begins at the first wait given one: a preempted run has one
+        grace for its last saves and records)."""
+        if grace_s is not None and self._deadline is None:
+            self._grace_began = time.monotonic()
+            self._deadline = self._grace_began + grace_s
         self._grace_spent = False
         while self.pending is not None:
-            if preempted and self._grace_spent:
+            if grace_s is not None and self._grace_spent:
                 return False
             time.sleep(ROUND_S)
             self._decide()
         return True
 
-    def _grace_from(self, now: float) -> None:
-        """A preempted run's grace (one for its last saves and records) begins, once."""
-        if self._deadline is None:
-            self._grace_began = now
-            self._deadline = now + min(PREEMPTION_GRACE_S, self.limit_s)
-
     def finish(self, state, ended: bool, preempted: bool) -> bool:
         """At the end of the run: waits for the last save (when the run ended well, until it is
         saved or the limit ends it; when preempted, what is left of PREEMPTION_GRACE_S for it
-        and the metrics; on an error, not at all: the processes may be apart). What is then
-        still not in storage is said in one line (an error when the run ended well). False when
-        a save is still under way (the manager is not to be closed: the process ends)."""
+        and the metrics; on an error, ERROR_WAIT_S, and on several processes with no round, as
+        they may be apart). What is then still not in storage is said in one line (an error
+        when the run ended well). False when a save is still under way (the manager is not to
+        be closed: the process ends)."""
         if not self.background:
             if ended and self._save_args is not None:
                 wait(self.manager, self._step, state, self.limit_s, self._say,
@@ -419,10 +424,15 @@ class Saver:
                 checkpoint.wait(self.manager)
             return True
         began = time.monotonic()
-        if preempted:
-            self._grace_from(began)
         try:
-            saved = self._wait(preempted) if ended or preempted else self.pending is None
+            if ended or preempted:
+                saved = self._wait(self._grace() if preempted else None)
+            elif distributed.process_count() == 1:
+                saved = self._wait(ERROR_WAIT_S)
+            else:
+                if self._try is not None:
+                    self._try.join(ERROR_WAIT_S)
+                saved = self.pending is None
         except BaseException:
             if ended:
                 raise
@@ -432,8 +442,8 @@ class Saver:
         unwritten = self.writer.unwritten() if preempted or not saved else {}
         if saved and not unwritten:
             return True
-        line = self._not_durable(time.monotonic() - (self._grace_began if preempted else began),
-                                 unwritten, saved)
+        line = self._not_durable(
+            time.monotonic() - (self._grace_began if preempted else began), unwritten, saved)
         if preempted or not ended:
             self._say(line)
             return saved
