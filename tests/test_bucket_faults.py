@@ -16,6 +16,15 @@ The last two retry each read and write for RETRY_S instead of workdir.RETRY_BUDG
 (T2T_STORAGE_RETRY_S), so an outage outlasts the storage clients' retries (gcsfs's six tries
 take about 31-36 s) sooner: 60 s, not the 90 s the minute needs; the limit run's exit, whose
 every write fails, is shorter too.
+
+Then, one at a time: the outage run on 2 processes beside an uninterrupted 2-process run (every
+move of the retried save agreed by both); a SIGTERM in an outage (one line of what is not in
+storage, exit 0, the restart redoing the rest once); and the bad settings the issue names (one
+line each, exit 1, before any request to the bucket). The issue's must-show list (49), item by
+item: exit 0, every step's metrics once and in order, the checkpoints after the outage readable
+and bitwise equal, a resume from the last one bitwise equal, steps trained during the outage > 0
+(steps 6-11 while the front is still in its outage), and the bad settings, are asserted here;
+goodput with and without the outage, and the queue's peak memory, are bench/bucket_outage.py's.
 """
 
 import json

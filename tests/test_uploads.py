@@ -4,7 +4,8 @@ line and its wait booked; a storage down past the limit is one error naming the 
 durable checkpoint; files are written in the order first given, each byte once. Then the
 checkpoint saver (t2t/run/outage.py) with orbax's save stood in for: a refused save is retried in
 the background from its host copy while the loop goes on, is never reported saved while pending,
-and ends the run past the limit."""
+and ends the run past the limit; on several processes (the second stood in for by its rows) every
+move is taken by all, from this process's host copy of its shards."""
 
 import errno
 import re
