@@ -1,17 +1,20 @@
 """What a bucket outage costs a run: the same train.py run with and without one, goodput and all.
 
     python bench/bucket_outage.py [--steps=1500] [--outage_s=90] [--outage_at_s=20]
-        [--log_every=10] [--checkpoint_every=500] [--data_dir=DIR]
+        [--log_every=10] [--checkpoint_every=500] [--small_queue_mb=0.05] [--data_dir=DIR]
 
 Each run trains configs/tiny.py with its workdir in a bucket on the local Cloud Storage server
-(tests/gcs_server.py) behind the fault-injecting front (tests/fault_front.py); in the second,
-every request is answered 503 for --outage_s seconds from --outage_at_s seconds after the first
-step line. Per run: exit status, wall time, the goodput report's goodput and its largest badputs,
-storage backpressure (the loop's waits for room in the write queue), the background writes and
-the write queue's peak (the memory the queue held), and the steps trained while the outage lasted
-(step lines timed as they arrive); the goodput table after each run, one RESULT line of JSON per
-run at the end. A run shorter than --outage_at_s + --outage_s of training ends inside the outage
-and waits for it at its last save (a checkpoint is not reported saved before it is in storage).
+(tests/gcs_server.py) behind the fault-injecting front (tests/fault_front.py); in the second and
+the third, every request is answered 503 for --outage_s seconds from --outage_at_s seconds after
+the first step line. The third keeps only --small_queue_mb of writes (storage_queue_mb; 0: not
+run): its queue fills during the outage and the loop waits for room (storage backpressure).
+Per run: exit status, wall time, the goodput report's goodput and its largest badputs, storage
+backpressure (the loop's waits for room in the write queue) and the run's own lines about it,
+the background writes and the write queue's peak (the memory the queue held), and the steps
+trained while the outage lasted (step lines timed as they arrive); the goodput table after each
+run, one RESULT line of JSON per run at the end. A run shorter than --outage_at_s + --outage_s of
+training ends inside the outage and waits for it at its last save (a checkpoint is not reported
+saved before it is in storage).
 """
 
 from __future__ import annotations
@@ -41,11 +44,14 @@ def _args(argv=None):
     p.add_argument('--outage_at_s', type=float, default=20.0)
     p.add_argument('--log_every', type=int, default=10)
     p.add_argument('--checkpoint_every', type=int, default=500)
+    p.add_argument('--small_queue_mb', type=float, default=0.05,
+                   help='the third run\'s storage_queue_mb (0: no third run)')
     p.add_argument('--data_dir', default=None, help='prepared data (default: a new temp dir)')
     return p.parse_args(argv)
 
 
-def _run(args, url: str, bucket: str, data_dir: str, outage: bool) -> dict:
+def _run(args, url: str, bucket: str, data_dir: str, outage: bool,
+         queue_mb: float | None = None) -> dict:
     front = fault_front.start(url, seed=0)
     workdir = gcs_server.make_bucket(url, bucket) + '/run'
     command = [sys.executable, 'train.py', '--config=configs/tiny.py', f'--workdir={workdir}',
@@ -53,7 +59,8 @@ def _run(args, url: str, bucket: str, data_dir: str, outage: bool) -> dict:
                f'--config.log_every_steps={args.log_every}',
                f'--config.checkpoint_every_steps={args.checkpoint_every}',
                f'--config.eval_every_steps={args.steps}', '--config.eval_bleu_sentences=0',
-               '--config.num_eval_batches=1']
+               '--config.num_eval_batches=1',
+               *([f'--config.storage_queue_mb={queue_mb:g}'] if queue_mb else [])]
     env = {**os.environ, **gcs_server.environment(front.url), 'PYTHONPATH': ROOT}
     began = time.monotonic()
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -84,7 +91,8 @@ def _run(args, url: str, bucket: str, data_dir: str, outage: bool) -> dict:
     r = goodput_report.report(workdir)
     if r is not None:
         print(goodput_report.format_report(r), flush=True)
-    result = {'outage_s': args.outage_s if outage else 0, 'exit': proc.returncode,
+    result = {'outage_s': args.outage_s if outage else 0, 'storage_queue_mb': queue_mb,
+              'exit': proc.returncode,
               'wall_s': round(wall, 1), 'steps': args.steps,
               'steps_trained_during_outage': during,
               'goodput': r and round(r['goodput'], 4),
@@ -93,6 +101,8 @@ def _run(args, url: str, bucket: str, data_dir: str, outage: bool) -> dict:
               'checkpoint_s': r and round(r['seconds']['checkpoint'], 2),
               'logging_s': r and round(r['seconds']['logging'], 3),
               'background_writes': r and r['background_writes'],
+              'backpressure_lines': [line.strip() for line in err
+                                     if line.startswith('storage: ')],
               'front': front.counts,
               'stderr_tail': ''.join(err[-6:]).strip()[-1500:]}
     return result
@@ -108,10 +118,12 @@ def main(argv=None) -> None:
     data_dir = args.data_dir or tempfile.mkdtemp(prefix='t2t-bench-data-')
     results = []
     with gcs_server.serve() as url:
-        for outage in (False, True):
-            print(f'run {"with a " + str(args.outage_s) + " s outage" if outage else "without"}',
-                  flush=True)
-            results.append(_run(args, url, f'bench-{int(outage)}', data_dir, outage))
+        runs = [(False, None), (True, None)] + ([(True, args.small_queue_mb)]
+                                                 if args.small_queue_mb > 0 else [])
+        for k, (outage, queue_mb) in enumerate(runs):
+            print(f'run {"with a " + str(args.outage_s) + " s outage" if outage else "without"}'
+                  + (f', storage_queue_mb={queue_mb:g}' if queue_mb else ''), flush=True)
+            results.append(_run(args, url, f'bench-{k}', data_dir, outage, queue_mb))
     for r in results:
         print('RESULT ' + json.dumps(r), flush=True)
 

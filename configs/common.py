@@ -163,10 +163,9 @@ def base_config() -> ml_collections.ConfigDict:
     # nothing else ends such a job; well above a cold compile or a full BLEU pass (0 = off).
     c.hang_timeout_s = 1800.0
     # A checkpoint save or metrics write failing on transient storage errors (a bucket's 503s,
-    # resets) is retried this long, in the background while training goes on (one process;
-    # training waits on several), before the run ends with exit 5 (0: not retried; else at least
-    # the longest wait between two tries, 8 s). Regional storage incidents outlast the clients'
-    # own half-minute retries.
+    # resets) is retried this long, in the background while training goes on, before the run
+    # ends with exit 5 (0: not retried; else at least the longest wait between two tries, 8 s).
+    # Regional storage incidents outlast the clients' own half-minute retries.
     c.storage_outage_limit_s = 1800.0
     # The bytes of metrics, events and ledger records a process keeps for a bucket that does not
     # answer (docs/goodput.md); training waits only while this much is waiting.

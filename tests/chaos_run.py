@@ -10,6 +10,7 @@ result with an uninterrupted run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -99,37 +100,51 @@ def _apply(fault: dict, k: int, logs: str, processes: int, launcher, deadline) -
     return {**fault, 'attempt': k, 'last_step': int(steps_seen[-1]) if steps_seen else None}
 
 
+@contextlib.contextmanager
+def launch(workdir: str, logs: str, steps: int, data_dir: str, *extra: str, processes: int = 2,
+           devices: int = 4, max_restarts: int = 0, hang_timeout_s: float = 45.0,
+           startup_hang_timeout_s: float | None = None, env: dict | None = None):
+    """The launcher training tiny (train_flags, then `extra` flags for train.py) on `processes`
+    processes, started: its Popen, its stdout and stderr in LOGS/launcher.out and .err (the
+    processes' in LOGS/attempt-K-process-I.*). Left running when the block ends: killed."""
+    os.makedirs(logs, exist_ok=True)
+    argv = [sys.executable, LAUNCHER, f'--processes={processes}',
+            f'--devices_per_process={devices}', f'--max_restarts={max_restarts}',
+            f'--hang_timeout_s={hang_timeout_s}',
+            *([f'--startup_hang_timeout_s={startup_hang_timeout_s}']
+              if startup_hang_timeout_s is not None else []), '--config=configs/tiny.py',
+            f'--workdir={workdir}', f'--logs={logs}', '--', *train_flags(steps, data_dir),
+            *extra]
+    with open(os.path.join(logs, 'launcher.out'), 'wb') as out, \
+            open(os.path.join(logs, 'launcher.err'), 'wb') as err:
+        launcher = subprocess.Popen(argv, cwd=ROOT, env=env or os.environ, stdout=out,
+                                    stderr=err)
+        try:
+            yield launcher
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()  # its processes die with it (the launcher sets PDEATHSIG)
+                launcher.wait()
+
+
 def run(workdir: str, logs: str, steps: int, data_dir: str, faults: list[dict], *,
         processes: int = 2, devices: int = 4, hang_timeout_s: float = 45.0,
         startup_hang_timeout_s: float | None = None, max_restarts: int | None = None,
         env: dict | None = None, timeout_s: float = 900.0):
     """Runs the launcher with `faults` applied; returns a dict of what happened."""
-    os.makedirs(logs, exist_ok=True)
-    argv = [sys.executable, LAUNCHER, f'--processes={processes}',
-            f'--devices_per_process={devices}',
-            f'--max_restarts={len(faults) + 2 if max_restarts is None else max_restarts}',
-            f'--hang_timeout_s={hang_timeout_s}',
-            *([f'--startup_hang_timeout_s={startup_hang_timeout_s}']
-              if startup_hang_timeout_s is not None else []), '--config=configs/tiny.py',
-            f'--workdir={workdir}', f'--logs={logs}', '--', *train_flags(steps, data_dir)]
     start = time.monotonic()
     deadline = start + timeout_s
-    with open(os.path.join(logs, 'launcher.out'), 'wb') as out, \
-            open(os.path.join(logs, 'launcher.err'), 'wb') as err:
-        launcher = subprocess.Popen(argv, cwd=ROOT, env=env or os.environ, stdout=out,
-                                    stderr=err)
+    with launch(workdir, logs, steps, data_dir, processes=processes, devices=devices,
+                max_restarts=len(faults) + 2 if max_restarts is None else max_restarts,
+                hang_timeout_s=hang_timeout_s, startup_hang_timeout_s=startup_hang_timeout_s,
+                env=env) as launcher:
         applied = []
-        try:
-            for k, fault in enumerate(faults):
-                done = _apply(fault, k, logs, processes, launcher, deadline)
-                if done is None:
-                    break  # the launcher ended, or the attempt ended by itself
-                applied.append({**done, 'at_s': round(time.monotonic() - start, 1)})
-            status = launcher.wait(timeout=max(1.0, deadline - time.monotonic()))
-        finally:
-            if launcher.poll() is None:
-                launcher.kill()  # its processes die with it (the launcher sets PDEATHSIG)
-                launcher.wait()
+        for k, fault in enumerate(faults):
+            done = _apply(fault, k, logs, processes, launcher, deadline)
+            if done is None:
+                break  # the launcher ended, or the attempt ended by itself
+            applied.append({**done, 'at_s': round(time.monotonic() - start, 1)})
+        status = launcher.wait(timeout=max(1.0, deadline - time.monotonic()))
     wall_s = time.monotonic() - start
     attempts = 0
     while _attempt_pids(logs, attempts) is not None:

@@ -16,10 +16,21 @@ The last two retry each read and write for RETRY_S instead of workdir.RETRY_BUDG
 (T2T_STORAGE_RETRY_S), so an outage outlasts the storage clients' retries (gcsfs's six tries
 take about 31-36 s) sooner: 60 s, not the 90 s the minute needs; the limit run's exit, whose
 every write fails, is shorter too.
+
+Then, one at a time: the outage run on 2 processes beside an uninterrupted 2-process run (every
+move of the retried save agreed by both); a SIGTERM in an outage (one line of what is not in
+storage, exit 0, the restart redoing the rest once); and the bad settings the issue names (one
+line each, exit 1, before any request to the bucket). The issue's must-show list (49), item by
+item: exit 0, every step's metrics once and in order, the checkpoints after the outage readable
+and bitwise equal, a resume from the last one bitwise equal, steps trained during the outage > 0
+(steps 6-11 while the front is still in its outage), and the bad settings, are asserted here;
+goodput with and without the outage, and the queue's peak memory, are bench/bucket_outage.py's.
 """
 
 import json
+import os
 import re
+import signal
 import time
 
 import pytest
@@ -27,6 +38,7 @@ import pytest
 from t2t.goodput import report as goodput_report
 from t2t.infra import exits, metrics
 from t2t.infra import workdir as wd
+from t2t.run import outage
 from tests import chaos_run, fault_front, gcs_server
 from tests.helpers import start_script
 
@@ -57,13 +69,20 @@ def _finish(proc, logs):
 
 
 def _wait_for_line(proc, logs, pattern: str, timeout_s: float) -> None:
+    """Until `pattern` is a line of LOGS.out (LOGS.err is shown when proc ends first)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        with open(f'{logs}.out') as f:
-            if re.search(pattern, f.read(), re.M):
-                return
-        assert proc.poll() is None and time.monotonic() < deadline, open(f'{logs}.err').read()
+        if os.path.exists(f'{logs}.out'):
+            with open(f'{logs}.out') as f:
+                if re.search(pattern, f.read(), re.M):
+                    return
+        assert proc.poll() is None and time.monotonic() < deadline, _text(f'{logs}.err')[-3000:]
         time.sleep(0.01)
+
+
+def _text(path) -> str:
+    with open(path, 'rb') as f:
+        return f.read().decode(errors='replace')
 
 
 def _steps_once(workdir, steps=STEPS) -> None:
@@ -76,8 +95,13 @@ def _steps_once(workdir, steps=STEPS) -> None:
     assert sorted(losses) == list(range(1, steps + 1)), losses
 
 
-def test_faults_an_outage_and_one_past_the_limit(tmp_path):
-    data_dir = str(tmp_path / 'data')
+@pytest.fixture(scope='module')
+def data_dir(tmp_path_factory):
+    """The prepared data every run of the module shares (the first run prepares it)."""
+    return str(tmp_path_factory.mktemp('bucket-faults') / 'data')
+
+
+def test_faults_an_outage_and_one_past_the_limit(tmp_path, data_dir):
     with gcs_server.serve() as url:
         # Prepares the data and compiles first; keeps every checkpoint to compare with, and trains
         # on to where the outage run is resumed to.
@@ -187,3 +211,130 @@ def test_faults_an_outage_and_one_past_the_limit(tmp_path):
         finally:
             for front in fronts.values():
                 front.stop()
+
+
+PROCESSES, DEVICES = 2, 2  # as the chaos run: collectives within a process and across the two
+
+
+def test_two_processes_agree_on_a_save_retried_through_an_outage(tmp_path, data_dir):
+    """The outage run on 2 processes (scripts/launch_local.py, 2 CPU devices each): checkpoint 6
+    is due in the outage and retried in the background, every move agreed by both processes,
+    while both train on (steps 6-11 in the outage); checkpoint 12 waits for it; exit 0, each
+    step's record once and in order, checkpoints 6 and 12 bitwise equal to an uninterrupted
+    2-process run's (begun first, beside it)."""
+    every = [f'--config.checkpoint_every_steps={OUTAGE_EVERY}']
+    with gcs_server.serve() as url, \
+            chaos_run.launch(str(tmp_path / 'reference'), str(tmp_path / 'reference-logs'), STEPS,
+                             data_dir, *every, processes=PROCESSES,
+                             devices=DEVICES) as reference:
+        front = fault_front.start(url, seed=4)
+        workdir = gcs_server.make_bucket(url, 'two') + '/run'
+        logs, process_0 = tmp_path / 'logs', tmp_path / 'logs' / 'attempt-0-process-0'
+        try:
+            _wait_for_line(reference, tmp_path / 'reference-logs' / 'attempt-0-process-0',
+                           r'^step 1 \|', 300)
+            # Past the launcher's hang guard: checkpoint 12 waits silently for the outage's end.
+            with chaos_run.launch(workdir, str(logs), STEPS, data_dir, *every,
+                                  processes=PROCESSES, devices=DEVICES, hang_timeout_s=300,
+                                  env={**os.environ, **gcs_server.environment(front.url),
+                                       'T2T_STORAGE_RETRY_S': f'{RETRY_S:g}'}) as run:
+                _wait_for_line(run, process_0, r'^step 5 \|', 300)
+                front.outage(OUTAGE_S)
+                _wait_for_line(run, process_0, r'^step 11 \|', OUTAGE_S)
+                assert front.in_outage()  # trained through the outage: the loop did not wait
+                assert run.wait(timeout=600) == 0, _text(logs / 'launcher.err')[-3000:]
+            assert reference.wait(timeout=600) == 0
+        finally:
+            front.stop()
+        print(f'two processes: front {front.counts}')  # pytest -rP shows it
+        out = _text(f'{process_0}.out')
+        for i in range(PROCESSES):
+            err = _text(logs / f'attempt-0-process-{i}.err')
+            assert 'Traceback' not in err and 'watchdog:' not in err, err[-3000:]
+        assert front.counts['outage_503'] > 5, front.counts
+        assert re.search(r'^saving checkpoint 6 .*; it is saved in the background for up to '
+                         r'\d+ s \(storage_outage_limit_s\), training goes on$', out, re.M), out
+        assert re.search(r'^checkpoint 12 is due while checkpoint 6 is still being saved', out,
+                         re.M), out
+        assert re.search(r'^checkpoint 6 saved after \d+ s of storage failures$', out, re.M), out
+        _steps_once(workdir)
+        for step in (OUTAGE_EVERY, STEPS):
+            assert chaos_run.params_differ(str(tmp_path / 'reference'), workdir, step) == [], step
+
+
+def test_a_sigterm_in_an_outage_says_what_is_not_in_storage_and_a_restart_redoes_it_once(
+        tmp_path, data_dir):
+    """A run's bucket goes down at checkpoint 6's first request; at step 8 or later, with that
+    save pending and the records since held, a SIGTERM: the run waits PREEMPTION_GRACE_S for
+    them, says in one line what is not in storage (both checkpoints, the metric records and
+    their bytes) and the last checkpoint that is (3), and exits 0 without a traceback.
+    Restarted once the bucket is back, it resumes from checkpoint 3 and ends with each step's
+    record once and in order: the records after checkpoint 3 that reached the bucket before the
+    outage are removed and written again by the resumed run, the held ones were never written."""
+    with gcs_server.serve() as url:
+        front = fault_front.start(url, seed=5)
+        workdir = gcs_server.make_bucket(url, 'sigterm') + '/run'
+        front.outage(600, when=r'/checkpoints/6')
+        try:
+            run = _train(tmp_path / 'run', workdir, data_dir,
+                         {**gcs_server.environment(front.url),
+                          'T2T_STORAGE_RETRY_S': f'{RETRY_S:g}'})
+            _wait_for_line(run, tmp_path / 'run', r'^step 8 \|', 300)
+            assert front.in_outage()
+            run.send_signal(signal.SIGTERM)
+            began = time.monotonic()
+            status, out, err = _finish(run, tmp_path / 'run')
+            took = time.monotonic() - began
+        finally:
+            front.stop()
+        print(f'sigterm: exit {status} {took:.0f} s after the signal; front {front.counts}')
+        assert status == 0 and 'Traceback' not in err, err[-3000:]
+        said = [line for line in (out + err).splitlines() if 'not yet in storage' in line]
+        assert len(said) == 1, (said, err[-3000:])
+        match = re.fullmatch(r'not yet in storage after (\d+) s: checkpoint 6, checkpoint (\d+), '
+                             r'(\d+) metric records in \d+ bytes \(events\.out\.tfevents\.\S+, '
+                             r'metrics\.jsonl\), redone from the checkpoint(, \d+ bytes of the '
+                             r'goodput ledger)?; the last checkpoint in storage is step 3', said[0])
+        assert match, said
+        waited, stopped, held = map(int, match.group(1, 2, 3))
+        assert abs(waited - outage.PREEMPTION_GRACE_S) <= 2, said  # the grace, spent waiting
+        assert stopped >= 8 and held >= stopped - 6, said  # steps 7.. at least
+        assert re.search(rf'^finished at step {stopped} \(preemption\)', out, re.M), out
+        assert re.search(r'^goodput: no report \(HttpError: .*: the workdir\'s storage is failing',
+                         out, re.M), out  # not read: its retries would outlast a preemption
+        # The grace, the ledger's WRITE_WAIT_S and the exit: no storage retries waited out.
+        assert took < outage.PREEMPTION_GRACE_S + 20, took
+        resumed = _train(tmp_path / 'resumed', workdir, data_dir, gcs_server.environment(url))
+        status, out, err = _finish(resumed, tmp_path / 'resumed')
+        assert status == 0, err[-3000:]
+        assert re.search(r'^resuming from checkpoint 3 in ', out, re.M), out
+        _steps_once(workdir)
+
+
+BAD_SETTINGS = {  # the issue's must-show: each a one-line error (t2t/run/config_checks.py)
+    'storage_queue_mb=0': 'storage_queue_mb=0.0 must be > 0',
+    'storage_queue_mb=-1': 'storage_queue_mb=-1.0 must be > 0',
+    f'storage_outage_limit_s={RETRY_S:g}': f'storage_outage_limit_s={RETRY_S} must be 0 (not '
+                                          'retried) or >= 8 s, the longest wait between two tries',
+}
+
+
+def test_bad_storage_settings_are_one_line_before_the_bucket_is_touched(tmp_path, data_dir):
+    """A write queue of no bytes, or an outage limit below the longest wait between two tries:
+    train.py says so in one line and exits 1, no request sent to the bucket."""
+    with gcs_server.serve() as url:
+        front = fault_front.start(url, seed=6)
+        workdir = gcs_server.make_bucket(url, 'bad') + '/run'
+        try:
+            runs = {setting: _train(tmp_path / str(k), workdir, data_dir,
+                                    gcs_server.environment(front.url), f'--config.{setting}')
+                    for k, setting in enumerate(BAD_SETTINGS)}
+            results = {setting: _finish(proc, tmp_path / str(k))
+                       for k, (setting, proc) in enumerate(runs.items())}
+        finally:
+            front.stop()
+        for setting, (status, _, err) in results.items():
+            assert status == 1, (setting, err[-3000:])
+            assert len(err.strip().splitlines()) == 1, (setting, err)
+            assert err.startswith(f'train.py: {BAD_SETTINGS[setting]}'), (setting, err)
+        assert front.counts['requests'] == 0, front.counts

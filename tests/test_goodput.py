@@ -142,12 +142,14 @@ def test_an_attempts_last_records_wait_for_the_storage_as_long_as_its_run_did(tm
                                                                                monkeypatch):
     """A run that ended well waits for its ledger as long as for its other writes (the records
     of an outage it rode out may be held in the storage client's back-off); one that ended on its
-    storage waits a moment; one that ended on another error, the storage layer's retries."""
+    storage, or on a SIGTERM (whose grace went to its checkpoint and metrics), waits a moment; one
+    that ended on another error, the storage layer's retries."""
     monkeypatch.setattr(goodput.ledger, '_first_attempt_of_process', False)
     monkeypatch.setattr(goodput.ledger.wd, 'RETRY_BUDGET_S', 5.0)
     ledger = goodput.Ledger(tmp_path, outage_limit_s=1800.0)
-    for outcome in ('num_train_steps', 'preemption', 'rollback'):
+    for outcome in ('num_train_steps', 'rollback'):
         assert ledger.close_wait_s(outcome) == 1800.0
+    assert ledger.close_wait_s('preemption') == goodput.ledger.WRITE_WAIT_S
     unavailable = OSError(errno.EIO, 'HTTP 503')
     wrapped = ValueError('orbax: the save failed')
     wrapped.__cause__ = TimeoutError('read timed out')

@@ -4,7 +4,8 @@ line and its wait booked; a storage down past the limit is one error naming the 
 durable checkpoint; files are written in the order first given, each byte once. Then the
 checkpoint saver (t2t/run/outage.py) with orbax's save stood in for: a refused save is retried in
 the background from its host copy while the loop goes on, is never reported saved while pending,
-and ends the run past the limit."""
+and ends the run past the limit; on several processes (the second stood in for by its rows) every
+move is taken by all, from this process's host copy of its shards."""
 
 import errno
 import re
@@ -14,6 +15,7 @@ import types
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from etils import epath
 
@@ -160,16 +162,21 @@ class _Writer:
     def unwritten(self):
         return self.behind
 
+    def unwritten_records(self):
+        return len(self.behind)
+
 
 @pytest.fixture
 def saver_parts(monkeypatch):
     fake = _Checkpoints()
+    monkeypatch.setattr(uploads, 'QUEUE', uploads.Queue())  # the saver's say in it: this test's
     for name in ('save', 'wait', 'remove_unfinished'):
         monkeypatch.setattr(checkpoint, name, getattr(fake, name))
     monkeypatch.setattr(checkpoint, 'latest_step', lambda m: fake.finished[-1]
                         if fake.finished else None)
     orbax = types.SimpleNamespace(all_steps=lambda: list(fake.finished),
-                                  should_save=lambda step: True, reload=lambda: None)
+                                  should_save=lambda step: True, reload=lambda: None,
+                                  wait_until_finished=lambda: None)
     manager = types.SimpleNamespace(manager=orbax, directory=epath.Path('gs://b/run/checkpoints'),
                                     pending=[])
     return fake, manager
@@ -204,9 +211,9 @@ def test_a_save_the_storage_refuses_is_retried_in_the_background_while_training_
     # A preemption now: the pending save is not reported saved; one line says what is not.
     writer.behind = {'gs://b/run/metrics.jsonl': 12}
     assert saver.finish(_state(4), ended=True, preempted=True) is False
-    assert lines[-1] == ('not yet in storage after 0 s: checkpoint 3, 12 bytes of metrics '
-                         '(metrics.jsonl), redone from the checkpoint; the last checkpoint in '
-                         'storage is none'), lines
+    assert lines[-1] == ('not yet in storage after 0 s: checkpoint 3, 1 metric record in 12 '
+                         'bytes (metrics.jsonl), redone from the checkpoint; the last checkpoint '
+                         'in storage is none'), lines
     # The storage answers again: checkpoint 3 is saved from the host copy of step 3's state;
     # the next due save waits for it, never two in flight.
     fake.down, writer.behind = False, {}
@@ -257,3 +264,73 @@ def test_without_an_outage_limit_a_save_waits_for_the_metrics_as_long_as_the_sto
     saver.save(3, _state(3), _Iterator(), {})
     assert asked == [7.0] and fake.calls == [('save', 3, False)]
     assert saver.finish(_state(3), ended=True, preempted=False) and fake.finished == [3]
+
+
+def test_a_host_copy_holds_each_distinct_shard_once_and_restores_bitwise():
+    """The retry's source on several processes: this process's shards, not the global array
+    (which jax.device_get cannot fetch there); a replicated shard is copied once."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(4, 2), ('data', 'model'))
+    rows = jax.device_put(jnp.arange(32, dtype=jnp.bfloat16).reshape(8, 4) / 3,
+                          NamedSharding(mesh, PartitionSpec('data')))  # 4 shards, each on 2
+    scalar = jax.device_put(jnp.asarray(7, jnp.int32), NamedSharding(mesh, PartitionSpec()))
+    state = {'rows': rows, 'step': scalar, 'name': 'kept as it is'}
+    copy = outage.host_copy(state)
+    assert len(copy[2]) == 4 + 1  # distinct shards: 4 of rows, 1 of the replicated scalar
+    back = outage.from_host_copy(copy)
+    assert back['name'] == 'kept as it is'
+    for key in ('rows', 'step'):
+        assert back[key].sharding == state[key].sharding
+        assert back[key].dtype == state[key].dtype
+        assert jax.device_get(back[key]).tobytes() == jax.device_get(state[key]).tobytes()
+
+
+def test_several_processes_take_each_move_of_a_retried_save_together(saver_parts, monkeypatch):
+    """Process 1 stood in for by the row it gives in each round: a save finished on process 0
+    is not reported saved while process 1's part runs; a failure on process 0 alone is retried
+    by both (the unfinished directory removed, then saved again from the host copy); a
+    non-transient failure on process 1 ends the run on process 0 too, naming it."""
+    fake, manager = saver_parts
+    monkeypatch.setattr(outage, 'MAX_DELAY_S', 0.2)
+    other = {'row': [outage.RUNNING, 0]}
+    monkeypatch.setattr(outage.distributed, 'every_process_ints',
+                        lambda mine: [mine, [*other['row'], 0, 0, 0, 0]])
+    lines = []
+    saver = outage.Saver(manager, 60.0, _Writer(), lines.append)
+    fake.down = True  # process 0's write fails; process 1's goes on
+    saver.save(3, _state(3), _Iterator(), {})
+    deadline = time.monotonic() + 10
+    while saver._try.state() == outage.RUNNING and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert saver._try.state() == outage.FAILED
+    for _ in range(3):
+        saver.check()
+    assert lines == [] and fake.calls == [('save', 3, True)]  # process 1's part runs: no move
+    other['row'] = [outage.DONE, 0]
+    fake.down = False
+    while not lines and time.monotonic() < deadline:
+        saver.check()
+        time.sleep(0.02)
+    assert lines == ['saving checkpoint 3 failed (ConnectionResetError: [Errno 104] connection '
+                     'reset); it is saved in the background for up to 60 s '
+                     '(storage_outage_limit_s), training goes on'], lines
+    while ('save', 3, True) not in fake.calls[1:] and time.monotonic() < deadline:
+        saver.check()  # the back-off, then both clean up (found unfinished), then save again
+        time.sleep(0.02)
+    assert fake.calls[1:] == [('remove_unfinished', (3,)), ('save', 3, True)], fake.calls
+    other['row'] = [outage.RUNNING, 0]  # process 1 still writing: not saved, though 0 is done
+    for _ in range(5):
+        saver.check()
+        time.sleep(0.05)
+    assert fake.finished == [3] and saver.pending == 3 and saver.durable is None
+    other['row'] = [outage.DONE, 0]
+    saver.check()
+    assert saver.pending is None and saver.durable == 3
+    assert fake.saved_states[3]['w'].tolist() == [3.0] * 4  # from the host copy of step 3
+    assert re.fullmatch(r'checkpoint 3 saved after \d+ s of storage failures', lines[-1])
+    saver.save(6, _state(6), _Iterator(), {})
+    other['row'] = [outage.FATAL, 0]
+    with pytest.raises(checkpoint.CheckpointError, match=r'^saving checkpoint '
+                       r'gs://b/run/checkpoints/6 failed on process 1$'):
+        saver.check()

@@ -310,7 +310,9 @@ class Ledger:
             _active = None
         if self._appender is not None:
             wait_s = self.close_wait_s(outcome)
-            if not self._appender.close(wait_s):
+            # Preempted in an outage: the run's one line named what is not in storage, this too.
+            said = outcome == 'preemption' and uploads.QUEUE.down() is not None
+            if not self._appender.close(wait_s) and not said:
                 logging.warning('goodput: the last records of %s were not written in %.0f s; '
                                 'its report ends this attempt where its records do, as killed',
                                 self.path, wait_s)
@@ -318,10 +320,14 @@ class Ledger:
     def close_wait_s(self, outcome) -> float:
         """How long `end` waits for the attempt's records to reach a bucket: ended by its storage
         (exit 5), WRITE_WAIT_S (it is known to be down); by another error, the storage layer's
-        retries; otherwise as long as the run's own writes wait out an outage, since the uploader
-        may still be in the storage client's back-off with the outage's account unwritten."""
+        retries; preempted, WRITE_WAIT_S too (a SIGTERM's grace went to the checkpoint and the
+        metrics: t2t/run/outage.py); otherwise as long as the run's own writes wait out an outage,
+        since the uploader may still be in the storage client's back-off with the outage's
+        account unwritten."""
         if isinstance(outcome, BaseException):
             return WRITE_WAIT_S if wd.storage_failure(outcome) is not None else wd.RETRY_BUDGET_S
+        if outcome == 'preemption':
+            return WRITE_WAIT_S
         return max(wd.RETRY_BUDGET_S, self._outage_limit_s)
 
     def _write(self, record: dict) -> None:

@@ -17,6 +17,7 @@ import math
 import sys
 
 from t2t.goodput import ledger as goodput
+from t2t.infra import uploads
 from t2t.infra import workdir as wd
 
 # category -> the ledger phases it is made of ('lost_progress' and 'idle' come from the
@@ -265,7 +266,12 @@ def summary_line(r: dict) -> str:
 
 def print_summary(workdir) -> None:
     """train.py's last line: the summary line, or why there is none (training is over: never an
-    error)."""
+    error; a workdir whose storage is failing is not read, which would wait out its retries)."""
+    failing = uploads.QUEUE.down()
+    if failing is not None:
+        print(f'goodput: no report ({wd.describe(failing[1])}: the workdir\'s storage is failing; '
+              f'python -m t2t.goodput {workdir} later)', flush=True)
+        return
     try:
         r = report(workdir)
     except Exception as e:  # noqa: BLE001 - e.g. a bucket outage

@@ -23,8 +23,9 @@ arrive). They never start a jax backend (`python -m t2t.data` runs without one):
 jax.distributed job there is one process.
 
 The decisions every process takes at the same step of a computation (stop here, this checkpoint
-restored everywhere, a SIGTERM somewhere, the steps to evaluate) are small device collectives
-instead (`process_0_decides`, `process_0_ints`, `all_processes`, `any_process`, `sync_devices`):
+restored everywhere, a SIGTERM somewhere, the steps to evaluate, the next move of a save retried
+through an outage) are small device collectives instead (`process_0_decides`, `process_0_ints`,
+`every_process_ints`, `all_processes`, `any_process`, `sync_devices`):
 every process calls them at the same point, and they return at once with one process.
 """
 
@@ -316,6 +317,19 @@ def process_0_ints(values: list[int]) -> list[int]:
         return []
     mine = np.asarray(values if jax.process_index() == 0 else [0] * n, np.int32)
     return [int(v) for v in multihost_utils.broadcast_one_to_all(mine)]
+
+
+def every_process_ints(values: list[int]) -> list[list[int]]:
+    """Every process's list of ints (the same length on each), in process order, on every
+    process (e.g. each one's state of a background save and process 0's verdicts)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return [list(values)]
+    from jax.experimental import multihost_utils
+
+    rows = multihost_utils.process_allgather(np.asarray(values, np.int32))
+    return [[int(v) for v in row] for row in np.asarray(rows).reshape(jax.process_count(), -1)]
 
 
 def all_processes(flag: bool) -> bool:

@@ -162,11 +162,16 @@ class MetricWriter:
         """{object: bytes kept and not yet in the bucket}."""
         return {} if self._uploader is None else self._uploader.unwritten()
 
+    def unwritten_records(self) -> int:
+        """The records of metrics.jsonl kept and not yet in the bucket."""
+        return 0 if self._uploader is None else \
+            self._uploader.unwritten_lines(self.logdir / JSONL_NAME)
+
     def close(self, limit_s: float = 0.0, quiet: bool = False, upload: bool = True) -> None:
         """Closes the files; in a bucket, waits up to limit_s (at least the storage layer's
         retries) for the records not yet written (then workdir.StorageError naming them).
-        quiet=True (a run ending on an error, whose steps after its last checkpoint are redone
-        anyway): a few seconds, and no error.
+        quiet=True (a run ending on an error or a SIGTERM, whose steps after its last checkpoint
+        are redone anyway): a few seconds, none while the bucket fails, and no error.
         upload=False (a run ending because its storage failed): no wait at all."""
         if self._tb is not None:
             self._tb.close()
@@ -176,8 +181,10 @@ class MetricWriter:
         try:
             if self._uploader is not None:
                 self._stage_events()
-                # the storage layer's retries at least (limit 0: a write is not retried further)
-                wait_s = 0.0 if not upload else 5.0 if quiet else max(limit_s, wd.RETRY_BUDGET_S)
+                # the storage layer's retries at least (limit 0: a write is not retried further);
+                # quiet, a moment while the storage answers, none once it fails
+                wait_s = 0.0 if not upload or (quiet and uploads.QUEUE.down()) else \
+                    5.0 if quiet else max(limit_s, wd.RETRY_BUDGET_S)
                 began = time.monotonic()
                 left = self._uploader.unwritten()
                 if not self._uploader.close(wait_s) and upload and not quiet:

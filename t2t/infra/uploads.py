@@ -45,6 +45,8 @@ class Queue:
         self.last_durable = lambda: None  # callable: the newest checkpoint step in storage
         self._cond = threading.Condition()
         self._failing = {}  # uploader -> (since, error, path) while its writes fail
+        self._abandoned = None  # the same, of the last uploader closed with writes left
+        self._down = {}  # owner -> (since, error, path): other writes failing (a checkpoint's)
         self.reset_stats()
 
     def configure(self, max_bytes: int, limit_s: float, on_wait=None, last_durable=None) -> None:
@@ -52,6 +54,7 @@ class Queue:
         with self._cond:
             self.max_bytes, self.limit_s, self.on_wait = max_bytes, limit_s, on_wait
             self.last_durable = last_durable or (lambda: None)
+            self._abandoned, self._down = None, {}
             self._cond.notify_all()
 
     def reset_stats(self) -> None:
@@ -76,10 +79,12 @@ class Queue:
             self.write_s += wrote_s
             self._cond.notify_all()
 
-    def _set_failing(self, uploader, failure) -> None:
+    def _set_failing(self, uploader, failure, abandoned: bool = False) -> None:
         with self._cond:
             if failure is None:
-                self._failing.pop(uploader, None)
+                failed = self._failing.pop(uploader, None)
+                if abandoned and failed is not None:
+                    self._abandoned = failed
             else:
                 self._failing.setdefault(uploader, failure)
             self._cond.notify_all()
@@ -88,6 +93,23 @@ class Queue:
         """(since, error, path) of the longest-failing writer, or None."""
         with self._cond:
             return min(self._failing.values(), key=lambda f: f[0], default=None)
+
+    def down(self):
+        """(since, error, path) of a writer failing now, of other writes said to (`set_down`),
+        or of the last writer closed with writes left unwritten while failing (since
+        `configure`); None: the storage is not known to be down."""
+        with self._cond:
+            return self.failing() or min(self._down.values(), key=lambda f: f[0],
+                                         default=None) or self._abandoned
+
+    def set_down(self, owner, failure) -> None:
+        """Writes of `owner` outside the queue (a checkpoint's save) fail since (since, error,
+        path), or work again (None): `down` only, no limit of the queue's."""
+        with self._cond:
+            if failure is None:
+                self._down.pop(owner, None)
+            else:
+                self._down.setdefault(owner, failure)
 
     def check(self) -> None:
         """Raises workdir.StorageError when a writer has failed longer than limit_s."""
@@ -191,6 +213,13 @@ class Uploader:
         with self._cond:
             return {p: f.pending for p, f in self._files.items() if f.pending}
 
+    def unwritten_lines(self, path) -> int:
+        """The lines among `path`'s bytes kept and not yet written (a JSON-lines file's
+        records)."""
+        with self._cond:
+            f = self._files.get(str(path))
+            return f.content[len(f.content) - f.pending:].count(b'\n') if f else 0
+
     def wait(self, seconds: float, mark: dict[str, int] | None = None) -> bool:
         """Waits up to `seconds` for every byte (given a `mark`: every byte added before it) to
         be written: True when it is."""
@@ -270,7 +299,7 @@ class Uploader:
             self.queue._change(-sum(f.pending for f in self._files.values()), dropped=True)
             for f in self._files.values():
                 f.pending = 0
-        self.queue._set_failing(self, None)
+        self.queue._set_failing(self, None, abandoned=not written)
         return written
 
 
