@@ -6,12 +6,11 @@ ensemble.py both stand on it; every failure is an EvalError of one line."""
 from __future__ import annotations
 
 import jax
-import orbax.checkpoint as ocp
 
 from t2t.eval import averaging
 from t2t.infra import workdir as wd
 from t2t.model import TransformerConfig, abstract_params
-from t2t.run import checkpoint, checkpoint_read, layers_convert
+from t2t.run import checkpoint_read, layers_convert
 
 
 class EvalError(Exception):
@@ -22,16 +21,10 @@ def list_steps(workdir) -> list[int]:
     """Finished checkpoint steps of WORKDIR, read-only (never touches a training run's saves)."""
     if not wd.is_dir(wd.path(workdir)):
         raise EvalError(f'workdir {workdir} does not exist')
-    directory = checkpoint.checkpoint_dir(workdir)
+    directory = checkpoint_read.checkpoint_dir(workdir)
     if not directory.exists():
         raise EvalError(f'no checkpoint in {workdir}: {directory} does not exist')
-    options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0,
-                                           enable_async_checkpointing=False)
-    manager = ocp.CheckpointManager(directory, options=options)
-    try:
-        steps = sorted(manager.all_steps())
-    finally:
-        manager.close()
+    steps = checkpoint_read.listed_steps(workdir)
     if not steps:
         raise EvalError(f'no checkpoint in {directory}')
     return steps

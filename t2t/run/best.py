@@ -4,8 +4,8 @@
 evaluations since it improved (early_stopping_patience) and the keep_best best steps, each of
 which was saved as a checkpoint. It travels in each checkpoint's metadata (META_KEY), so a killed
 or preempted run resumes with the same best-so-far, patience count and kept steps as if it had
-never stopped. `KeepSteps` is the orbax preservation policy that keeps those steps beside
-keep_checkpoints' newest N (t2t/run/checkpoint.py joins both); `best_step` is evaluate.py --best's.
+never stopped; the checkpoint manager keeps its steps beside keep_checkpoints' newest N
+(checkpoint.keep_best_steps). `best_step` is evaluate.py --best's.
 
 An improvement is strictly better than the best so far (a tie is not); a value that is not finite
 never improves nor ranks. Among equal values the older step ranks first.
@@ -100,20 +100,6 @@ class Tracker:
         return (f'early stopping at step {step}: {summary_key(self.metric)} has not improved '
                 f'for {self.since_best} evaluations (early_stopping_patience={self.patience}); '
                 f'best {self.best_value:.4g} at step {self.best_step}')
-
-
-@dataclasses.dataclass
-class KeepSteps:
-    """An orbax preservation policy (ocp.checkpoint_managers.PreservationPolicy): preserves the
-    checkpoints whose step is in `steps`, whatever their age. The loop sets `steps` to the
-    tracker's kept steps before each save; orbax asks after each save which steps to delete."""
-
-    steps: frozenset = frozenset()
-
-    def should_preserve(self, checkpoints, *, context) -> list[bool]:
-        del context
-        steps = self.steps  # one read: the loop may replace it meanwhile
-        return [info.step in steps for info in checkpoints]
 
 
 def best_step(workdir) -> tuple[int, str]:

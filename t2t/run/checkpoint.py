@@ -1,7 +1,10 @@
 """Checkpoints of a training run: the orbax manager, save and resume (state, data iterator, rng).
 
-The layout, the checksums and the read-only side (evaluation's params, averages, metadata) are
-t2t/run/checkpoint_read.py's; this module writes.
+Checkpoint code lives in three modules of t2t/run, split by what it does: this one writes (the
+run's manager, its saves, the steps it keeps, deletes or moves aside, and the resume through the
+same manager); checkpoint_read.py reads (the layout, the checksums, and the read-only side that
+evaluation, --watch and export use); layers_convert.py converts (parameter trees and checkpoints
+between unrolled and scanned layers). orbax is imported by the first two alone.
 
 Atomicity: orbax writes a step into a temporary directory and renames it when every item is
 complete, so a crash mid-save leaves no half-written step (leftovers are removed at the next start).
@@ -40,7 +43,6 @@ except ImportError:
 
 from t2t.infra import distributed
 from t2t.infra import workdir as wd
-from t2t.run.best import KeepSteps
 from t2t.run.checkpoint_read import (  # the errors and the layout every caller of save/restore uses
     ITERATOR_KEY,
     META,
@@ -62,6 +64,20 @@ from t2t.run.checkpoint_read import (  # the errors and the layout every caller 
 
 TRASH = '.deleted'  # old steps are renamed here (atomic), then removed
 CORRUPT = 'corrupt'  # WORKDIR/corrupt/<step>-<time>: steps that failed to restore
+
+
+@dataclasses.dataclass
+class KeepSteps:
+    """An orbax preservation policy (ocp.checkpoint_managers.PreservationPolicy): preserves the
+    checkpoints whose step is in `steps`, whatever their age. The loop sets `steps` to the best
+    steps (t2t/run/best.py) before each save; orbax asks after each save which to delete."""
+
+    steps: frozenset = frozenset()
+
+    def should_preserve(self, checkpoints, *, context) -> list[bool]:
+        del context
+        steps = self.steps  # one read: the loop may replace it meanwhile
+        return [info.step in steps for info in checkpoints]
 
 
 @dataclasses.dataclass(frozen=True)

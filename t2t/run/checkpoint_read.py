@@ -107,6 +107,13 @@ def finished_steps(workdir) -> list[int]:
     return steps_on_disk(checkpoint_dir(workdir))
 
 
+def listed_steps(workdir) -> list[int]:
+    """Steps of WORKDIR as a read-only orbax manager lists them (what evaluate.py chooses from);
+    never touches a training run's saves."""
+    with _reader(workdir) as manager:
+        return sorted(manager.all_steps())
+
+
 def steps_on_disk(directory: epath.Path) -> list[int]:
     """The finalized steps in a checkpoints directory."""
     return sorted(ocp.path.step.checkpoint_steps(directory))
