@@ -168,6 +168,66 @@ def test_find_max_batch_takes_no_fit_by_xla_recomputation(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------
+# The collectives' cost: bytes a GPU sends under NCCL's ring model, no compile
+
+# 16 GPUs on 2 nodes of 8 (device k on node k // 8), one collective of each kind.
+_COLLECTIVES = """HloModule m
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+ENTRY %main (a: bf16[1000000], b: f32[1000], c: f32[2000], d: f32[4000], e: f32[100]) -> f32[] {
+  %a = bf16[1000000]{0} parameter(0)
+  %b = f32[1000]{0} parameter(1)
+  %c = f32[2000]{0} parameter(2)
+  %d = f32[4000]{0} parameter(3)
+  %e = f32[100]{0} parameter(4)
+  %ar = bf16[1000000]{0} all-reduce(%a), replica_groups=[1,16]<=[16], to_apply=%add
+  %ag = f32[8000]{0} all-gather(%b), replica_groups=[2,8]<=[16], dimensions={0}
+  %rs = f32[1000]{0} reduce-scatter(%c), replica_groups=[8,2]<=[2,8]T(1,0), to_apply=%add
+  %aa = f32[4000]{0} all-to-all(%d), replica_groups=[1,16]<=[16], dimensions={0}
+  %cp = f32[100]{0} collective-permute(%e), source_target_pairs={{0,1},{1,8}}
+  ROOT %z = f32[] constant(0)
+}
+"""
+
+
+def test_collective_cost_is_the_bytes_a_gpu_sends_by_ring_and_across_nodes_hierarchically():
+    """Hand-computed: an all-reduce of B = 2 MB over all 16 sends 2 x 7/8 x B on NVLink (the
+    reduce-scatter and all-gather rings of 8 in each node) and 2 x 1/2 x B/8 on the network (each
+    GPU's eighth reduced between the 2 nodes); counted whole on the network, as before, it was
+    16x that. An all-gather of a 4 kB shard in each node: 7/8 of the 32 kB it gathers. A
+    reduce-scatter of 8 kB between the nodes (groups {k, k + 8}): half of it over the network.
+    An all-to-all of 16 kB over all 16: 7/16 to the GPUs of its node, 8/16 to the other's. A
+    permute of 400 B, one pair in a node and one across: half of each, a pair's mean."""
+    from t2t.aot import gpu
+
+    nodes = [k // 8 for k in range(16)]
+    assert gpu.sent_bytes('all-reduce', 2e6, nodes) == pytest.approx((3.5e6, 0.25e6))
+    assert gpu.sent_bytes('all-reduce', 2e6, nodes[:8]) == pytest.approx((3.5e6, 0))
+    assert gpu.sent_bytes('all-reduce', 2e6, [0, 1]) == pytest.approx((0, 2e6))  # 1 a node
+    assert gpu.sent_bytes('all-gather', 4000, nodes[:8]) == pytest.approx((28000, 0))
+    assert gpu.sent_bytes('reduce-scatter', 8000, [0, 1]) == pytest.approx((0, 4000))
+    assert gpu.sent_bytes('all-to-all', 16000, nodes) == pytest.approx((7000, 8000))
+    assert gpu.sent_bytes('all-reduce', 2e6, [0]) == (0, 0)
+    net = gpu.network(_COLLECTIVES, nodes)
+    assert (net.nvlink_count, net.internode_count) == (1, 4)  # the all-gather stays in a node
+    assert net.nvlink_bytes == 4000
+    assert net.internode_bytes == 2e6 + 8000 + 16000 + 400
+    assert net.nvlink_sent == pytest.approx(3.5e6 + 28000 + 7000 + 200)
+    assert net.internode_sent == pytest.approx(0.25e6 + 4000 + 8000 + 200)
+    # H100: NVLink 900 GB/s and the network 100 GB/s both ways, so 450 and 50 GB/s one way.
+    r = gpu.GpuRoofline('h100', flops=0, memory_bytes=0, network=net,
+                        internode_bytes_per_s=100e9)
+    assert r.nvlink_s == pytest.approx(3.5352e6 / 450e9)
+    assert r.internode_s == pytest.approx(0.2622e6 / 50e9)
+    assert r.seconds == pytest.approx(r.nvlink_s + r.internode_s)
+
+
+# ----------------------------------------------------------------------------------------------
 # One H100: train.py's report, cuDNN attention, bf16
 
 
