@@ -7,8 +7,10 @@
 For each row (config, GPU nodes, mesh, batch) the dry run's train step (t2t/aot/tpu.py's
 compile_train_step, state sharded and donated as in training) is compiled with XLA's CUDA
 compiler on this CPU (the gpu-aot extra; t2t/aot/targets.py describes the nodes), in a child
-process under `nice`, and appended to OUT.csv / OUT.md as soon as it ends; rows already in
-OUT.csv are skipped (resumable). Targets: 1xh100, 8xh100, 8xh200, 2x8xh100 (two nodes over the
+process under `nice`, and appended to OUT.csv / OUT.md as soon as it ends, with the commit it
+was compiled at; rows already in OUT.csv are skipped (resumable; a row is its config, target,
+mesh, batch and attention kernel). The configs' attention_impl='auto' is cuDNN's on GPUs in bf16:
+`--set attention_impl=xla` for XLA's softmax. Targets: 1xh100, 8xh100, 8xh200, 2x8xh100 (two nodes over the
 network). Meshes: every (data, fsdp, tensor) whose product is the GPU count and whose tensor
 divides the heads, data-parallel first. Batch: the paper's ~25k target tokens a step (rows =
 25000 / max_len, rounded to a multiple of data x fsdp) and 4x that.
