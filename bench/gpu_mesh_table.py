@@ -10,10 +10,11 @@ compiler on this CPU (the gpu-aot extra; t2t/aot/targets.py describes the nodes)
 process under `nice`, and appended to OUT.csv / OUT.md as soon as it ends, with the commit it
 was compiled at; rows already in OUT.csv are skipped (resumable; a row is its config, target,
 mesh, batch and attention kernel). The configs' attention_impl='auto' is cuDNN's on GPUs in bf16:
-`--set attention_impl=xla` for XLA's softmax. Targets: 1xh100, 8xh100, 8xh200, 2x8xh100 (two nodes over the
-network). Meshes: every (data, fsdp, tensor) whose product is the GPU count and whose tensor
-divides the heads, data-parallel first. Batch: the paper's ~25k target tokens a step (rows =
-25000 / max_len, rounded to a multiple of data x fsdp) and 4x that.
+`--set attention_impl=xla` for XLA's softmax. Targets: 1xh100, 8xh100, 8xh200, 2x8xh100 (two
+nodes over the network). Meshes: every (data, fsdp, tensor) whose product is the GPU count and
+whose tensor divides the heads, data-parallel first (--mesh data,fsdp: only those two). Batch:
+the paper's ~25k target tokens a step (rows = 25000 / max_len, rounded to a multiple of data x
+fsdp) and 4x that.
 
 --peer: flax examples/wmt's train step (bench/mesh_table.py's compile_flax_peer: parameters and
 Adam state replicated, the batch split, as its pmap does; bf16, XLA's attention) beside t2t's on
