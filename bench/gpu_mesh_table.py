@@ -247,6 +247,7 @@ def main(argv=None) -> int:
     ap.add_argument('--target', default='', help='only these targets, comma-separated')
     ap.add_argument('--config', default='', help='only these configs, comma-separated')
     ap.add_argument('--paper_only', action='store_true', help="only the paper's ~25k tokens")
+    ap.add_argument('--four_x_only', action='store_true', help="only 4x the paper's tokens")
     ap.add_argument('--mesh', default='', help='only these meshes, comma-separated: data (all '
                     'GPUs data-parallel), fsdp (all fsdp) or D.F.T (e.g. 4.2.1)')
     ap.add_argument('--set', action='append', default=[], metavar='KEY=VALUE',
@@ -264,8 +265,9 @@ def main(argv=None) -> int:
     settings = dict(s.split('=', 1) for s in args.set)
     plan = (tiny_plan() if args.tiny else
             peer_plan(args.target.split(',')[0] or '8xh100') if args.peer else full_plan())
-    if args.paper_only:
-        plan = [r for r in plan if r.tokens == PAPER_TOKENS]
+    if args.paper_only or args.four_x_only:
+        plan = [r for r in plan if r.tokens == (PAPER_TOKENS if args.paper_only else
+                                                4 * PAPER_TOKENS)]
     for flag, pick in ((args.target, lambda r: r.target),
                        (args.config, lambda r: r.config.split(':')[-1]),
                        (args.mesh, _mesh_name)):
