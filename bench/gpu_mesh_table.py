@@ -89,7 +89,9 @@ _GPUS = {'1xh100': 1, '8xh100': 8, '8xh200': 8, '2x8xh100': 16}
 
 def _mesh_name(row: Row) -> str:
     gpus = row.mesh[0] * row.mesh[1] * row.mesh[2]
-    return {(gpus, 1, 1): 'data', (1, gpus, 1): 'fsdp'}.get(row.mesh, '.'.join(map(str, row.mesh)))
+    if row.mesh == (gpus, 1, 1):  # one GPU's mesh is 'data'
+        return 'data'
+    return 'fsdp' if row.mesh == (1, gpus, 1) else '.'.join(map(str, row.mesh))
 
 
 def full_plan() -> list[Row]:
