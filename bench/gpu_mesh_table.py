@@ -7,11 +7,14 @@
 For each row (config, GPU nodes, mesh, batch) the dry run's train step (t2t/aot/tpu.py's
 compile_train_step, state sharded and donated as in training) is compiled with XLA's CUDA
 compiler on this CPU (the gpu-aot extra; t2t/aot/targets.py describes the nodes), in a child
-process under `nice`, and appended to OUT.csv / OUT.md as soon as it ends; rows already in
-OUT.csv are skipped (resumable). Targets: 1xh100, 8xh100, 8xh200, 2x8xh100 (two nodes over the
-network). Meshes: every (data, fsdp, tensor) whose product is the GPU count and whose tensor
-divides the heads, data-parallel first. Batch: the paper's ~25k target tokens a step (rows =
-25000 / max_len, rounded to a multiple of data x fsdp) and 4x that.
+process under `nice`, and appended to OUT.csv / OUT.md as soon as it ends, with the commit it
+was compiled at; rows already in OUT.csv are skipped (resumable; a row is its config, target,
+mesh, batch and attention kernel). The configs' attention_impl='auto' is cuDNN's on GPUs in bf16:
+`--set attention_impl=xla` for XLA's softmax. Targets: 1xh100, 8xh100, 8xh200, 2x8xh100 (two
+nodes over the network). Meshes: every (data, fsdp, tensor) whose product is the GPU count and
+whose tensor divides the heads, data-parallel first (--mesh data,fsdp: only those two). Batch:
+the paper's ~25k target tokens a step (rows = 25000 / max_len, rounded to a multiple of data x
+fsdp) and 4x that.
 
 --peer: flax examples/wmt's train step (bench/mesh_table.py's compile_flax_peer: parameters and
 Adam state replicated, the batch split, as its pmap does; bf16, XLA's attention) beside t2t's on
@@ -23,9 +26,10 @@ the card's HBM and the verdict (t2t.aot.tpu.verdict: fits / fits only by remater
 does not fit) with the recompute ratio (XLA's matmul FLOPs over t2t/flops.py's dense count; the
 peer's counted against the same formula); XLA's counts (HloCostAnalysis of the optimized module:
 flops and bytes accessed, each loop body once) and the matmul FLOPs and HBM bytes with loops by
-trip count; collectives in one node (NVLink) and across nodes, GB; the attention kernel
-compiled; the roofline ESTIMATE's terms (t2t.aot.gpu.GpuRoofline: compute, HBM, NVLink, network)
-and its step time, with the MFU and target tokens/s per GPU it implies. Estimates from datasheet
+trip count; collectives in one node (NVLink) and across nodes, GB of operands, and the GB a GPU
+sends on each link (t2t.aot.gpu.sent_bytes: NCCL's ring model); the attention kernel compiled;
+the roofline ESTIMATE's terms (t2t.aot.gpu.GpuRoofline: compute, HBM, NVLink, network) and its
+step time, with the MFU and target tokens/s per GPU it implies. Estimates from datasheet
 numbers and a compile without autotuning, not measurements.
 """
 
@@ -50,8 +54,9 @@ FLAX_PEER = 'flax_wmt'  # a config name prefix: flax examples/wmt's model at tha
 COLUMNS = ('config', 'target', 'gpus', 'mesh', 'rows', 'target_tokens', 'attention', 'status',
            'verdict', 'recompute_ratio', 'argument_gib', 'temp_gib', 'total_gib', 'hbm_gib',
            'xla_flops', 'xla_bytes', 'matmul_flops', 'hbm_bytes', 'nvlink_gb', 'network_gb',
-           'collective_kinds', 'attention_kernel', 'compute_ms', 'memory_ms', 'nvlink_ms',
-           'network_ms', 'estimate_ms', 'mfu_pct', 'tokens_per_s_per_gpu', 'compile_s')
+           'nvlink_sent_gb', 'network_sent_gb', 'collective_kinds', 'attention_kernel',
+           'compute_ms', 'memory_ms', 'nvlink_ms', 'network_ms', 'estimate_ms', 'mfu_pct',
+           'tokens_per_s_per_gpu', 'compile_s')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,10 +65,11 @@ class Row:
     target: str  # t2t.aot.targets name: 8xh100
     mesh: tuple[int, int, int]  # (data, fsdp, tensor)
     tokens: int  # target tokens a step asked for
+    attention: str = ''  # the kernel the config resolves to on the target (attention_of)
 
     @property
-    def key(self) -> tuple[str, str, str, str]:
-        return (self.config, self.target, str(self.mesh), str(self.tokens))
+    def key(self) -> tuple[str, str, str, str, str]:
+        return (self.config, self.target, str(self.mesh), str(self.tokens), self.attention)
 
 
 def meshes(gpus: int, heads: int = 8) -> list[tuple[int, int, int]]:
@@ -79,6 +85,13 @@ rows_for = benchlib.rows_for
 
 
 _GPUS = {'1xh100': 1, '8xh100': 8, '8xh200': 8, '2x8xh100': 16}
+
+
+def _mesh_name(row: Row) -> str:
+    gpus = row.mesh[0] * row.mesh[1] * row.mesh[2]
+    if row.mesh == (gpus, 1, 1):  # one GPU's mesh is 'data'
+        return 'data'
+    return 'fsdp' if row.mesh == (1, gpus, 1) else '.'.join(map(str, row.mesh))
 
 
 def full_plan() -> list[Row]:
@@ -112,21 +125,39 @@ def _sig(x: float) -> float:
     return float(f'{x:.4g}')
 
 
-def measure(row: Row, settings: dict) -> dict:
-    """Compiles the row's train step for its GPUs; the table's numbers (see the docstring)."""
+def load_config(row: Row, settings: dict):
+    """The row's config: its file's, the row's mesh and batch, bf16, then `settings`."""
     import importlib
 
     sys.path.insert(0, ROOT)
+    config = importlib.import_module(f'configs.{row.config.split(":")[-1]}').get_config()
+    with config.unlocked():
+        config.mesh_shape = row.mesh
+        config.batch_size = rows_for(row.tokens, config.max_len, row.mesh)
+        config.dtype = 'bfloat16'
+        for k, v in settings.items():
+            setattr(config, k, type(getattr(config, k))(v))
+    return config
+
+
+def attention_of(row: Row, settings: dict) -> str:
+    """The attention kernel of the row's compile, known before it (t2t/attention_choice.py, as
+    the dry run's plan resolves it for a GPU target): part of the row's key."""
+    if row.config.startswith(FLAX_PEER + ':'):
+        return 'xla (flax example)'
+    from t2t import attention_choice
+
+    return attention_choice.resolve_attention_impl(load_config(row, settings), 'gpu')[0]
+
+
+def measure(row: Row, settings: dict) -> dict:
+    """Compiles the row's train step for its GPUs; the table's numbers (see the docstring)."""
     from t2t import flops
     from t2t.aot import tpu as aot
 
     peer = row.config.startswith(FLAX_PEER + ':')
-    config = importlib.import_module(f'configs.{row.config.split(":")[-1]}').get_config()
-    rows = rows_for(row.tokens, config.max_len, row.mesh)
-    with config.unlocked():
-        config.mesh_shape, config.batch_size, config.dtype = row.mesh, rows, 'bfloat16'
-        for k, v in settings.items():
-            setattr(config, k, type(getattr(config, k))(v))
+    config = load_config(row, settings)
+    rows = config.batch_size
     plan = aot.plan(config, row.target)
     if peer:
         import mesh_table
@@ -155,6 +186,8 @@ def measure(row: Row, settings: dict) -> dict:
         hbm_bytes=_sig(train.memory_bytes_per_device),
         nvlink_gb=_sig(r.network.nvlink_bytes / 1e9),
         network_gb=_sig(r.network.internode_bytes / 1e9),
+        nvlink_sent_gb=_sig(r.network.nvlink_sent / 1e9),
+        network_sent_gb=_sig(r.network.internode_sent / 1e9),
         collective_kinds=' '.join(f'{k}={v}' for k, v in sorted(kinds.items())),
         attention_kernel=(f'cuDNN {forward:.0f}+{backward:.0f}' if forward + backward
                           else 'XLA softmax'),
@@ -169,10 +202,22 @@ def run_row(row: Row, timeout: int, nice: int, settings: dict) -> dict:
     spec = json.dumps(dict(dataclasses.asdict(row), settings=settings))
     start = time.time()
     result, status = benchlib.run_child(__file__, spec, timeout=timeout, nice=nice, root=ROOT)
-    if result is not None:
-        return result
-    return dict(config=row.config, target=row.target, mesh=str(row.mesh), status=status,
-                requested_tokens=row.tokens, compile_s=round(time.time() - start, 1))
+    if result is None:
+        result = dict(config=row.config, target=row.target, mesh=str(row.mesh), status=status,
+                      requested_tokens=row.tokens, attention=row.attention,
+                      compile_s=round(time.time() - start, 1))
+    return dict(result, commit=_commit(), settings=' '.join(f'{k}={v}' for k, v in
+                                                            sorted(settings.items())))
+
+
+def _commit() -> str:
+    """The code a row was compiled with: HEAD, '+dirty' with uncommitted changes under t2t/."""
+    import subprocess
+
+    def git(*a):
+        return subprocess.run(['git', *a], cwd=ROOT, capture_output=True, text=True).stdout
+    dirty = git('status', '--porcelain', '--', 't2t', 'configs').strip()
+    return git('rev-parse', '--short', 'HEAD').strip() + ('+dirty' if dirty else '')
 
 
 # ----------------------------------------------------------------------------------------------
@@ -183,13 +228,13 @@ def done_keys(csv_path: str) -> set:
     if not os.path.exists(csv_path):
         return set()
     with open(csv_path, newline='') as f:
-        return {(r['config'], r['target'], r['mesh'], r['requested_tokens'])
+        return {(r['config'], r['target'], r['mesh'], r['requested_tokens'], r['attention'])
                 for r in csv.DictReader(f)}
 
 
 def append(out: str, result: dict) -> None:
     """Appends the row to OUT.csv and writes OUT.md from the whole of it."""
-    fields = ('requested_tokens',) + COLUMNS
+    fields = ('requested_tokens',) + COLUMNS + ('commit', 'settings')
     benchlib.append_table(out, fields, COLUMNS, {k: result.get(k, '') for k in fields})
 
 
@@ -204,6 +249,9 @@ def main(argv=None) -> int:
     ap.add_argument('--target', default='', help='only these targets, comma-separated')
     ap.add_argument('--config', default='', help='only these configs, comma-separated')
     ap.add_argument('--paper_only', action='store_true', help="only the paper's ~25k tokens")
+    ap.add_argument('--four_x_only', action='store_true', help="only 4x the paper's tokens")
+    ap.add_argument('--mesh', default='', help='only these meshes, comma-separated: data (all '
+                    'GPUs data-parallel), fsdp (all fsdp) or D.F.T (e.g. 4.2.1)')
     ap.add_argument('--set', action='append', default=[], metavar='KEY=VALUE',
                     help='a config value of every t2t row (e.g. attention_impl=cudnn)')
     ap.add_argument('--only', type=int, default=0, help='at most this many new rows (0: all)')
@@ -213,18 +261,21 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.child:
         d = json.loads(args.child)
-        row = Row(d['config'], d['target'], tuple(d['mesh']), d['tokens'])
+        row = Row(d['config'], d['target'], tuple(d['mesh']), d['tokens'], d['attention'])
         print('RESULT ' + json.dumps(measure(row, d['settings'])), flush=True)
         return 0
     settings = dict(s.split('=', 1) for s in args.set)
     plan = (tiny_plan() if args.tiny else
             peer_plan(args.target.split(',')[0] or '8xh100') if args.peer else full_plan())
-    if args.paper_only:
-        plan = [r for r in plan if r.tokens == PAPER_TOKENS]
+    if args.paper_only or args.four_x_only:
+        plan = [r for r in plan if r.tokens == (PAPER_TOKENS if args.paper_only else
+                                                4 * PAPER_TOKENS)]
     for flag, pick in ((args.target, lambda r: r.target),
-                       (args.config, lambda r: r.config.split(':')[-1])):
+                       (args.config, lambda r: r.config.split(':')[-1]),
+                       (args.mesh, _mesh_name)):
         if flag:
             plan = [r for r in plan if pick(r) in flag.split(',')]
+    plan = [dataclasses.replace(r, attention=attention_of(r, settings)) for r in plan]
     done = done_keys(args.out + '.csv')
     todo = [r for r in plan if r.key not in done]
     if args.only:

@@ -17,7 +17,9 @@
 # (default hw,hf,torch; the jax section needs flax examples/wmt in .peer/flax_wmt and about
 # 150 s more), LEVERS (train_speed.py options of every t2t train run; default scanned layers, rbg
 # dropout keys, fused loss in chunks of 32 positions: "--scan_layers --rng_impl rbg
-# --loss_chunk_len 32"), REMAT (remat policy of the last run, default dots_saveable).
+# --loss_chunk_len 32"), REMAT (remat policy of the last run, default dots_saveable), CAP_SCALE
+# (every part's cap times this, default 1: a --tiny run on a loaded CPU needs several times the
+# caps sized for a GPU, e.g. CAP_SCALE=6 BUDGET_S=3600).
 set -u
 cd "$(dirname "$0")/.."
 
@@ -70,7 +72,7 @@ record() {  # record NAME STATUS REASON
         >> "$OUT/t2t_results.jsonl"
 }
 run_capped() {
-    local cap=$1 name=$2 limit
+    local cap=$(( $1 * ${CAP_SCALE:-1} )) name=$2 limit
     shift 2
     limit=$(( cap < $(left) ? cap : $(left) ))
     if (( limit < 30 )); then

@@ -1,14 +1,16 @@
 """GPU ahead-of-time compiles on this CPU (t2t/aot/targets.py, gpu.py; `train.py --dry_run
 --topology=8xh100`): XLA's CUDA compiler (the gpu-aot extra) compiles the tiny config's train step
-and beam search for one H100 (cuDNN's fused attention) and for two nodes of two H100s (data across
-the nodes, fsdp inside each; XLA's softmax), in bf16, and a model too large for the card.
+and beam search in bf16 for one H100 (cuDNN's fused attention) and for two H100s, data=2 (cuDNN)
+and fsdp=2 (XLA's softmax); two collectives on two nodes of two H100s (the network split); and a
+model too large for the card.
 
-Each compile takes tens of seconds of a core: three processes compile (5 programs), each shared by
-the tests that read it (module-scoped fixtures), with scanned layers (a third less compile time,
-and the loops counted by trip count on the GPU's program too), in the xdist group of the TPU
-compiles so that the worker running them runs no other compile beside them.
+Each compile takes seconds to tens of seconds of a core: three processes compile (8 programs),
+each shared by the tests that read it (module-scoped fixtures), with scanned layers (a third less
+compile time, and the loops counted by trip count on the GPU's program too), in the xdist group of
+the TPU compiles so that the worker running them runs no other compile beside them.
 """
 
+import functools
 import json
 import re
 import subprocess
@@ -54,6 +56,7 @@ def test_gpu_names_map_to_nodes_and_each_description_parses():
     cases = {  # name: (GPUs, nodes, jax topology, device kind, HBM bytes of XLA's description)
         '1xh100': (1, 1, '1x1x1', 'NVIDIA H100 80GB HBM3', 84942979072),
         'h100': (1, 1, '1x1x1', 'NVIDIA H100 80GB HBM3', 84942979072),
+        '2xh100': (2, 1, '1x1x2', 'NVIDIA H100 80GB HBM3', 84942979072),
         '8xh100': (8, 1, '1x1x8', 'NVIDIA H100 80GB HBM3', 84942979072),
         '8xH200': (8, 1, '1x1x8', 'NVIDIA H200 141GB HBM3e', 151397597184),
         '8xa100-80g': (8, 1, '1x1x8', 'NVIDIA A100-SXM4-80GB', 85100068864),
@@ -115,10 +118,10 @@ def test_a_description_xla_cannot_parse_is_one_line_naming_the_field():
 def test_each_target_plans_its_mesh_before_any_compile():
     """The dry run's plan (train.py's path) for every target name: the mesh is resolved over the
     target's devices, and a mesh that does not divide them is one line naming the count."""
-    for name, gpus in (('1xh100', 1), ('8xh100', 8), ('8xh200', 8), ('8xa100-80g', 8),
-                       ('8xb200', 8), ('2x8xh100', 16)):
+    for name, gpus in (('1xh100', 1), ('2xh100', 2), ('8xh100', 8), ('8xh200', 8),
+                       ('8xa100-80g', 8), ('8xb200', 8), ('2x8xh100', 16)):
         plan = aot.plan(_tiny(batch_size=16 * gpus), name)
-        assert plan.mesh.size == gpus and plan.hosts == (2 if name.startswith('2x') else 1)
+        assert plan.mesh.size == gpus and plan.hosts == (2 if name.startswith('2x8') else 1)
         assert plan.batch_step == gpus
         with pytest.raises(ValueError, match=f'has {gpus} devices'):
             aot.plan(_tiny(mesh_shape=(3, 1, 1)), name)
@@ -165,6 +168,66 @@ def test_find_max_batch_takes_no_fit_by_xla_recomputation(monkeypatch):
             assert 'fits only by rematerialization' in text
         else:  # remat asked: recomputation is the config's, memory decides (no limit here)
             assert found > 256, text
+
+
+# ----------------------------------------------------------------------------------------------
+# The collectives' cost: bytes a GPU sends under NCCL's ring model, no compile
+
+# 16 GPUs on 2 nodes of 8 (device k on node k // 8), one collective of each kind.
+_COLLECTIVES = """HloModule m
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+ENTRY %main (a: bf16[1000000], b: f32[1000], c: f32[2000], d: f32[4000], e: f32[100]) -> f32[] {
+  %a = bf16[1000000]{0} parameter(0)
+  %b = f32[1000]{0} parameter(1)
+  %c = f32[2000]{0} parameter(2)
+  %d = f32[4000]{0} parameter(3)
+  %e = f32[100]{0} parameter(4)
+  %ar = bf16[1000000]{0} all-reduce(%a), replica_groups=[1,16]<=[16], to_apply=%add
+  %ag = f32[8000]{0} all-gather(%b), replica_groups=[2,8]<=[16], dimensions={0}
+  %rs = f32[1000]{0} reduce-scatter(%c), replica_groups=[8,2]<=[2,8]T(1,0), to_apply=%add
+  %aa = f32[4000]{0} all-to-all(%d), replica_groups=[1,16]<=[16], dimensions={0}
+  %cp = f32[100]{0} collective-permute(%e), source_target_pairs={{0,1},{1,8}}
+  ROOT %z = f32[] constant(0)
+}
+"""
+
+
+def test_collective_cost_is_the_bytes_a_gpu_sends_by_ring_and_across_nodes_hierarchically():
+    """Hand-computed: an all-reduce of B = 2 MB over all 16 sends 2 x 7/8 x B on NVLink (the
+    reduce-scatter and all-gather rings of 8 in each node) and 2 x 1/2 x B/8 on the network (each
+    GPU's eighth reduced between the 2 nodes); counted whole on the network, as before, it was
+    16x that. An all-gather of a 4 kB shard in each node: 7/8 of the 32 kB it gathers. A
+    reduce-scatter of 8 kB between the nodes (groups {k, k + 8}): half of it over the network.
+    An all-to-all of 16 kB over all 16: 7/16 to the GPUs of its node, 8/16 to the other's. A
+    permute of 400 B, one pair in a node and one across: half of each, a pair's mean."""
+    from t2t.aot import gpu
+
+    nodes = [k // 8 for k in range(16)]
+    assert gpu.sent_bytes('all-reduce', 2e6, nodes) == pytest.approx((3.5e6, 0.25e6))
+    assert gpu.sent_bytes('all-reduce', 2e6, nodes[:8]) == pytest.approx((3.5e6, 0))
+    assert gpu.sent_bytes('all-reduce', 2e6, [0, 1]) == pytest.approx((0, 2e6))  # 1 a node
+    assert gpu.sent_bytes('all-gather', 4000, nodes[:8]) == pytest.approx((28000, 0))
+    assert gpu.sent_bytes('reduce-scatter', 8000, [0, 1]) == pytest.approx((0, 4000))
+    assert gpu.sent_bytes('all-to-all', 16000, nodes) == pytest.approx((7000, 8000))
+    assert gpu.sent_bytes('all-reduce', 2e6, [0]) == (0, 0)
+    net = gpu.network(_COLLECTIVES, nodes)
+    assert (net.nvlink_count, net.internode_count) == (1, 4)  # the all-gather stays in a node
+    assert net.nvlink_bytes == 4000
+    assert net.internode_bytes == 2e6 + 8000 + 16000 + 400
+    assert net.nvlink_sent == pytest.approx(3.5e6 + 28000 + 7000 + 200)
+    assert net.internode_sent == pytest.approx(0.25e6 + 4000 + 8000 + 200)
+    # H100: NVLink 900 GB/s and the network 100 GB/s both ways, so 450 and 50 GB/s one way.
+    r = gpu.GpuRoofline('h100', flops=0, memory_bytes=0, network=net,
+                        internode_bytes_per_s=100e9)
+    assert r.nvlink_s == pytest.approx(3.5352e6 / 450e9)
+    assert r.internode_s == pytest.approx(0.2622e6 / 50e9)
+    assert r.seconds == pytest.approx(r.nvlink_s + r.internode_s)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -224,59 +287,123 @@ def test_one_h100_report_fits_with_cudnn_attention(one_h100):
 
 
 # ----------------------------------------------------------------------------------------------
-# Several GPUs: fsdp over a node's NVLink, data over the network; XLA's softmax
+# Two GPUs: data with cuDNN's attention, fsdp with XLA's softmax; two nodes' network split
 
-# Two nodes of two H100s, mesh data=2 (the nodes) x fsdp=2 (in each node): one compile shows both
-# axes and both networks (a compile is most of these tests' time).
-_NODES = """
+# One process compiles the tiny train step and beam search on 2 H100s for data=2 (cuDNN) and
+# fsdp=2 (XLA's softmax), then a psum and an all-gather on two nodes of two H100s (mesh data=2
+# across the nodes x fsdp=2 inside each, as the dry run builds it): the network split by the real
+# compiler's replica groups at the cost of a two-op program, not a third train step.
+_TWO_GPUS = """
 import json
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 from configs import tiny
+from t2t import flops
+from t2t.aot import gpu
 from t2t.aot import tpu as aot
+out = {}
+for mesh, impl in (((2, 1, 1), 'cudnn'), ((1, 2, 1), 'xla')):
+    config = tiny.get_config()
+    config.dtype, config.attention_impl, config.mesh_shape = 'bfloat16', impl, mesh
+    config.scan_layers = True
+    plan = aot.plan(config, '2xh100')
+    model = flops.config_flops_per_step(config)
+    for run, compile_fn in (('train', aot.compile_train_step), ('predict', aot.compile_predict)):
+        c = compile_fn(config, plan.mesh)
+        out[f'{run} {"data" if mesh[0] == 2 else "fsdp"}'] = dict(
+            mesh=dict(plan.mesh.shape), arguments=c.memory.arguments, total=c.memory.total,
+            fits=aot.verdict(c, plan.target.hbm_bytes), cudnn=c.attention_calls,
+            kinds={k: v.bytes + v.in_loops_bytes for k, v in c.collectives.items()
+                   if v.count + v.in_loops_count},
+            network=vars(c.roofline.network), ratio=aot.recompute_ratio(c, config, 2),
+            report=gpu.report_lines(c, 2, model if run == 'train' else None, 16 * 32, run))
 config = tiny.get_config()
-config.dtype, config.attention_impl, config.mesh_shape = 'bfloat16', 'xla', (2, 2, 1)
-config.scan_layers = True
-plan = aot.plan(config, '2x2xh100')
-train = aot.compile_train_step(config, plan.mesh)
-predict = aot.compile_predict(config, plan.mesh)
-out = {k: dict(total=c.memory.total, arguments=c.memory.arguments,
-               fits=aot.verdict(c, plan.target.hbm_bytes), cudnn=c.attention_calls,
-               network=vars(c.roofline.network), collective_bytes=c.collective_bytes,
-               kinds={k: v.bytes + v.in_loops_bytes for k, v in c.collectives.items()},
-               ratio=aot.recompute_ratio(c, config, 4), mesh=dict(plan.mesh.shape),
-               nodes=[d.process_index for d in plan.mesh.devices.flat])
-       for k, c in (('train', train), ('predict', predict))}
+config.mesh_shape = (2, 2, 1)
+mesh = aot.plan(config, '2x2xh100').mesh
+def fn(x, y):
+    return jax.lax.psum(x, 'data'), jax.lax.all_gather(y, 'fsdp', tiled=True)
+shard = jax.shard_map(fn, mesh=mesh, in_specs=(P('data'), P('fsdp')),
+                      out_specs=(P(), P()), check_vma=False)
+args = [jax.ShapeDtypeStruct((2, n), jnp.float32, sharding=NamedSharding(mesh, P(axis)))
+        for n, axis in ((1000, 'data'), (500, 'fsdp'))]
+text = jax.jit(shard).lower(*args).compile().as_text()
+nodes = [d.process_index for d in mesh.devices.flat]
+out['two nodes'] = dict(nodes=nodes, network=vars(gpu.network(text, nodes)))
 print('RESULT ' + json.dumps(out))
 """
 
 
 @pytest.fixture(scope='module')
-def two_nodes():
-    out = subprocess.run([sys.executable, '-c', _NODES], cwd=ROOT, env=_env(),
+def two_gpus():
+    out = subprocess.run([sys.executable, '-c', _TWO_GPUS], cwd=ROOT, env=_env(),
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.split('RESULT ', 1)[1])
 
 
-def test_fsdp_in_a_node_and_data_across_nodes(two_nodes):
-    train, predict = two_nodes['train'], two_nodes['predict']
-    assert train['mesh'] == {'data': 2, 'fsdp': 2, 'tensor': 1}
-    assert train['nodes'] == [0, 0, 1, 1]  # data splits the nodes, fsdp runs inside each
+@functools.cache
+def _params() -> int:
+    return count_params(abstract_params(TransformerConfig.from_config(_tiny())))
+
+
+def test_two_gpus_data_parallel_with_cudnn_attention(two_gpus):
+    train, predict = two_gpus['train data'], two_gpus['predict data']
+    assert train['mesh'] == {'data': 2, 'fsdp': 1, 'tensor': 1}
     for c in (train, predict):
-        assert c['fits'] == aot.FITS and c['cudnn'] == [0, 0], c  # XLA's softmax
+        assert c['fits'] == aot.FITS, c
+    assert train['cudnn'] == [6, 6]  # as on one H100: each GPU runs all of its rows' layers
+    assert predict['cudnn'][0] > 0 and predict['cudnn'][1] == 0  # the encoder pass, no backward
+    assert any(line.startswith('  attention kernel compiled: cuDNN fused attention: 6 forward')
+               for line in train['report'])
     assert train['ratio'] == pytest.approx(1.0, abs=0.01)
-    params = count_params(abstract_params(TransformerConfig.from_config(_tiny())))
+    # The gradients summed over the two GPUs, each at least in bfloat16, nothing else; a ring
+    # of 2 sends its whole buffer once (2 x 1/2), over NVLink.
+    assert set(train['kinds']) == {'all-reduce'} and train['kinds']['all-reduce'] >= 2 * _params()
     net = train['network']
-    # fsdp inside a node: the parameters gathered over NVLink (at least a bfloat16 copy of the
-    # half a device does not hold), nothing of that crosses the network.
-    assert train['kinds']['all-gather'] > 0 and net['nvlink_bytes'] >= params
-    # data across nodes: the gradients summed over the network (a device's half of them, at
-    # least in bfloat16: XLA reduces the matmul weights' before the cast to float32).
-    assert net['internode_count'] > 0 and net['internode_bytes'] >= params
-    assert net['nvlink_bytes'] + net['internode_bytes'] == pytest.approx(
-        train['collective_bytes'], rel=1e-9)
-    p = predict['network']
-    assert p['nvlink_bytes'] + p['internode_bytes'] == pytest.approx(
-        predict['collective_bytes'], rel=1e-9)
+    assert net['nvlink_bytes'] == train['kinds']['all-reduce'] == net['nvlink_sent']
+    assert net['internode_count'] == net['internode_sent'] == 0
+    # Beam search: each GPU decodes its own rows with the whole (replicated) parameters.
+    assert predict['kinds'] == {}
+
+
+def test_two_gpus_fsdp_with_xla_softmax(two_gpus):
+    train, predict = two_gpus['train fsdp'], two_gpus['predict fsdp']
+    data_train, data_predict = two_gpus['train data'], two_gpus['predict data']
+    assert train['mesh'] == {'data': 1, 'fsdp': 2, 'tensor': 1}
+    for c in (train, predict):
+        assert c['fits'] == aot.FITS and c['cudnn'] == [0, 0], c
+        assert '  attention kernel compiled: XLA softmax (no cuDNN fused-attention call)' in \
+            c['report']
+    assert train['ratio'] == pytest.approx(1.0, abs=0.01)
+    # Each GPU holds half of the parameters and Adam's moments: half data-parallel's arguments.
+    assert train['arguments'] == pytest.approx(data_train['arguments'] / 2, rel=0.03)
+    assert predict['arguments'] == pytest.approx(data_predict['arguments'] / 2, rel=0.03)
+    # The other half gathered (at least in bfloat16), the gradients reduce-scattered; no
+    # all-to-all (issue 45's item 6: the token lookups read the gathered table); the one
+    # all-reduce left sums scalars (the loss's metrics).
+    kinds = train['kinds']
+    assert kinds['all-gather'] >= _params() and kinds['reduce-scatter'] >= 2 * _params()
+    assert 'all-to-all' not in kinds and kinds.get('all-reduce', 0) < 1e-2 * _params()
+    # Sent per GPU on a ring of 2: an all-gather's gathered output / 2 = its shard, a
+    # reduce-scatter's input / 2, an all-reduce's whole buffer.
+    assert train['network']['nvlink_sent'] == pytest.approx(
+        kinds['all-gather'] + kinds['reduce-scatter'] / 2 + kinds.get('all-reduce', 0))
+    # Beam search gathers the parameters once.
+    assert set(predict['kinds']) == {'all-gather'} and predict['kinds']['all-gather'] >= _params()
+
+
+def test_two_nodes_split_collectives_between_nvlink_and_the_network(two_gpus):
+    """Mesh data=2 x fsdp=2 on two nodes of two H100s: data splits the nodes, fsdp runs inside
+    each. The psum over data (f32[1, 1000] a GPU: 4000 B) is an all-reduce between the nodes, a
+    ring of 2 nodes of 1 GPU: 2 x 1/2 x 4000 B sent over the network; the all-gather over fsdp
+    (f32[1, 500]: a 2000 B shard, 4000 gathered) stays in each node: 1/2 x 4000 B over NVLink."""
+    two = two_gpus['two nodes']
+    assert two['nodes'] == [0, 0, 1, 1]
+    net = two['network']
+    assert (net['internode_count'], net['internode_bytes'], net['internode_sent']) == (
+        1, 4000, 4000)
+    assert (net['nvlink_count'], net['nvlink_bytes'], net['nvlink_sent']) == (1, 2000, 2000)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@ was compiled, the collectives split by NVLink domain, and a roofline of the node
 
     counts, source = gpu.xla_cost_analysis(compiled)     # flops, bytes accessed (loop bodies once)
     gpu.attention_calls(text)                            # cuDNN fused-attention calls (fwd, bwd)
-    gpu.network(text, nodes)                             # collectives: in one node, across nodes
+    gpu.network(text, nodes)                             # collectives by link, bytes sent
     gpu.largest_buffer(text, 'loss')                     # the loss's largest buffer
     GpuRoofline(...).seconds                             # an estimate, not a measurement
 
@@ -16,6 +16,7 @@ process_index (jax's compile-only CUDA topology gives each host of N x 1 x G its
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import re
@@ -116,12 +117,42 @@ def groups(attributes: str, devices: int) -> list[list[int]]:
 class Network:
     """Collectives of one run per device, loops by trip count: those whose every group stays in
     one node (NVLink) and those with a group spanning nodes (the network), count and operand
-    bytes."""
+    bytes; and the bytes a GPU sends over each link for all of them (`sent_bytes`)."""
 
     nvlink_count: float = 0.0
     nvlink_bytes: float = 0.0
     internode_count: float = 0.0
     internode_bytes: float = 0.0
+    nvlink_sent: float = 0.0
+    internode_sent: float = 0.0
+
+
+# NCCL's ring algorithms: of a buffer B, each of n GPUs sends 2(n-1)/n for an all-reduce,
+# (n-1)/n for a reduce-scatter (B its input), an all-gather (B its output) or an all-to-all.
+# A group over N nodes of G GPUs goes hierarchically: the ring of G inside each node on NVLink,
+# the same algorithm over the N nodes on the network, each GPU carrying B/G of it on its own NIC;
+# an all-to-all sends its other nodes' share (N-1)/N of B whole over the network.
+_RING_PASSES = {'all-reduce': 2, 'reduce-scatter': 1, 'all-gather': 1}
+
+
+def sent_bytes(kind: str, operand_bytes: float, group_nodes: Sequence[int]) -> tuple[float,
+                                                                                     float]:
+    """(NVLink, network) bytes one GPU sends for one collective of `kind` whose operand on a
+    device is `operand_bytes` (an all-gather's shard, the others' whole buffer), over a group
+    whose member k sits on node group_nodes[k] (the model above: an estimate)."""
+    n = len(group_nodes)
+    if n < 2:
+        return 0.0, 0.0
+    counts = list(collections.Counter(group_nodes).values())
+    nodes, per_node = len(counts), max(counts)
+    buffer = operand_bytes * n if kind == 'all-gather' else operand_bytes
+    if kind == 'collective-permute':  # a pair: the operand to the other GPU
+        return (0.0, buffer) if nodes > 1 else (buffer, 0.0)
+    if kind == 'all-to-all':
+        return buffer * (per_node - 1) / n, buffer * (n - per_node) / n
+    passes = _RING_PASSES[kind]
+    return (passes * buffer * (per_node - 1) / per_node,
+            passes * buffer * (nodes - 1) / nodes / per_node)
 
 
 def network(text, nodes: Sequence[int]) -> Network:
@@ -129,12 +160,17 @@ def network(text, nodes: Sequence[int]) -> Network:
     module = hlo._module(text)
     attributes = {(c, i.name): i.attributes for c, body in module.computations.items()
                   for i in body}
-    split = [0.0, 0.0, 0.0, 0.0]
+    split = [0.0] * 6
     for op in hlo.collective_ops(module):
-        spans = any(len({nodes[d] for d in g}) > 1
-                    for g in groups(attributes[op.computation, op.name], len(nodes)))
+        members = [[nodes[d] for d in g] for g in
+                   groups(attributes[op.computation, op.name], len(nodes))]
+        spans = any(len(set(g)) > 1 for g in members)
         split[2 * spans] += op.times
         split[2 * spans + 1] += op.times * op.bytes
+        # A device sits in one group (a permute: one pair): the groups' mean.
+        sent = [sent_bytes(op.kind, op.bytes, g) for g in members]
+        split[4] += op.times * sum(s[0] for s in sent) / len(sent)
+        split[5] += op.times * sum(s[1] for s in sent) / len(sent)
     return Network(*split)
 
 
@@ -147,7 +183,8 @@ class GpuRoofline:
     """max(FLOPs / peak, HBM bytes / HBM bandwidth) + NVLink bytes / NVLink bandwidth + network
     bytes / network bandwidth, per GPU: an estimate from the datasheet, not a measurement (every
     matmul at the tensor cores' dense peak, memory at full HBM bandwidth overlapping the compute,
-    the collectives' operand bytes at the link's whole bidirectional bandwidth, not overlapped).
+    the bytes a GPU sends under NCCL's ring model (`sent_bytes`) at the link's bandwidth in one
+    direction, half the datasheet's both-way number, the collectives not overlapped).
     No autotuning on a compile-only client: the kernels are XLA's defaults."""
 
     chip: str  # key of metrics.CHIPS
@@ -175,11 +212,11 @@ class GpuRoofline:
 
     @property
     def nvlink_s(self) -> float:
-        return self.network.nvlink_bytes / self.spec.ici_bytes_per_s
+        return self.network.nvlink_sent / (self.spec.ici_bytes_per_s / 2)
 
     @property
     def internode_s(self) -> float:
-        return self.network.internode_bytes / self.internode_bytes_per_s
+        return self.network.internode_sent / (self.internode_bytes_per_s / 2)
 
     @property
     def collective_s(self) -> float:
@@ -227,14 +264,17 @@ def report_lines(compiled, devices: int, model_flops: float | None = None,
     n, spec = r.network, r.spec
     lines.append(f'  collectives per device per {run}: in one node (NVLink) {n.nvlink_count:.0f} '
                  f'({_bytes(n.nvlink_bytes)}), across nodes {n.internode_count:.0f} '
-                 f'({_bytes(n.internode_bytes)})')
+                 f'({_bytes(n.internode_bytes)}); sent per GPU by NCCL\'s ring algorithms '
+                 f'(hierarchical across nodes; an estimate): NVLink {_bytes(n.nvlink_sent)}, '
+                 f'network {_bytes(n.internode_sent)}')
     peak = 'TF32' if r.fp32 else 'bf16'
     line = (f'  roofline ESTIMATE of the {run} time (not a measurement; {r.chip} datasheet: '
             f'{r.peak_flops / 1e12:.0f} TFLOP/s {peak}, HBM {spec.hbm_bytes_per_s / 1e9:.0f} '
-            f'GB/s, NVLink {spec.ici_bytes_per_s / 1e9:.0f} GB/s, network '
-            f'{r.internode_bytes_per_s / 1e9:.0f} GB/s per GPU): max(compute {r.flops:.4g} '
-            f'FLOP = {_ms(r.compute_s)}, HBM {r.memory_bytes:.4g} B = {_ms(r.memory_s)}) + '
-            f'NVLink {_ms(r.nvlink_s)} + network {_ms(r.internode_s)} = {_ms(r.seconds)}')
+            f'GB/s, NVLink {spec.ici_bytes_per_s / 2e9:.0f} GB/s and network '
+            f'{r.internode_bytes_per_s / 2e9:.0f} GB/s per GPU each way): max(compute '
+            f'{r.flops:.4g} FLOP = {_ms(r.compute_s)}, HBM {r.memory_bytes:.4g} B = '
+            f'{_ms(r.memory_s)}) + NVLink {_ms(r.nvlink_s)} + network {_ms(r.internode_s)} = '
+            f'{_ms(r.seconds)}')
     lines.append(line)
     if model_flops:
         lines.append(f'  implied by the estimate: MFU {100 * r.mfu(model_flops, devices):.3g}% '
