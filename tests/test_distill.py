@@ -60,6 +60,8 @@ def test_an_ensemble_teacher_distills_into_a_smaller_student(run_dir, tmp_path):
     assert saved['vocab_sha256'] == identity.vocab_digest(teacher_vocab)
     assert record['empty_translations'] == sum(not h.strip() for h in want.read_text(
         encoding='utf-8').split('\n')[:-1])
+    assert record['sources_over_max_position'] == sum(
+        len(teacher_vocab.encode(s)) + 1 > teacher.max_position for s in train_sources)
     refs = (directory / 'test.ref').read_text(encoding='utf-8').splitlines()
     assert refs == data.split_texts(teacher, 'test')[1]
     assert metrics.read_jsonl(workdir)[-1]['step'] == 3
@@ -71,6 +73,24 @@ def test_an_ensemble_teacher_distills_into_a_smaller_student(run_dir, tmp_path):
                         devices=devices, echo=lambda _: None)
     assert again.step == 3 and (directory / 'train.teacher').read_bytes() == got
     assert stamps == {name: os.stat(directory / name).st_mtime_ns for name in stamps}
+
+
+class _Words:
+    """A tokenizer of one piece per word."""
+
+    def encode(self, text):
+        return [1] * len(text.split())
+
+
+def test_empty_translations_say_which_sources_were_too_long(tmp_path):
+    # The demo teacher's one empty translation of its training sources was its own EOS-first best
+    # hypothesis for a short source, which distill.py used to report as over max_position.
+    src, hyp = tmp_path / 'train.src', tmp_path / 'train.teacher'
+    src.write_text('a b c\nfired on the spot\none two three four five\nx\n', encoding='utf-8')
+    hyp.write_text('A B C\n\n\nX\n', encoding='utf-8')
+    # 4 words + EOS fit max_len=5 (the teacher's own empty output); 5 words + EOS do not.
+    assert distill.empty_translations(str(src), str(hyp), _Words(), max_len=5) == (2, 1)
+    assert distill.empty_translations(str(src), str(hyp), _Words(), max_len=6) == (2, 0)
 
 
 def test_the_command_says_what_it_needs_in_one_line(tmp_path):

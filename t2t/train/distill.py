@@ -9,8 +9,9 @@ translations of the training sources (scripts/distill.py).
 2. The teacher translates them (evaluate.py --translate's path: one checkpoint, the average of
    its last N, or an --ensemble of several, with the teacher config's decoding, or MBR) into
    WORKDIR/distill/train.teacher, streamed and resumable (t2t/eval/translate.py's progress file).
-   A source longer than the teacher's max_position has an empty translation: the student's TSV
-   reader skips that pair and counts it (its training data line says how many).
+   A source longer than the teacher's max_position has an empty translation, and so does a
+   source the teacher answers with EOS alone: the student's TSV reader skips those pairs and
+   counts them (its training data line says how many); distill.json counts both kinds.
 3. The student config, as given but for its data: dataset 'tsv' with train = those two files,
    validation and test = the teacher config's splits with their own references (written out as
    WORKDIR/distill/<split>.src / .ref), and the teacher's vocabulary (vocab_path: its workdir's
@@ -46,6 +47,19 @@ def _write_lines(path: str, lines) -> int:
             n += 1
     os.replace(partial, path)
     return n
+
+
+def empty_translations(src: str, hyp: str, tokenizer, max_len: int) -> tuple[int, int]:
+    """(empty translations, of those the sources over max_len tokens with EOS: never decoded,
+    as t2t/eval/translate.py leaves them); the rest are the teacher's own empty outputs."""
+    empty = too_long = 0
+    with open(src, encoding='utf-8', newline='\n') as s, \
+            open(hyp, encoding='utf-8', newline='\n') as h:
+        for source, line in zip(s, h, strict=True):
+            if not line.strip():
+                empty += 1
+                too_long += len(tokenizer.encode(source.rstrip('\n'))) + 1 > max_len
+    return empty, too_long
 
 
 def _training_sources(config, split: str):
@@ -110,17 +124,19 @@ def run(teacher_config, teacher_workdir: str, student, workdir: str, *, ensemble
     evaluation.run(teacher_config, teacher_workdir, step=step, average_last=average_last,
                    translate=True, input_path=src, output_path=hyp, weights=weights,
                    ensemble=ensemble, mbr=mbr, devices=devices, echo=echo)
-    with open(hyp, encoding='utf-8', newline='\n') as f:
-        empty = sum(1 for line in f if not line.strip())
-    vocab = evaluation.workdir_tokenizer(teacher_config, teacher_workdir).path
+    tokenizer = evaluation.workdir_tokenizer(teacher_config, teacher_workdir)
+    empty, too_long = empty_translations(src, hyp, tokenizer, teacher_config.max_position)
+    vocab = tokenizer.path
     decoding = inference.DecodeConfig.from_config(teacher_config)
     record = {'teacher_workdir': str(teacher_workdir), 'ensemble': ensemble, 'step': step,
               'average_last': average_last, 'weights': weights,
               'decoding': mbr.describe(mbr.decoding(decoding)) if mbr else decoding.describe(),
-              'sources': total, 'empty_translations': empty, 'vocab_path': vocab}
+              'sources': total, 'empty_translations': empty,
+              'sources_over_max_position': too_long, 'vocab_path': vocab}
     wd.write_atomic(os.path.join(directory, 'distill.json'), json.dumps(record, indent=2) + '\n')
     if empty:
-        echo(f'distill: {empty} of {total} translations are empty (sources over the teacher\'s '
-             'max_position): the student skips those pairs')
+        echo(f'distill: {empty} of {total} translations are empty ({too_long} sources over the '
+             f'teacher\'s max_position={teacher_config.max_position} tokens, {empty - too_long} '
+             'the teacher\'s own empty outputs): the student skips those pairs')
     config = student_config(teacher_config, student, directory, vocab)
     return loop.train_and_evaluate(config, workdir, devices=devices)
