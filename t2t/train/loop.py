@@ -469,27 +469,3 @@ def _training_data(config, workdir, rows):
          + f'; vocabulary {tokenizer.path} ({tokenizer.vocab_size} pieces)')
     train_iter = data.train_iterator(config, tokenizer, rows=rows, packed=packed)
     return tokenizer, train_iter, identity.run_identity(tokenizer, packed, config.batch_size)
-
-
-def _training_data(config, workdir, rows):
-    """(tokenizer, training iterator, data identity): the vocabulary pinned in WORKDIR, the
-    packed training rows and what a checkpoint records about them (t2t/data/identity.py)."""
-    from t2t import data
-
-    tokenizer = data.get_tokenizer(config)
-    if tokenizer.vocab_size > config.vocab_size:
-        raise ValueError(f'tokenizer {tokenizer.path} has {tokenizer.vocab_size} pieces but '
-                         f'config.vocab_size={config.vocab_size}')
-    if tokenizer.vocab_size < config.vocab_size:  # a small corpus can't fill the vocabulary
-        logging.warning('tokenizer %s has %d pieces < config.vocab_size=%d: rows unused',
-                        tokenizer.path, tokenizer.vocab_size, config.vocab_size)
-    if config.dataset != 'recall':  # the recall toy's symbols are fixed, not trained
-        identity.pin_vocabulary(workdir, tokenizer, write=jax.process_index() == 0)
-    packed = data.train_rows(config, tokenizer)  # one corpus's or a mixture's
-    meta = packed.meta
-    _say(f'training data {meta["source"]}: {meta["examples"]} pairs in {packed.num_rows} packed '
-         f'rows of {meta["max_len"]} tokens (fill {meta["fill"]:.3f}); skipped '
-         + (', '.join(f'{k}={v}' for k, v in sorted(meta['skipped'].items())) or 'none')
-         + f'; vocabulary {tokenizer.path} ({tokenizer.vocab_size} pieces)')
-    train_iter = data.train_iterator(config, tokenizer, rows=rows, packed=packed)
-    return tokenizer, train_iter, identity.run_identity(tokenizer, packed, config.batch_size)
