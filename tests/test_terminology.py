@@ -2,6 +2,7 @@
 every output, and evaluate.py's --terminology / --constraints from the files to the report."""
 
 import json
+import os
 import random
 
 import numpy as np
@@ -77,12 +78,17 @@ def test_terminology_through_evaluate_py(trained_tiny, tmp_path):
     tsv = tmp_path / 'terms.tsv'
     tsv.write_text('dog\tHOUND\nred\tRED\n\nnowhere\tNIRGENDS\n', encoding='utf-8')
     workdir = m['workdir']
+    scores = f'{workdir}/eval-test.json'
+    before = json.load(open(scores, encoding='utf-8')) if os.path.exists(scores) else {}
     proc = run_script('evaluate.py', '--config=configs/tiny.py', f'--workdir={workdir}',
                       f'--terminology={tsv}', '--config.beam_size=3', *_flags(m['config']),
                       timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    with open(f'{workdir}/eval-test.json', encoding='utf-8') as f:
-        record = json.load(f)[f'step-{TRAIN_STEPS}']
+    with open(scores, encoding='utf-8') as f:
+        after = json.load(f)
+    record = after[f'step-{TRAIN_STEPS}-terminology']  # kept apart from a plain evaluation's
+    assert record['hypotheses_file'].endswith(f'hypotheses-test-step-{TRAIN_STEPS}-terminology.txt')
+    assert {k: after[k] for k in before} == before  # nothing evaluated before was overwritten
     with open(record['hypotheses_file'], encoding='utf-8') as f:
         hypotheses = f.read().splitlines()
     sources = [line.split('\t')[0] for line in open(m['corpus']['test'], encoding='utf-8')]

@@ -216,9 +216,13 @@ def _decoding(config, mbr=None) -> inference.DecodeConfig:
     return mbr.decoding(decoding) if mbr else decoding
 
 
-def _mbr_label(label: str, mbr) -> str:
-    """An MBR evaluation's label (step-N-mbr-sample16-chrf): its files and scores apart."""
-    return f'{label}-{mbr.tag}' if mbr else label
+def _decoding_label(label: str, mbr, phrases: tuple[str, str]) -> str:
+    """The label of an evaluation decoded by MBR (step-N-mbr-sample16-chrf) or under constraints
+    (step-N-terminology, step-N-constraints): its hypotheses and scores kept apart from beam's."""
+    constraints, terminology = phrases
+    tags = [mbr.tag] if mbr else []
+    tags += ['terminology'] if terminology else ['constraints'] if constraints else []
+    return '-'.join([label, *tags])
 
 
 def _split_tag(split: str) -> str:
@@ -373,7 +377,7 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
             echo(f'== {label}: corrupt: {e}')  # --all: report it and go on
             results[label] = {'corrupt': str(e), 'steps': steps}
             continue
-        label = _mbr_label(weights_label(label, used), mbr)
+        label = _decoding_label(weights_label(label, used), mbr, (constraints, terminology))
         record = evaluate_params(config, params, tokenizer, eval_split, split=split, label=label,
                                  steps=steps, workdir=workdir, progress=progress, echo=echo,
                                  mesh=mesh, weights=used, constraints=split_phrases, mbr=mbr)
@@ -411,7 +415,7 @@ def _run_ensemble(config, workdir, spec: str, *, split: str, translate: bool, in
                        truncate_long=truncate_long, nbest=nbest, members=members,
                        constraints=file_phrases, mbr=mbr)
         return {}
-    label = _mbr_label(ensemble.label(members), mbr)
+    label = _decoding_label(ensemble.label(members), mbr, phrases)
     record = evaluate_params(config, params, tokenizer, eval_split, split=split, label=label,
                              steps=[m.step for m in members], workdir=workdir,
                              progress=progress, echo=echo, mesh=mesh,
