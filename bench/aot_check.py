@@ -51,8 +51,8 @@ def load_config(args):
 
 def deviceless(args) -> dict:
     """Part 1, run in a child on the CPU backend: the dry run's numbers for one GPU."""
-    from t2t import flops
     from t2t.aot import tpu as aot
+    from t2t.infra import flops
 
     config = load_config(args)
     plan = aot.plan(config, args.target)
@@ -75,8 +75,8 @@ def on_device(args) -> dict:
     import jax
     import numpy as np
 
-    from t2t import flops, optim, sharding, train_lib
-    from t2t.infra import metrics
+    from t2t import optim, sharding, train_lib
+    from t2t.infra import flops, metrics
 
     config = load_config(args)
     mesh = sharding.make_mesh(config.mesh_shape, devices=jax.devices()[:1])

@@ -152,8 +152,8 @@ def attention_of(row: Row, settings: dict) -> str:
 
 def measure(row: Row, settings: dict) -> dict:
     """Compiles the row's train step for its GPUs; the table's numbers (see the docstring)."""
-    from t2t import flops
     from t2t.aot import tpu as aot
+    from t2t.infra import flops
 
     peer = row.config.startswith(FLAX_PEER + ':')
     config = load_config(row, settings)

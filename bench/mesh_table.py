@@ -189,9 +189,9 @@ def measure(row: Row, hlo_dir: str = '') -> dict:
     import importlib
 
     sys.path.insert(0, ROOT)
-    from t2t import flops, sharding
+    from t2t import sharding
     from t2t.aot import tpu as aot
-    from t2t.infra import platforms
+    from t2t.infra import flops, platforms
     from t2t.run import startup
 
     peer = row.config.startswith(FLAX_PEER + ':')

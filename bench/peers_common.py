@@ -16,7 +16,7 @@ import traceback
 import benchlib
 
 sys.path.insert(0, benchlib.ROOT)
-from t2t.flops import train_flops_per_step  # noqa: E402  (the one FLOPs formula)
+from t2t.infra.flops import train_flops_per_step  # noqa: E402  (the one FLOPs formula)
 
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16 tensor-core peak, FLOP/s
 NO_EOS = -1  # a token id no model can emit: every beam search runs to its maximum length

@@ -51,7 +51,7 @@ try:
     from t2t.aot import tpu as aot
 except ImportError:  # a checkout from before t2t/aot/
     from t2t import aot
-from t2t import flops
+from t2t.infra import flops
 if spec['fast']:
     jax.config.update('jax_exec_time_optimization_effort', -1.0)
 loader = importlib.util.spec_from_file_location('bench_config', spec['config'])

@@ -46,8 +46,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from t2t import flops, optim, sharding, train_lib  # noqa: E402
-from t2t.infra import metrics  # noqa: E402
+from t2t import optim, sharding, train_lib  # noqa: E402
+from t2t.infra import flops, metrics  # noqa: E402
 from t2t.model import TransformerConfig  # noqa: E402
 
 # name -> (d_model, heads, d_ff, layers in each of encoder and decoder): the peers' shapes.

@@ -14,9 +14,10 @@ import sys
 
 import pytest
 
-from t2t import flops, sharding
+from t2t import sharding
 from t2t.aot import report as aot_report
 from t2t.aot import tpu as aot
+from t2t.infra import flops
 from t2t.model import TransformerConfig, abstract_params, count_params
 from tests.conftest import ROOT
 
@@ -300,7 +301,7 @@ def test_no_libtpu_noise_without_a_tpu():
 _FLOPS_SCRIPT = """
 import json, sys
 from configs import tiny
-from t2t import flops
+from t2t.infra import flops
 from t2t.aot import tpu as aot
 out = {}
 for scan in (False, True):

@@ -7,10 +7,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from t2t import flops, sharding
+from t2t import sharding
 from t2t.aot import cost, hlo
 from t2t.aot import memory as hlo_memory
 from t2t.aot import tpu as aot
+from t2t.infra import flops
 from tests.conftest import tiny_config
 
 

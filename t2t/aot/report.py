@@ -14,9 +14,9 @@ import os
 
 import jax
 
-from t2t import flops
 from t2t.aot import cost, gpu
 from t2t.aot import tpu as aot
+from t2t.infra import flops
 
 
 def _size(num_bytes: float) -> str:

@@ -27,8 +27,8 @@ import json
 import os
 from collections.abc import Callable
 
-from t2t import inference
 from t2t.data import sources
+from t2t.decode import DecodeConfig
 from t2t.eval import checkpoints as eval_checkpoints
 from t2t.eval import evaluation
 from t2t.eval.translate import count_lines, one_line
@@ -127,7 +127,7 @@ def run(teacher_config, teacher_workdir: str, student, workdir: str, *, ensemble
     tokenizer = evaluation.workdir_tokenizer(teacher_config, teacher_workdir)
     empty, too_long = empty_translations(src, hyp, tokenizer, teacher_config.max_position)
     vocab = tokenizer.path
-    decoding = inference.DecodeConfig.from_config(teacher_config)
+    decoding = DecodeConfig.from_config(teacher_config)
     record = {'teacher_workdir': str(teacher_workdir), 'ensemble': ensemble, 'step': step,
               'average_last': average_last, 'weights': weights,
               'decoding': mbr.describe(mbr.decoding(decoding)) if mbr else decoding.describe(),

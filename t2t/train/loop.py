@@ -29,9 +29,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from t2t import flops, goodput, optim, sharding, train_lib
+from t2t import goodput, optim, sharding, train_lib
 from t2t.data import identity
-from t2t.infra import distributed, metrics, trackers, uploads, watchdog
+from t2t.infra import distributed, flops, metrics, trackers, uploads, watchdog
 from t2t.infra import workdir as wd
 from t2t.infra.preemption import Interrupted, PreemptionFlag
 from t2t.run import best, checkpoint, compile_cache, outage, profiling, run_record, startup
