@@ -382,44 +382,34 @@ def greedy_search(tokens_to_logits: TokensToLogits, cache, *, batch_size: int, e
     return state.seqs_BT[:, 1:]
 
 
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    """What `sample_search` draws from: softmax(logits / temperature) over the top_k tokens
-    (0: all), then over the fewest most likely of those whose mass reaches top_p (1: all);
-    DecodeConfig makes it, checked."""
-
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-
-
-def sampling_logits(logits_BV, sampling: Sampling):
-    """float32 logits_BV with temperature applied and the tokens top_k / top_p leave out at -inf
-    (ties at either threshold stay in)."""
-    logits_BV = logits_BV.astype(jnp.float32) / sampling.temperature
+def sampling_logits(logits_BV, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
+    """float32 logits_BV / temperature, the tokens outside the top_k (0: none) and then outside
+    the fewest most likely whose mass reaches top_p (1: none) at -inf (ties at either threshold
+    stay in): what `sample_search` draws from."""
+    logits_BV = logits_BV.astype(jnp.float32) / temperature
     V = logits_BV.shape[-1]
-    if 0 < sampling.top_k < V:
-        kth_B1 = lax.top_k(logits_BV, sampling.top_k)[0][:, -1:]
+    if 0 < top_k < V:
+        kth_B1 = lax.top_k(logits_BV, top_k)[0][:, -1:]
         logits_BV = jnp.where(logits_BV < kth_B1, NEG_INF, logits_BV)
-    if sampling.top_p < 1:
+    if top_p < 1:
         sorted_BV = -jnp.sort(-logits_BV, axis=-1)  # most likely first
         probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
         # A token stays when the tokens more likely than it hold less than top_p: the first
         # always does.
-        kept_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV < sampling.top_p
+        kept_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV < top_p
         least_B1 = jnp.min(jnp.where(kept_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
         logits_BV = jnp.where(logits_BV < least_B1, NEG_INF, logits_BV)
     return logits_BV
 
 
-def sample_search(tokens_to_logits: TokensToLogits, cache, *, keys_B, sampling: Sampling,
-                  batch_size: int, eos_id: int, max_decode_len: int, max_lengths=None,
-                  constants=None):
+def sample_search(tokens_to_logits: TokensToLogits, cache, *, keys_B, batch_size: int,
+                  eos_id: int, max_decode_len: int, max_lengths=None, constants=None,
+                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
     """Ancestral sampling: `greedy_search` with each token drawn from `sampling_logits`, step t
     of row b with fold_in(keys_B[b], t) (a row's sample depends on its key and logits alone)."""
     def pick(logits_BV, step):
         keys_B_step = jax.vmap(jax.random.fold_in, (0, None))(keys_B, step)
-        logits_BV = sampling_logits(logits_BV, sampling)
+        logits_BV = sampling_logits(logits_BV, temperature, top_k, top_p)
         return jax.vmap(jax.random.categorical)(keys_B_step, logits_BV).astype(jnp.int32)
 
     return greedy_search(tokens_to_logits, cache, batch_size=batch_size, eos_id=eos_id,
@@ -444,7 +434,7 @@ class DecodeConfig:
     beam_shrink_floor: int = 0
     max_decode_len: int = 256  # the decode buffers' length: the most tokens of any hypothesis
     max_decode_extra: int = 50  # an example's limit: its source length + this
-    temperature: float = 1.0  # decode_strategy='sample': what Sampling draws from
+    temperature: float = 1.0  # decode_strategy='sample': sampling_logits's
     top_k: int = 0
     top_p: float = 1.0
     decode_seed: int = 0  # decode_strategy='sample': with its source, a sentence's key
@@ -496,21 +486,3 @@ class DecodeConfig:
 
     def replace(self, **changes) -> DecodeConfig:
         return dataclasses.replace(self, **changes)
-
-    @property
-    def sampling(self) -> Sampling | None:
-        """What sample_search draws from when decode_strategy='sample', else None."""
-        if self.decode_strategy != 'sample':
-            return None
-        return Sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
-
-    def describe(self) -> str:
-        """The settings for a report line."""
-        if self.decode_strategy == 'greedy':
-            return 'greedy'
-        if self.decode_strategy == 'sample':
-            draws = f'{self.num_samples} draws, ' if self.num_samples > 1 else ''
-            return (f'sampling: {draws}temperature {self.temperature}, top_k {self.top_k}, top_p '
-                    f'{self.top_p}, seed {self.decode_seed}')
-        stop = '' if self.beam_stop == 'bound' else f', stop {self.beam_stop}'
-        return f'beam {self.beam_size}, alpha {self.length_penalty_alpha}{stop}'

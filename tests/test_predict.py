@@ -193,7 +193,7 @@ def test_decode_config_holds_every_decoding_key_of_the_paper_configs(name):
     assert decoding.nbest == 1 and decoding.num_samples == 1 and decoding.eos_id == EOS_ID
     assert (decoding.beam_size, decoding.length_penalty_alpha, decoding.max_decode_extra) == (
         4, 0.6, 50)  # the paper's decoding
-    assert decoding.describe() == 'beam 4, alpha 0.6' and decoding.sampling is None
+    assert predict_lib.describe(decoding) == 'beam 4, alpha 0.6'
     hash(decoding)  # make_predict_fn's cache key
 
 

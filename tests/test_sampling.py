@@ -79,15 +79,14 @@ def test_a_seed_reproduces_a_sentence_whatever_its_batch_and_devices(params):
 
 def test_top_k_and_top_p_keep_the_most_likely_tokens():
     logits = jnp.log(jnp.array([[0.05, 0.5, 0.15, 0.3]]))
-    kept = lambda **kw: np.isfinite(np.asarray(decode.sampling_logits(logits, decode.Sampling(
-        **kw))))[0].tolist()  # noqa: E731
+    kept = lambda **kw: np.isfinite(np.asarray(decode.sampling_logits(logits, **kw)))[0].tolist()
     assert kept() == [True] * 4
     assert kept(top_k=2) == [False, True, False, True]
     assert kept(top_p=0.7) == [False, True, False, True]  # 0.5 < 0.7, 0.5 + 0.3 is not
     assert kept(top_p=0.81) == [False, True, True, True]
     assert kept(top_p=0.4) == [False, True, False, False]  # the most likely always stays
     assert kept(top_k=3, top_p=0.1) == [False, True, False, False]
-    np.testing.assert_allclose(decode.sampling_logits(logits, decode.Sampling(temperature=2.0)),
+    np.testing.assert_allclose(decode.sampling_logits(logits, temperature=2.0),
                                logits / 2.0, rtol=1e-6)
 
 
@@ -199,11 +198,12 @@ def test_config_keys_reach_the_predict_function(monkeypatch):
     monkeypatch.setattr(predict_lib, 'make_predict_fn',
                         lambda cfg, decoding, **kwargs: seen.append(decoding))
     predict_lib.config_predict_fn(config, CFG, num_valid_ids=48)
-    assert seen[-1].sampling == decode.Sampling(temperature=0.5, top_k=7, top_p=0.9)
+    got = seen[-1]
+    assert (got.decode_strategy, got.temperature, got.top_k, got.top_p) == ('sample', 0.5, 7, 0.9)
     assert seen[-1].decode_seed == 3 and seen[-1].nbest == 1
     config.decode_strategy = 'greedy'
     predict_lib.config_predict_fn(config, CFG, num_valid_ids=48, nbest=1)
-    assert seen[-1].decode_strategy == 'greedy' and seen[-1].sampling is None
+    assert seen[-1].decode_strategy == 'greedy'
     config.decode_strategy = 'beam'
     predict_lib.config_predict_fn(config, CFG, num_valid_ids=48, nbest=2)
-    assert seen[-1].sampling is None and seen[-1].nbest == 2
+    assert seen[-1].decode_strategy == 'beam' and seen[-1].nbest == 2

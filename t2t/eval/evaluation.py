@@ -185,7 +185,7 @@ def evaluate_params(config, params, tokenizer, eval_split, *, split: str, label:
     if constraints is not None:
         record['constraints'] = constraints.record(hypotheses, result.unmet_constraints)
 
-    described = mbr.describe(decoding) if mbr else decoding.describe()
+    described = mbr.describe(decoding) if mbr else predict_lib.describe(decoding)
     echo(f'== {label} on {eval_split.name} ({n} sentences, {described}, '
          f'{result.sentences_per_s:.1f} sentences/s)')
     echo(bleu.format_report(scores))

@@ -28,6 +28,7 @@ import numpy as np
 from sacrebleu.metrics import BLEU, CHRF
 
 from t2t.decode import DecodeConfig
+from t2t.eval import predict as predict_lib
 
 UTILITIES = ('chrf', 'bleu')
 CANDIDATES = ('sample', 'nbest')
@@ -66,7 +67,7 @@ class MBR:
 
     def describe(self, decoding: DecodeConfig) -> str:
         return (f'MBR ({self.utility}) over {self.samples} candidates from '
-                f'{decoding.describe()}')
+                f'{predict_lib.describe(decoding)}')
 
     def record(self) -> dict:
         return {'mbr_samples': self.samples, 'mbr_candidates': self.candidates,

@@ -175,17 +175,29 @@ def _ensemble_step(members: Sequence[_Member], params, ids_N1, caches, constants
     return jnp.mean(log_probs_MNV, axis=0), tuple(cache for _, cache in stepped)
 
 
+def describe(decoding: DecodeConfig) -> str:
+    """The decoding settings for a report line."""
+    if decoding.decode_strategy == 'greedy':
+        return 'greedy'
+    if decoding.decode_strategy == 'sample':
+        draws = f'{decoding.num_samples} draws, ' if decoding.num_samples > 1 else ''
+        return (f'sampling: {draws}temperature {decoding.temperature}, top_k {decoding.top_k}, '
+                f'top_p {decoding.top_p}, seed {decoding.decode_seed}')
+    stop = '' if decoding.beam_stop == 'bound' else f', stop {decoding.beam_stop}'
+    return f'beam {decoding.beam_size}, alpha {decoding.length_penalty_alpha}{stop}'
+
+
 def _search(decoding: DecodeConfig, tokens_to_logits, cache, constants, *, keys_B,
             batch_size: int, L: int, limit_B, first: int, log_probs: bool, constraints):
     """The decoding.decode_strategy search of one bucket: (ids_BL, score_B, nbest_ids_BNL,
     nbest_scores_BN), the last three None where the strategy has none."""
-    strategy, sampling, eos_id = decoding.decode_strategy, decoding.sampling, decoding.eos_id
+    strategy, eos_id = decoding.decode_strategy, decoding.eos_id
     score_B = nbest_ids_BNL = nbest_scores_BN = None
     if strategy == 'sample':
         ids_BL = decode.sample_search(
-            tokens_to_logits, cache, keys_B=keys_B,
-            sampling=sampling, batch_size=batch_size, eos_id=eos_id, max_decode_len=L,
-            max_lengths=limit_B, constants=constants)
+            tokens_to_logits, cache, keys_B=keys_B, batch_size=batch_size, eos_id=eos_id,
+            max_decode_len=L, max_lengths=limit_B, constants=constants,
+            temperature=decoding.temperature, top_k=decoding.top_k, top_p=decoding.top_p)
     elif strategy == 'greedy':
         ids_BL = decode.greedy_search(
             tokens_to_logits, cache, batch_size=batch_size, eos_id=eos_id,

@@ -31,6 +31,7 @@ from t2t.data import sources
 from t2t.decode import DecodeConfig
 from t2t.eval import checkpoints as eval_checkpoints
 from t2t.eval import evaluation
+from t2t.eval import predict as predict_lib
 from t2t.eval.translate import count_lines, one_line
 from t2t.infra import workdir as wd
 
@@ -128,9 +129,9 @@ def run(teacher_config, teacher_workdir: str, student, workdir: str, *, ensemble
     empty, too_long = empty_translations(src, hyp, tokenizer, teacher_config.max_position)
     vocab = tokenizer.path
     decoding = DecodeConfig.from_config(teacher_config)
+    described = mbr.describe(mbr.decoding(decoding)) if mbr else predict_lib.describe(decoding)
     record = {'teacher_workdir': str(teacher_workdir), 'ensemble': ensemble, 'step': step,
-              'average_last': average_last, 'weights': weights,
-              'decoding': mbr.describe(mbr.decoding(decoding)) if mbr else decoding.describe(),
+              'average_last': average_last, 'weights': weights, 'decoding': described,
               'sources': total, 'empty_translations': empty,
               'sources_over_max_position': too_long, 'vocab_path': vocab}
     wd.write_atomic(os.path.join(directory, 'distill.json'), json.dumps(record, indent=2) + '\n')
