@@ -53,7 +53,7 @@ MUTANTS = (
            'alpha=decoding.length_penalty_alpha, eos_id=eos_id', 'alpha=0.0, eos_id=eos_id',
            (_SET + 'test_decoding_settings_reach_the_search',),
            'the search is passed alpha=0.0 (no length penalty)'),
-    Mutant('eval_drops_last_batch', 'train_lib:evaluate_loss',
+    Mutant('eval_drops_last_batch', 'validation:evaluate_loss',
            'for i, batch in enumerate(batches):',
            'for i, batch in enumerate(list(batches)[:-1]):',
            (_SET + 'test_validation_metrics_equal_a_direct_computation_over_the_whole_split',),
