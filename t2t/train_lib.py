@@ -380,4 +380,3 @@ def summarize_metrics(sums: dict) -> dict:
         'perplexity': math.exp(min(nll, 50.0)),
         'accuracy': float(sums['correct_sum']) / tokens,
     }
-
