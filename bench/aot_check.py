@@ -10,7 +10,7 @@
    attention kernel compiled.
 2. In this process, on the GPU: the same step (train_lib.jit_train_step on a sharded state) is
    compiled for the card, with autotuning, and its memory_analysis read; then run on random
-   batches: the median step time, tokens/s and MFU (t2t/flops.py's FLOPs over the datasheet
+   batches: the median step time, tokens/s and MFU (t2t/infra/flops.py's FLOPs over the datasheet
    peak, as the estimate's).
 One RESULT line per part (`deviceless`, `device`) and one comparing them (`aot_check`: device /
 deviceless ratios), appended to $OUT/t2t_results.jsonl when OUT is set.

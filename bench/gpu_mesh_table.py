@@ -23,8 +23,8 @@ dims, vocabulary, rows and length).
 
 Columns, per GPU and per step: memory_analysis arguments / temporaries / total in GiB against
 the card's HBM and the verdict (t2t.aot.tpu.verdict: fits / fits only by rematerialization /
-does not fit) with the recompute ratio (XLA's matmul FLOPs over t2t/flops.py's dense count; the
-peer's counted against the same formula); XLA's counts (HloCostAnalysis of the optimized module:
+does not fit) with the recompute ratio (XLA's matmul FLOPs over t2t/infra/flops.py's dense count;
+the peer's counted against the same formula); XLA's counts (HloCostAnalysis of the optimized module:
 flops and bytes accessed, each loop body once) and the matmul FLOPs and HBM bytes with loops by
 trip count; collectives in one node (NVLink) and across nodes, GB of operands, and the GB a GPU
 sends on each link (t2t.aot.gpu.sent_bytes: NCCL's ring model); the attention kernel compiled;

@@ -1,8 +1,8 @@
 """Shapes, FLOP count, budget, timing and RESULT lines shared by the peer benchmarks.
 
-bench/peers_gpu.py runs the sections of bench/peer_sections.py with these helpers; the FLOPs formula
-is t2t/flops.py's `train_flops_per_step`, so t2t's MFU compares with the peers'. RESULT lines and
-the timing loop are bench/benchlib.py's.
+bench/peers_gpu.py runs the sections of bench/peer_sections.py with these helpers; the FLOPs
+formula is t2t/infra/flops.py's `train_flops_per_step`, so t2t's MFU compares with the peers'.
+RESULT lines and the timing loop are bench/benchlib.py's.
 """
 
 import math

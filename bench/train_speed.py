@@ -12,7 +12,7 @@ NLL and accuracy sums and the gradient norm, which the peers' steps do not.
 
 Reports per model and attention implementation: compile s (lower + compile), step ms (median over
 --steps timed steps after --warmup_steps, each synced with block_until_ready), target tokens/s,
-model TFLOP/s and MFU, with FLOPs counted by t2t/flops.py (the peers' formula) against
+model TFLOP/s and MFU, with FLOPs counted by t2t/infra/flops.py (the peers' formula) against
 t2t.infra.metrics.peak_flops_per_device() (989 TFLOP/s on H100/H200; none on CPU -> MFU null). With
 MEAS_TFLOPS set (the measured matmul peak), also MFU against it. One `RESULT {json}` line per
 measurement, also appended to $OUT/t2t_results.jsonl when OUT is set.

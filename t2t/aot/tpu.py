@@ -195,7 +195,7 @@ FITS, RECOMPUTES, DOES_NOT_FIT = 'fits', 'fits only by rematerialization', 'does
 
 def recompute_ratio(compiled: Compiled, config, devices: int) -> float:
     """XLA's matmul FLOPs of the train step (all devices, loops by trip count) over the model's
-    as a dense kernel computes them (t2t/flops.py with the whole causal self-attention): above
+    as a dense kernel computes them (t2t/infra/flops.py with the whole causal self-attention): above
     1 + RECOMPUTE_MARGIN, the compiled step recomputes activations (XLA's own rematerialization
     when buffers exceed the device, or the config's remat)."""
     return (compiled.matmul_flops_per_device * devices
