@@ -434,7 +434,7 @@ class DecodeConfig:
     beam_shrink_floor: int = 0
     max_decode_len: int = 256  # the decode buffers' length: the most tokens of any hypothesis
     max_decode_extra: int = 50  # an example's limit: its source length + this
-    temperature: float = 1.0  # decode_strategy='sample': sampling_logits's
+    temperature: float = 1.0  # decode_strategy='sample': logits / temperature (sampling_logits)
     top_k: int = 0
     top_p: float = 1.0
     decode_seed: int = 0  # decode_strategy='sample': with its source, a sentence's key
