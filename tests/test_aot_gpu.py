@@ -18,9 +18,9 @@ import sys
 
 import pytest
 
-from t2t import flops
 from t2t.aot import targets
 from t2t.aot import tpu as aot
+from t2t.infra import flops
 from t2t.model import TransformerConfig, abstract_params, count_params
 from tests.conftest import ROOT
 
@@ -299,7 +299,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 from configs import tiny
-from t2t import flops
+from t2t.infra import flops
 from t2t.aot import gpu
 from t2t.aot import tpu as aot
 out = {}

@@ -10,8 +10,9 @@ import pytest
 from ml_collections import ConfigDict
 
 from configs import tiny
-from t2t import inference
+from t2t.decode import DecodeConfig
 from t2t.eval import constraints, evaluation, terms
+from t2t.eval import predict as predict_lib
 from t2t.eval.checkpoints import EvalError
 from tests import toy_corpus
 from tests.helpers import run_script
@@ -19,8 +20,8 @@ from tests.trained_tiny import GROUP, TRAIN_STEPS
 
 pytestmark = pytest.mark.xdist_group(GROUP)
 
-DECODING = inference.DecodeConfig(beam_size=4, length_penalty_alpha=0.6, max_decode_len=48,
-                                  max_decode_extra=16)
+DECODING = DecodeConfig(beam_size=4, length_penalty_alpha=0.6, max_decode_len=48,
+                        max_decode_extra=16)
 ABSENT = ('HOUSE', 'RIVER', 'STONE', 'BIRD', 'TREE', 'GREEN')  # inserted where not translated
 
 
@@ -40,7 +41,7 @@ def test_every_phrase_appears_in_every_output_of_the_trained_model(trained_tiny)
     phrases = [_phrases(s, rng) for s in m['sources'][:n]]
     ids = [[tokenizer.encode(p) for p in line] for line in phrases]
     batch = next(terms.with_constraints([{'index': np.arange(n)}], ids, terms.shape(ids)))
-    predict = inference.make_predict_fn(m['cfg'], DECODING, num_valid_ids=tokenizer.vocab_size)
+    predict = predict_lib.make_predict_fn(m['cfg'], DECODING, num_valid_ids=tokenizer.vocab_size)
     free = predict(m['params'], x)
     forced = predict(m['params'], x, constraints.Constraints(batch['constraints']))
 

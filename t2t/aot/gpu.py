@@ -278,7 +278,7 @@ def report_lines(compiled, devices: int, model_flops: float | None = None,
     lines.append(line)
     if model_flops:
         lines.append(f'  implied by the estimate: MFU {100 * r.mfu(model_flops, devices):.3g}% '
-                     f'(t2t/flops.py {model_flops:.4g} FLOP / {devices} x '
+                     f'(t2t/infra/flops.py {model_flops:.4g} FLOP / {devices} x '
                      f'{r.peak_flops / 1e12:.0f} TFLOP/s), {tokens / r.seconds / devices:.4g} '
                      'target tokens/s per GPU')
     return lines
