@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/cpu_vs_torch.py                         # 1 and 2 cores, packed rows
     .venv/bin/python bench/cpu_vs_torch.py --cores 1 --rounds 7 --layout padded
+    .venv/bin/python bench/cpu_vs_torch.py --cores 1 --cpus 1      # one core: CPU 1
     .venv/bin/python bench/cpu_vs_torch.py --set loss_impl=fused   # a t2t config key changed
 
 The model and batch are `make demo`'s (configs/default.py, its keys changeable with --set): post-LN
@@ -18,8 +19,11 @@ first-fit into the rows, with segment ids and positions; t2t takes them as it tr
 block-diagonal masks (each token sees its own pair, causally on the target side). `padded`: one pair
 a row, each side's length uniform in [32, 64], then padding (key padding masks in PyTorch).
 
-Cores: each core count runs in its own process pinned to cores 0..N-1 before jax or torch is
-imported (XLA's CPU thread pool follows the affinity; torch.set_num_threads(N)). In it, both
+Cores: each core count N runs in its own process pinned to the first N CPUs of --cpus (default:
+the CPUs this process may use) before jax or torch is imported (XLA's CPU thread pool follows the
+affinity; torch.set_num_threads(N)). The process first prepares the host as t2t's entry points do
+on a CPU-only host (platforms.prepare_cpu_host: glibc's malloc keeps freed memory for the next
+allocation); one process, so PyTorch's allocations get that too. In it, both
 steps are run first (compiles, warm-up), then --rounds rounds, each timing --steps synced steps of
 one side then of the other (the order flips every round). Reported: target tokens/s (non-pad
 target tokens / the median step time) per core of each, and the ratio t2t / PyTorch (>= 1: t2t
@@ -187,6 +191,11 @@ def torch_step(config, batch: dict, compile_: bool):
 
 def child(args) -> dict:
     """One core count, in this process (pinned by the parent's command): both steps, alternating."""
+    os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # main's command sets it; --child alone too
+    sys.path.insert(0, ROOT)
+    from t2t.infra import platforms
+
+    platforms.prepare_cpu_host()  # before jax or torch allocates
     import torch
 
     torch.set_num_threads(args.cores)
@@ -234,6 +243,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument('--cores', default='1,2', help='comma list: a process pinned to each count')
+    ap.add_argument('--cpus', default='', help='comma list of the CPUs to pin to, first ones '
+                    'first (default: those this process may use)')
     ap.add_argument('--rounds', type=int, default=5)
     ap.add_argument('--steps', type=int, default=5, help='timed steps per side and round')
     ap.add_argument('--layout', default='packed', choices=('packed', 'padded'))
@@ -246,11 +257,14 @@ def main(argv=None) -> int:
         args.cores = int(args.cores)
         print('RESULT ' + json.dumps({'section': 'cpu_vs_torch', **child(args)}), flush=True)
         return 0
-    available = sorted(os.sched_getaffinity(0))
-    print(f'# cpu_vs_torch: cores {available}, loadavg {os.getloadavg()}', flush=True)
+    allowed = sorted(os.sched_getaffinity(0))
+    available = [int(c) for c in args.cpus.split(',')] if args.cpus else allowed
+    if not set(available) <= set(allowed):
+        raise SystemExit(f'--cpus {args.cpus}: this process may use only CPUs {allowed}')
+    print(f'# cpu_vs_torch: cpus {available}, loadavg {os.getloadavg()}', flush=True)
     for n in (int(c) for c in args.cores.split(',')):
         if n > len(available):
-            raise SystemExit(f'--cores {n}: this process may use only {len(available)} cores')
+            raise SystemExit(f'--cores {n}: only {len(available)} CPUs to pin to ({available})')
         command = ['taskset', '-c', ','.join(map(str, available[:n])), sys.executable,
                    os.path.abspath(__file__), '--child', f'--cores={n}',
                    f'--rounds={args.rounds}', f'--steps={args.steps}', f'--layout={args.layout}',
