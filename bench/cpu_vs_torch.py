@@ -5,6 +5,7 @@
     .venv/bin/python bench/cpu_vs_torch.py --cores 1 --cpus 1      # one core: CPU 1
     .venv/bin/python bench/cpu_vs_torch.py --cores 1 --hosts reuse,plain  # with and without
     .venv/bin/python bench/cpu_vs_torch.py --set loss_impl=fused   # a t2t config key changed
+    .venv/bin/python bench/cpu_vs_torch.py --variant rng_impl=unsafe_rbg  # and without, alternating
 
 The model and batch are `make demo`'s (configs/default.py, its keys changeable with --set): post-LN
 Transformer, d_model 128, d_ff 512, 4 heads, 3+3 layers, 4000-piece vocabulary shared by source,
@@ -27,8 +28,9 @@ affinity; torch.set_num_threads(N)). The process first prepares the host as --ho
 malloc keeps freed memory for the next allocation), `plain` leaves glibc's malloc as it is; one
 process, so PyTorch's allocations get the same. In it, both steps are run first (compiles,
 warm-up), then --rounds rounds, each timing --steps synced steps of one side then of the other
-(the order flips every round). With two or more hosts, a process each on the same CPUs, their
-rounds alternate too (one process computes while the others wait; the order flips every round).
+(the order rotates every round; --variant adds t2t steps with other config keys to the rotation).
+With two or more hosts, a process each on the same CPUs, their rounds alternate too (one process
+computes while the others wait; the order flips every round).
 Reported: target tokens/s (non-pad target tokens / the median step time) per core of each, and
 the ratio t2t / PyTorch (>= 1: t2t processes at least as many target tokens a second), with the
 median of the per-round ratios, robust to load changing between rounds; with several hosts, also
@@ -212,6 +214,31 @@ class _Turns:
             print('DONE', flush=True)
 
 
+def _pairs(items) -> dict:
+    return dict(item.split('=', 1) for item in items)
+
+
+def _timed_rounds(runs: dict, args) -> tuple[dict, dict]:
+    """--rounds rounds of --steps synced steps of each run, the order rotating every round:
+    (every step's seconds, each round's median) by run."""
+    times = {name: [] for name in runs}
+    per_round = {name: [] for name in runs}
+    names = list(runs)
+    turn = _Turns(args.serve)
+    for r in range(args.rounds):
+        turn.begin()
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            round_times = []
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                runs[name]()
+                round_times.append(time.perf_counter() - t0)
+            times[name] += round_times
+            per_round[name].append(statistics.median(round_times))
+        turn.end()
+    return times, per_round
+
+
 def child(args) -> dict:
     """One core count, in this process (pinned by the parent's command): both steps, alternating."""
     os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # main's command sets it; --child alone too
@@ -226,40 +253,41 @@ def child(args) -> dict:
     import jax
 
     batch = make_batch(args.layout, 64, 64, 4000)
-    overrides = dict(item.split('=', 1) for item in args.set)
+    overrides = _pairs(args.set)
     run_t2t, config = t2t_step(overrides, batch)
     if (config.batch_size, config.max_len, config.vocab_size) != (64, 64, 4000):
         raise SystemExit('--set changed the batch or vocabulary: the batch here is 64 x 64, '
                          'vocabulary 4000')
     run_torch, torch_info = torch_step(config, batch, args.torch_compile)
     runs = {'t2t': run_t2t, 'torch': run_torch}
+    for variant in args.variant:
+        runs[f't2t[{variant}]'] = t2t_step({**overrides, **_pairs(variant.split(','))}, batch)[0]
     losses = {name: [run() for _ in range(3)] for name, run in runs.items()}  # warm-up
-    times = {name: [] for name in runs}
-    per_round = {name: [] for name in runs}
-    turn = _Turns(args.serve)
-    for r in range(args.rounds):
-        turn.begin()
-        for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
-            round_times = []
-            for _ in range(args.steps):
-                t0 = time.perf_counter()
-                runs[name]()
-                round_times.append(time.perf_counter() - t0)
-            times[name] += round_times
-            per_round[name].append(statistics.median(round_times))
-        turn.end()
+    times, per_round = _timed_rounds(runs, args)
     tokens = int((batch['targets'] != PAD).sum())
     step_s = {name: statistics.median(v) for name, v in times.items()}
     per_core = {name: tokens / s / args.cores for name, s in step_s.items()}
-    round_ratios = [b / a for a, b in zip(per_round['t2t'], per_round['torch'], strict=True)]
+
+    def round_ratios(name):  # t2t / PyTorch of each round
+        return [b / a for a, b in zip(per_round[name], per_round['torch'], strict=True)]
+
+    variants = {name: dict(step_ms=round(step_s[name] * 1e3, 1),
+                           tokens_per_s_per_core=round(per_core[name]),
+                           ratio=round(per_core[name] / per_core['torch'], 3),
+                           ratio_round_median=round(statistics.median(round_ratios(name)), 3),
+                           over_t2t_round_median=round(statistics.median([  # > 1: faster
+                               a / b for a, b in zip(per_round['t2t'], per_round[name],
+                                                     strict=True)]), 3))
+                for name in runs if name.startswith('t2t[')}
     return dict(cores=args.cores, host=args.host, layout=args.layout, target_tokens=tokens,
                 t2t_step_ms=round(step_s['t2t'] * 1e3, 1),
                 torch_step_ms=round(step_s['torch'] * 1e3, 1),
                 t2t_tokens_per_s_per_core=round(per_core['t2t']),
                 torch_tokens_per_s_per_core=round(per_core['torch']),
                 ratio=round(per_core['t2t'] / per_core['torch'], 3),
-                ratio_round_median=round(statistics.median(round_ratios), 3),
-                round_ratios=[round(x, 3) for x in round_ratios], steps_each=len(times['t2t']),
+                ratio_round_median=round(statistics.median(round_ratios('t2t')), 3),
+                round_ratios=[round(x, 3) for x in round_ratios('t2t')],
+                steps_each=len(times['t2t']), variants=variants,
                 round_step_ms={k: [round(x * 1e3, 1) for x in v] for k, v in per_round.items()},
                 warmup_losses={k: [round(x, 3) for x in v] for k, v in losses.items()},
                 t2t_overrides=overrides, jax=jax.__version__,
@@ -272,7 +300,7 @@ def _start(args, host: str, cpus: list[int], n: int) -> subprocess.Popen:
     command = ['taskset', '-c', ','.join(map(str, cpus[:n])), sys.executable,
                os.path.abspath(__file__), '--child', '--serve', f'--cores={n}', f'--host={host}',
                f'--rounds={args.rounds}', f'--steps={args.steps}', f'--layout={args.layout}',
-               *(f'--set={s}' for s in args.set),
+               *(f'--set={s}' for s in args.set), *(f'--variant={v}' for v in args.variant),
                *(['--torch_compile'] if args.torch_compile else [])]
     # glibc's huge pages for large blocks, as the Makefile sets for t2t (both sides get them)
     env = {'GLIBC_TUNABLES': 'glibc.malloc.hugetlb=1', **os.environ, 'JAX_PLATFORMS': 'cpu'}
@@ -345,6 +373,9 @@ def main(argv=None) -> int:
     ap.add_argument('--layout', default='packed', choices=('packed', 'padded'))
     ap.add_argument('--set', action='append', default=[], metavar='KEY=VALUE',
                     help='a configs/default.py key for t2t (a speed lever), repeatable')
+    ap.add_argument('--variant', action='append', default=[], metavar='KEY=VALUE[,...]',
+                    help='a second t2t step with these keys on top of --set, timed in the same '
+                    'rounds (its ratios under "variants"), repeatable')
     ap.add_argument('--torch_compile', action='store_true', help='torch.compile the loss')
     ap.add_argument('--child', action='store_true', help=argparse.SUPPRESS)
     ap.add_argument('--serve', action='store_true', help=argparse.SUPPRESS)
