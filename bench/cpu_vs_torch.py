@@ -4,7 +4,7 @@
     .venv/bin/python bench/cpu_vs_torch.py --cores 1 --rounds 7 --layout padded
     .venv/bin/python bench/cpu_vs_torch.py --cores 1 --cpus 1      # one core: CPU 1
     .venv/bin/python bench/cpu_vs_torch.py --cores 1 --hosts reuse,plain  # with and without
-    .venv/bin/python bench/cpu_vs_torch.py --set loss_impl=plain   # a t2t config key changed
+    .venv/bin/python bench/cpu_vs_torch.py --set loss_impl=fused   # a t2t config key changed
     .venv/bin/python bench/cpu_vs_torch.py --variant rng_impl=unsafe_rbg  # and without, alternating
 
 The model and batch are `make demo`'s (configs/default.py, its keys changeable with --set): post-LN
