@@ -24,9 +24,6 @@ def get_config():
     c.d_model, c.d_ff, c.num_heads = 128, 512, 4
     c.num_encoder_layers = c.num_decoder_layers = 3
     c.max_position = 256
-    # The fused loss: the plain loss's value and gradient, a faster CPU step (bench/RESULTS.md,
-    # "The CPU step against PyTorch, with and without the host-memory lever")
-    c.loss_impl = 'fused'
     c.learning_rate_scale = 0.8
     c.warmup_steps = 300
     c.num_train_steps = 1200
