@@ -38,7 +38,6 @@ import pytest
 from t2t.goodput import report as goodput_report
 from t2t.infra import exits, metrics
 from t2t.infra import workdir as wd
-from t2t.run import outage
 from tests import chaos_run, fault_front, gcs_server
 from tests.helpers import start_script
 
@@ -50,6 +49,7 @@ RESUMED = STEPS + 3  # the outage run resumed from its last checkpoint to here
 OUTAGE_EVERY = 6  # the outage run's checkpoints: one due in the outage, the next after steps
 LIMIT_S = 10.0
 RETRY_S = 5.0
+GRACE_S = 10.0  # the SIGTERM run's grace (T2T_PREEMPTION_GRACE_S), waited out in full in the outage
 
 
 def _train(logs, workdir, data_dir, env, *extra, steps=STEPS):
@@ -265,9 +265,10 @@ def test_two_processes_agree_on_a_save_retried_through_an_outage(tmp_path, data_
 def test_a_sigterm_in_an_outage_says_what_is_not_in_storage_and_a_restart_redoes_it_once(
         tmp_path, data_dir):
     """A run's bucket goes down at checkpoint 6's first request; at step 8 or later, with that
-    save pending and the records since held, a SIGTERM: the run waits PREEMPTION_GRACE_S for
-    them, says in one line what is not in storage (both checkpoints, the metric records and
-    their bytes) and the last checkpoint that is (3), and exits 0 without a traceback.
+    save pending and the records since held, a SIGTERM: the run waits its preemption grace for
+    them (GRACE_S through T2T_PREEMPTION_GRACE_S: a shorter wait, the same path), says in one
+    line what is not in storage (both checkpoints, the metric records and their bytes) and the
+    last checkpoint that is (3), and exits 0 without a traceback.
     Restarted once the bucket is back, it resumes from checkpoint 3 and ends with each step's
     record once and in order: the records after checkpoint 3 that reached the bucket before the
     outage are removed and written again by the resumed run, the held ones were never written."""
@@ -278,7 +279,8 @@ def test_a_sigterm_in_an_outage_says_what_is_not_in_storage_and_a_restart_redoes
         try:
             run = _train(tmp_path / 'run', workdir, data_dir,
                          {**gcs_server.environment(front.url),
-                          'T2T_STORAGE_RETRY_S': f'{RETRY_S:g}'})
+                          'T2T_STORAGE_RETRY_S': f'{RETRY_S:g}',
+                          'T2T_PREEMPTION_GRACE_S': f'{GRACE_S:g}'})
             _wait_for_line(run, tmp_path / 'run', r'^step 8 \|', 300)
             assert front.in_outage()
             run.send_signal(signal.SIGTERM)
@@ -297,13 +299,13 @@ def test_a_sigterm_in_an_outage_says_what_is_not_in_storage_and_a_restart_redoes
                              r'goodput ledger)?; the last checkpoint in storage is step 3', said[0])
         assert match, said
         waited, stopped, held = map(int, match.group(1, 2, 3))
-        assert abs(waited - outage.PREEMPTION_GRACE_S) <= 2, said  # the grace, spent waiting
+        assert abs(waited - GRACE_S) <= 2, said  # the grace, spent waiting
         assert stopped >= 8 and held >= stopped - 6, said  # steps 7.. at least
         assert re.search(rf'^finished at step {stopped} \(preemption\)', out, re.M), out
         assert re.search(r'^goodput: no report \(HttpError: .*: the workdir\'s storage is failing',
                          out, re.M), out  # not read: its retries would outlast a preemption
         # The grace, the ledger's WRITE_WAIT_S and the exit: no storage retries waited out.
-        assert took < outage.PREEMPTION_GRACE_S + 20, took
+        assert took < GRACE_S + 20, took
         resumed = _train(tmp_path / 'resumed', workdir, data_dir, gcs_server.environment(url))
         status, out, err = _finish(resumed, tmp_path / 'resumed')
         assert status == 0, err[-3000:]

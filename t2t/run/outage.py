@@ -20,6 +20,7 @@ retried by all. The start and the end of an outage are said in one line each.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -33,7 +34,9 @@ from t2t.run import checkpoint
 
 MAX_DELAY_S = uploads.BACKOFF_MAX_S
 FLUSH_WAIT_S = 2.0  # a due save waits this long for the metrics before it takes the slow road
-PREEMPTION_GRACE_S = 20.0  # what a SIGTERM leaves for durable writes before the process goes
+# What a SIGTERM leaves for durable writes before the process goes; T2T_PREEMPTION_GRACE_S sets
+# another (tests/test_bucket_faults.py: its SIGTERM in an outage waits it out in full).
+PREEMPTION_GRACE_S = float(os.environ.get('T2T_PREEMPTION_GRACE_S', '20'))
 ERROR_WAIT_S = 5.0  # what a run ending on an error leaves its pending save
 
 
