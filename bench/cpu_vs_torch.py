@@ -23,10 +23,11 @@ a row, each side's length uniform in [32, 64], then padding (key padding masks i
 
 Cores: each core count N runs in its own process pinned to the first N CPUs of --cpus (default:
 the CPUs this process may use) before jax or torch is imported (XLA's CPU thread pool follows the
-affinity; torch.set_num_threads(N)). The process first prepares the host as --hosts says: `reuse`
-(the default) as t2t's entry points do on a CPU-only host (platforms.prepare_cpu_host: glibc's
-malloc keeps freed memory for the next allocation), `plain` leaves glibc's malloc as it is; one
-process, so PyTorch's allocations get the same. In it, both steps are run first (compiles,
+affinity; torch.set_num_threads(N)). The process first prepares the host as --hosts says: `plain`
+(the default, as t2t runs) leaves glibc's malloc as it is, `reuse` makes it keep freed memory for
+the next allocation (reuse_freed_memory below: a lever measured, not adopted by t2t, whose effect
+on page faults did not hold in every process; bench/RESULTS.md); one process, so PyTorch's
+allocations get the same. In it, both steps are run first (compiles,
 warm-up), then --rounds rounds, each timing --steps synced steps of one side then of the other
 (the order rotates every round; --variant adds t2t steps with other config keys to the rotation).
 With two or more hosts, a process each on the same CPUs, their rounds alternate too (one process
@@ -239,14 +240,26 @@ def _timed_rounds(runs: dict, args) -> tuple[dict, dict]:
     return times, per_round
 
 
+def reuse_freed_memory() -> bool:
+    """glibc's malloc keeps freed memory in one heap for the next allocation: one arena, no mmap
+    for large blocks, no trimming (mallopt; before the first allocation of jax or torch). Whether
+    glibc took the settings."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, 'gnu_get_libc_version'):
+        return False
+    m_trim_threshold, m_mmap_max, m_arena_max = -1, -4, -8  # glibc's malloc.h
+    settings = ((m_arena_max, 1), (m_mmap_max, 0), (m_trim_threshold, 2**31 - 1))
+    return all(libc.mallopt(param, value) == 1 for param, value in settings)
+
+
 def child(args) -> dict:
     """One core count, in this process (pinned by the parent's command): both steps, alternating."""
     os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # main's command sets it; --child alone too
     sys.path.insert(0, ROOT)
-    from t2t.infra import platforms
-
     if args.host == 'reuse':
-        platforms.prepare_cpu_host()  # before jax or torch allocates
+        reuse_freed_memory()  # before jax or torch allocates
     import torch
 
     torch.set_num_threads(args.cores)
@@ -365,9 +378,9 @@ def main(argv=None) -> int:
     ap.add_argument('--cores', default='1,2', help='comma list: a process pinned to each count')
     ap.add_argument('--cpus', default='', help='comma list of the CPUs to pin to, first ones '
                     'first (default: those this process may use)')
-    ap.add_argument('--hosts', default='reuse', help='comma list of host settings (reuse: '
-                    'platforms.prepare_cpu_host, as t2t runs; plain: glibc as it is): a process '
-                    'each, their rounds alternating')
+    ap.add_argument('--hosts', default='plain', help='comma list of host settings (plain: glibc '
+                    'as it is, as t2t runs; reuse: reuse_freed_memory): a process each, their '
+                    'rounds alternating')
     ap.add_argument('--rounds', type=int, default=5)
     ap.add_argument('--steps', type=int, default=5, help='timed steps per side and round')
     ap.add_argument('--layout', default='packed', choices=('packed', 'padded'))
