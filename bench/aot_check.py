@@ -10,7 +10,7 @@
    attention kernel compiled.
 2. In this process, on the GPU: the same step (train_lib.jit_train_step on a sharded state) is
    compiled for the card, with autotuning, and its memory_analysis read; then run on random
-   batches: the median step time, tokens/s and MFU (t2t/flops.py's FLOPs over the datasheet
+   batches: the median step time, tokens/s and MFU (t2t/infra/flops.py's FLOPs over the datasheet
    peak, as the estimate's).
 One RESULT line per part (`deviceless`, `device`) and one comparing them (`aot_check`: device /
 deviceless ratios), appended to $OUT/t2t_results.jsonl when OUT is set.
@@ -51,8 +51,8 @@ def load_config(args):
 
 def deviceless(args) -> dict:
     """Part 1, run in a child on the CPU backend: the dry run's numbers for one GPU."""
-    from t2t import flops
     from t2t.aot import tpu as aot
+    from t2t.infra import flops
 
     config = load_config(args)
     plan = aot.plan(config, args.target)
@@ -75,8 +75,8 @@ def on_device(args) -> dict:
     import jax
     import numpy as np
 
-    from t2t import flops, optim, sharding, train_lib
-    from t2t.infra import metrics
+    from t2t import optim, sharding, train_lib
+    from t2t.infra import flops, metrics
 
     config = load_config(args)
     mesh = sharding.make_mesh(config.mesh_shape, devices=jax.devices()[:1])

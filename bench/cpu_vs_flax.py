@@ -12,7 +12,7 @@ Same dims and batch for both (the CPU comparison shape): d_model 256, 4 heads, d
 layers, vocab 8000, float32, 64 sentence pairs x 64 tokens with padding (train_speed.make_batch,
 the same arrays for both); beam 4 on 64 x 16 source tokens, 32 new tokens, no EOS. t2t runs its
 real train step (train_lib.jit_train_step: also the NLL/accuracy sums and the gradient norm) and
-inference.make_predict_fn, with the levers given on the command line.
+t2t.eval.predict.make_predict_fn, with the levers given on the command line.
 
 Timing: both functions are compiled first; then --rounds rounds, each timing --steps calls of t2t
 and then --steps of the peer (the order flips every round), every call synced. Reported: the

@@ -7,7 +7,7 @@
 Shape (as bench/peers_gpu.py): BASE model (512/2048/8 heads/6+6, vocab 32768, bf16,
 random init), beam 4, alpha 0.6, 64 sentences x 32 source tokens (random ids in [3, vocab), the
 peers' own batch), exactly 64 new tokens per sentence. The predict function is
-t2t.inference.make_predict_fn, unchanged: per batch it runs the encoder, builds the decode caches
+t2t.eval.predict.make_predict_fn, unchanged: per batch it runs the encoder, builds the decode caches
 and runs the beam search, all inside one jit.
 
 "64 new tokens forced": the peers pass eos_id=-1 to the flax beam search, so no token ends a
@@ -49,7 +49,8 @@ from train_speed import (  # noqa: E402
     versions,
 )
 
-from t2t import inference  # noqa: E402
+from t2t.decode import DecodeConfig  # noqa: E402
+from t2t.eval import predict as predict_lib  # noqa: E402
 from t2t.model import Transformer  # noqa: E402
 
 NO_EOS = -1  # a token id no model can emit, as peers_gpu.py: every search runs to its limit
@@ -70,10 +71,10 @@ def build_predict(attention: str, shape, args, scan_layers: bool = False):
     inputs_BS = jnp.asarray(decode_src(args.batch, args.src_len, args.vocab), jnp.int32)
     params = jax.jit(lambda key: nn.unbox(Transformer(config).init(key, inputs_BS, inputs_BS)))(
         jax.random.PRNGKey(0))['params']
-    decoding = inference.DecodeConfig(beam_size=args.beams, length_penalty_alpha=0.6,
-                                      max_decode_len=args.new_tokens,
-                                      max_decode_extra=args.new_tokens, eos_id=NO_EOS)
-    predict = inference.make_predict_fn(config, decoding)
+    decoding = DecodeConfig(beam_size=args.beams, length_penalty_alpha=0.6,
+                            max_decode_len=args.new_tokens,
+                            max_decode_extra=args.new_tokens, eos_id=NO_EOS)
+    predict = predict_lib.make_predict_fn(config, decoding)
     return predict, params, inputs_BS
 
 

@@ -23,8 +23,8 @@ dims, vocabulary, rows and length).
 
 Columns, per GPU and per step: memory_analysis arguments / temporaries / total in GiB against
 the card's HBM and the verdict (t2t.aot.tpu.verdict: fits / fits only by rematerialization /
-does not fit) with the recompute ratio (XLA's matmul FLOPs over t2t/flops.py's dense count; the
-peer's counted against the same formula); XLA's counts (HloCostAnalysis of the optimized module:
+does not fit) with the recompute ratio (XLA's matmul FLOPs over t2t/infra/flops.py's dense count;
+the peer's counted against the same formula); XLA's counts (HloCostAnalysis of the optimized module:
 flops and bytes accessed, each loop body once) and the matmul FLOPs and HBM bytes with loops by
 trip count; collectives in one node (NVLink) and across nodes, GB of operands, and the GB a GPU
 sends on each link (t2t.aot.gpu.sent_bytes: NCCL's ring model); the attention kernel compiled;
@@ -152,8 +152,8 @@ def attention_of(row: Row, settings: dict) -> str:
 
 def measure(row: Row, settings: dict) -> dict:
     """Compiles the row's train step for its GPUs; the table's numbers (see the docstring)."""
-    from t2t import flops
     from t2t.aot import tpu as aot
+    from t2t.infra import flops
 
     peer = row.config.startswith(FLAX_PEER + ':')
     config = load_config(row, settings)

@@ -28,7 +28,7 @@ t2t.aot.tpu.HBM_MARGIN; the collectives' operand bytes (t2t/aot/hlo.py, loops by
 in loops); the roofline LOWER BOUND's terms (t2t.aot.tpu.Roofline: matmul FLOPs / bf16 peak, HBM
 bytes / HBM bandwidth, collective bytes / ICI bandwidth) and the bound; and the resulting
 upper bound of throughput, target tokens per step / bound / chips, with the MFU the bound
-allows (t2t/flops.py's FLOPs / bound / peak of the chips: an upper bound). Then XLA's ESTIMATE
+allows (t2t/infra/flops.py's FLOPs / bound / peak of the chips: an upper bound). Then XLA's ESTIMATE
 (t2t/aot/cost.py: the TPU compiler's cost model, cost_analysis' optimal_seconds with each loop
 body once, plus the loops' other trips; loop_scale = the estimate / XLA's number), the MFU it
 implies and the tokens/s per chip it implies. Bounds and estimates, not measurements. On the
@@ -189,9 +189,9 @@ def measure(row: Row, hlo_dir: str = '') -> dict:
     import importlib
 
     sys.path.insert(0, ROOT)
-    from t2t import flops, sharding
+    from t2t import sharding
     from t2t.aot import tpu as aot
-    from t2t.infra import platforms
+    from t2t.infra import flops, platforms
     from t2t.run import startup
 
     peer = row.config.startswith(FLAX_PEER + ':')

@@ -1,8 +1,8 @@
 """Shapes, FLOP count, budget, timing and RESULT lines shared by the peer benchmarks.
 
-bench/peers_gpu.py runs the sections of bench/peer_sections.py with these helpers; the FLOPs formula
-is t2t/flops.py's `train_flops_per_step`, so t2t's MFU compares with the peers'. RESULT lines and
-the timing loop are bench/benchlib.py's.
+bench/peers_gpu.py runs the sections of bench/peer_sections.py with these helpers; the FLOPs
+formula is t2t/infra/flops.py's `train_flops_per_step`, so t2t's MFU compares with the peers'.
+RESULT lines and the timing loop are bench/benchlib.py's.
 """
 
 import math
@@ -16,7 +16,7 @@ import traceback
 import benchlib
 
 sys.path.insert(0, benchlib.ROOT)
-from t2t.flops import train_flops_per_step  # noqa: E402  (the one FLOPs formula)
+from t2t.infra.flops import train_flops_per_step  # noqa: E402  (the one FLOPs formula)
 
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16 tensor-core peak, FLOP/s
 NO_EOS = -1  # a token id no model can emit: every beam search runs to its maximum length

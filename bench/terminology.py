@@ -16,7 +16,9 @@
    decoding seconds per sentence: of the last of --runs runs (the first includes its compiles;
    --runs=2 times a warm second run).
 The checkpoint is read from --workdir; everything written (hypotheses, scores) goes to --out_dir,
-whose checkpoints/ and vocab.model link to the workdir's, which is never written.
+whose checkpoints/ and vocab.model link to the workdir's, which is never written. Each decoding
+keeps its own hypotheses (hypotheses-test-step-N.txt, ...-step-N-terminology.txt), named in its
+RESULT line, for sacrebleu's paired bootstrap against references-test.txt.
 """
 
 from __future__ import annotations
@@ -120,7 +122,8 @@ def main(argv):
                           compiles_included=_RUNS.value == 1,
                           hit_length_limit=record['hit_length_limit'],
                           lacking_a_term=record.get('constraints', {}).get(
-                              'hypotheses_lacking_a_phrase_token_level'))
+                              'hypotheses_lacking_a_phrase_token_level'),
+                          hypotheses_file=record['hypotheses_file'])
         print('RESULT ' + json.dumps({'decoding': name, **rows[name]}))
     timed = 'with compiles' if _RUNS.value == 1 else 'warm'
     print(f'| decoding | term accuracy | sacreBLEU | chrF | ms / sentence ({timed}) |')

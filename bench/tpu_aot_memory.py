@@ -14,7 +14,7 @@ in either case (the levers: remat, scan_layers, loss_chunk_len, ...).
 Prints one `RESULT {json}` line: the compiled memory analysis per device (arguments, outputs,
 aliased, temporaries, total), the compile time, and from the compiled HLO (read by this
 checkout's t2t/aot: the same reading before and after a change) XLA's cost_analysis FLOPs (each
-loop body once), the matmul FLOPs with loops counted, t2t/flops.py's count, each kind of
+loop body once), the matmul FLOPs with loops counted, t2t/infra/flops.py's count, each kind of
 collective, the HBM traffic, the roofline bound's terms and XLA's estimated step time with loops
 counted (t2t/aot/cost.py).
 
@@ -51,7 +51,7 @@ try:
     from t2t.aot import tpu as aot
 except ImportError:  # a checkout from before t2t/aot/
     from t2t import aot
-from t2t import flops
+from t2t.infra import flops
 if spec['fast']:
     jax.config.update('jax_exec_time_optimization_effort', -1.0)
 loader = importlib.util.spec_from_file_location('bench_config', spec['config'])
@@ -131,7 +131,7 @@ def hlo_numbers(text: str, generation: str, optimal_seconds: float | None = None
 
 def _with_mfu(result: dict) -> dict:
     """result with the MFU the roofline bound allows and the one XLA's estimate implies
-    (t2t/flops.py's FLOPs / time / peak of the devices)."""
+    (t2t/infra/flops.py's FLOPs / time / peak of the devices)."""
     flops, devices = result.get('t2t_flops'), result.get('devices')
     if not (flops and devices):
         return result

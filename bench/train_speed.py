@@ -12,7 +12,7 @@ NLL and accuracy sums and the gradient norm, which the peers' steps do not.
 
 Reports per model and attention implementation: compile s (lower + compile), step ms (median over
 --steps timed steps after --warmup_steps, each synced with block_until_ready), target tokens/s,
-model TFLOP/s and MFU, with FLOPs counted by t2t/flops.py (the peers' formula) against
+model TFLOP/s and MFU, with FLOPs counted by t2t/infra/flops.py (the peers' formula) against
 t2t.infra.metrics.peak_flops_per_device() (989 TFLOP/s on H100/H200; none on CPU -> MFU null). With
 MEAS_TFLOPS set (the measured matmul peak), also MFU against it. One `RESULT {json}` line per
 measurement, also appended to $OUT/t2t_results.jsonl when OUT is set.
@@ -46,8 +46,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from t2t import flops, optim, sharding, train_lib  # noqa: E402
-from t2t.infra import metrics  # noqa: E402
+from t2t import optim, sharding, train_lib  # noqa: E402
+from t2t.infra import flops, metrics  # noqa: E402
 from t2t.model import TransformerConfig  # noqa: E402
 
 # name -> (d_model, heads, d_ff, layers in each of encoder and decoder): the peers' shapes.

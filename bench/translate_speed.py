@@ -106,14 +106,15 @@ def timed(fn):
 
 
 def run_t2t(config, params, tokenizer, src, out, token_budget):
-    from t2t import inference, sharding
+    from t2t import sharding
+    from t2t.eval import predict as predict_lib
     from t2t.eval import translate
     from t2t.model import TransformerConfig
 
     mesh = sharding.make_mesh((-1, 1, 1))
     model_config = TransformerConfig.from_config(config)
-    predict = inference.config_predict_fn(config, model_config,
-                                          num_valid_ids=tokenizer.vocab_size, mesh=mesh)
+    predict = predict_lib.config_predict_fn(config, model_config,
+                                            num_valid_ids=tokenizer.vocab_size, mesh=mesh)
     params = sharding.put_global(params, sharding.replicated(mesh))
     if os.path.exists(out + '.progress'):
         os.remove(out + '.progress')  # a fresh run each time, not a resumed one

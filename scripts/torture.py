@@ -88,7 +88,7 @@ def _phase(stderr: str, save_in_flight: bool, set_up: bool) -> str:
         if file.endswith('checkpoint.py'):
             phase = 'mid-save'
         elif function in ('evaluate', 'evaluate_loss', 'run') or \
-                file.endswith(('inference.py', 'translate.py', 'bleu.py', 'decode.py')):
+                file.endswith(('predict.py', 'translate.py', 'bleu.py', 'decode.py')):
             phase = 'mid-eval'
         else:
             phase = 'mid-step'

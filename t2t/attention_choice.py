@@ -8,26 +8,10 @@ NVIDIA GPU wherever cuDNN accepts what the model hands it, and the written-out s
 everywhere else, each with a one-line reason. A config that names a kernel where it cannot run is
 a ValueError of one line here, not a failure inside a compile.
 
-cuDNN's conditions, as t2t calls it (t2t/attention.py: jax.nn.dot_product_attention with
-implementation='cudnn', the layout [B, L, H, K]), are jax's own checks at trace time
+cuDNN's conditions, one rule each in `cudnn_problem`, are jax's own checks at trace time
 (jax/_src/cudnn/fused_attention_stablehlo.py, jax 0.10: check_layout, check_is_flash_attention)
-and cuDNN's support matrix:
-- an NVIDIA GPU of compute capability 8.0 (Ampere) or newer;
-- query, key and value in bfloat16 or float16 (t2t: dtype='bfloat16');
-- a head dim that is a multiple of 8 and at most 128, or 256 on Hopper (9.0) or newer. jax reads
-  the capability of the GPU of the process that traces the step: a CPU host compiling for a GPU
-  ahead of time has none, and jax then applies the limit of the GPUs before Hopper;
-- no dropout on the attention weights (t2t drops them only in the written-out softmax);
-- even query and key lengths in the training step (max_len): jax's backward pass passes cuDNN a
-  bias operand, even an empty one, and cuDNN's backward with a bias takes even lengths only.
-  Training rows carry segment ids (packed or not, t2t/data/pipeline.py) and reach cuDNN as the
-  dense mask, which jax turns into that bias [B, 1, Q, K]; evaluation batches and the encoder
-  pass of beam search pass sequence lengths (no mask materialized), in any length.
-The sharding conditions (no split of the length or head-dim axes) always hold under t2t's rules
-(t2t/sharding.py). Beam search's cached steps (one query a row over the keys/values cache) run the
-written-out attention under every attention_impl (MultiHeadAttention._decode_attention): a step is
-a matrix-vector product bound by reading the cache, which a fused kernel cannot shorten; the
-encoder pass of the search runs the resolved kernel.
+and cuDNN's support matrix; docs/attention.md ("Which kernel a run gets") says why each holds.
+The sharding conditions (no split of the length or head-dim axes) always hold under t2t's rules.
 """
 
 from __future__ import annotations

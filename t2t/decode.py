@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
-from t2t.ids import PAD_ID
+from t2t.ids import EOS_ID, PAD_ID
 
 NEG_INF = float('-inf')
 
@@ -382,46 +382,107 @@ def greedy_search(tokens_to_logits: TokensToLogits, cache, *, batch_size: int, e
     return state.seqs_BT[:, 1:]
 
 
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    """What `sample_search` draws from: softmax(logits / temperature) over the top_k tokens
-    (0: all), then over the fewest most likely of those whose mass reaches top_p (1: all);
-    inference.DecodeConfig makes it, checked."""
-
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-
-
-def sampling_logits(logits_BV, sampling: Sampling):
-    """float32 logits_BV with temperature applied and the tokens top_k / top_p leave out at -inf
-    (ties at either threshold stay in)."""
-    logits_BV = logits_BV.astype(jnp.float32) / sampling.temperature
+def sampling_logits(logits_BV, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
+    """float32 logits_BV / temperature, the tokens outside the top_k (0: none) and then outside
+    the fewest most likely whose mass reaches top_p (1: none) at -inf (ties at either threshold
+    stay in): what `sample_search` draws from."""
+    logits_BV = logits_BV.astype(jnp.float32) / temperature
     V = logits_BV.shape[-1]
-    if 0 < sampling.top_k < V:
-        kth_B1 = lax.top_k(logits_BV, sampling.top_k)[0][:, -1:]
+    if 0 < top_k < V:
+        kth_B1 = lax.top_k(logits_BV, top_k)[0][:, -1:]
         logits_BV = jnp.where(logits_BV < kth_B1, NEG_INF, logits_BV)
-    if sampling.top_p < 1:
+    if top_p < 1:
         sorted_BV = -jnp.sort(-logits_BV, axis=-1)  # most likely first
         probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
         # A token stays when the tokens more likely than it hold less than top_p: the first
         # always does.
-        kept_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV < sampling.top_p
+        kept_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV < top_p
         least_B1 = jnp.min(jnp.where(kept_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
         logits_BV = jnp.where(logits_BV < least_B1, NEG_INF, logits_BV)
     return logits_BV
 
 
-def sample_search(tokens_to_logits: TokensToLogits, cache, *, keys_B, sampling: Sampling,
-                  batch_size: int, eos_id: int, max_decode_len: int, max_lengths=None,
-                  constants=None):
+def sample_search(tokens_to_logits: TokensToLogits, cache, *, keys_B, batch_size: int,
+                  eos_id: int, max_decode_len: int, max_lengths=None, constants=None,
+                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
     """Ancestral sampling: `greedy_search` with each token drawn from `sampling_logits`, step t
     of row b with fold_in(keys_B[b], t) (a row's sample depends on its key and logits alone)."""
     def pick(logits_BV, step):
         keys_B_step = jax.vmap(jax.random.fold_in, (0, None))(keys_B, step)
-        logits_BV = sampling_logits(logits_BV, sampling)
+        logits_BV = sampling_logits(logits_BV, temperature, top_k, top_p)
         return jax.vmap(jax.random.categorical)(keys_B_step, logits_BV).astype(jnp.int32)
 
     return greedy_search(tokens_to_logits, cache, batch_size=batch_size, eos_id=eos_id,
                          max_decode_len=max_decode_len, max_lengths=max_lengths,
                          constants=constants, pick=pick)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Which search decodes and how: the decoding keys of configs/common.py under their names,
+    checked when made (one line naming the key and what it needs). Hashable: the cache key of
+    t2t/eval/predict.py's make_predict_fn. The defaults are the paper's beam search, without
+    compaction."""
+
+    decode_strategy: str = 'beam'  # one of STRATEGIES: beam search, argmax, sampling
+    beam_size: int = 4  # 1 is still beam search (alive / finished, the length penalty)
+    length_penalty_alpha: float = 0.6
+    beam_unfinished: str = 'fallback'  # beam_search's `unfinished` rule
+    beam_stop: str = 'bound'  # beam_search's `stop` rule
+    # Compaction: beam search drops ended examples, to quarters down to this many
+    # (t2t/eval/predict.py: shrink_ladder)
+    beam_shrink_floor: int = 0
+    max_decode_len: int = 256  # the decode buffers' length: the most tokens of any hypothesis
+    max_decode_extra: int = 50  # an example's limit: its source length + this
+    temperature: float = 1.0  # decode_strategy='sample': logits / temperature (sampling_logits)
+    top_k: int = 0
+    top_p: float = 1.0
+    decode_seed: int = 0  # decode_strategy='sample': with its source, a sentence's key
+    num_samples: int = 1  # decode_strategy='sample': draws per sentence (predict.draw_keys; MBR)
+    nbest: int = 1  # beam search's best nbest too (evaluate.py --nbest; no config key)
+    eos_id: int = EOS_ID  # -1: no EOS, every hypothesis runs to its limit (benchmarks)
+
+    def __post_init__(self):
+        rules = (  # (holds, key, what the key needs), in the order a config is checked
+            (self.decode_strategy in STRATEGIES, 'decode_strategy', f'must be one of {STRATEGIES}'),
+            (self.temperature > 0, 'temperature', "must be > 0 (1: the model's distribution)"),
+            (self.top_k >= 0, 'top_k', 'must be >= 0 (0: every token)'),
+            (0 < self.top_p <= 1, 'top_p', 'must be in (0, 1] (1: every token)'),
+            (self.decode_seed >= 0, 'decode_seed', 'must be >= 0'),
+            (self.beam_size >= 1, 'beam_size', 'must be >= 1'),
+            (self.length_penalty_alpha >= 0, 'length_penalty_alpha', 'must be >= 0'),
+            (self.beam_unfinished in UNFINISHED_RULES, 'beam_unfinished',
+             f'must be one of {UNFINISHED_RULES}'),
+            (self.beam_stop in STOP_RULES, 'beam_stop', f'must be one of {STOP_RULES}'),
+            (self.max_decode_extra >= 0, 'max_decode_extra', 'must be >= 0'),
+            (self.beam_shrink_floor >= 0, 'beam_shrink_floor', 'must be >= 0 (0: no compaction)'),
+            (self.max_decode_len >= 1, 'max_decode_len', 'must be >= 1'),
+            (1 <= self.nbest <= self.beam_size, 'nbest',
+             f'must be in [1, beam_size={self.beam_size}]'),
+            (self.nbest == 1 or self.decode_strategy == 'beam', 'nbest',
+             f'needs decode_strategy=beam (decode_strategy={self.decode_strategy!r} keeps one '
+             'hypothesis)'),
+            (self.num_samples >= 1, 'num_samples', 'must be >= 1'),
+            (self.num_samples == 1 or self.decode_strategy == 'sample', 'num_samples',
+             f'needs decode_strategy=sample (not {self.decode_strategy!r})'),
+        )
+        for holds, key, needs in rules:
+            if not holds:
+                raise ValueError(f'{key}={getattr(self, key)!r} {needs}')
+
+    @classmethod
+    def from_config(cls, config, nbest: int = 1) -> DecodeConfig:
+        return cls(decode_strategy=config.decode_strategy,
+                   beam_size=config.beam_size,
+                   length_penalty_alpha=config.length_penalty_alpha,
+                   beam_unfinished=config.beam_unfinished,
+                   beam_stop=config.beam_stop,
+                   beam_shrink_floor=config.beam_shrink_floor,
+                   max_decode_len=config.max_decode_len,
+                   max_decode_extra=config.max_decode_extra,
+                   temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
+                   decode_seed=config.decode_seed,
+                   nbest=nbest)
+
+    def replace(self, **changes) -> DecodeConfig:
+        return dataclasses.replace(self, **changes)

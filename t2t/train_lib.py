@@ -380,21 +380,3 @@ def summarize_metrics(sums: dict) -> dict:
         'perplexity': math.exp(min(nll, 50.0)),
         'accuracy': float(sums['correct_sum']) / tokens,
     }
-
-
-def evaluate_loss(eval_fn, params, batches, mesh, num_batches: int) -> dict:
-    """Validation loss/NLL/accuracy over the first num_batches global batches (-1: all).
-
-    Every process iterates the same global batches and puts the rows its devices hold.
-    """
-    batch_sharding = sharding.batch_sharding(mesh)
-    total = None
-    for i, batch in enumerate(batches):
-        if 0 <= num_batches <= i:
-            break
-        model_batch = {k: v for k, v in batch.items() if k in BATCH_KEYS}
-        sums = jax.device_get(eval_fn(params, sharding.put_global(model_batch, batch_sharding)))
-        total = sums if total is None else {k: total[k] + sums[k] for k in total}
-    if total is None:
-        raise ValueError('the evaluation split gave no batch')
-    return summarize_metrics(total)

@@ -14,9 +14,10 @@ import sys
 
 import pytest
 
-from t2t import flops, sharding
+from t2t import sharding
 from t2t.aot import report as aot_report
 from t2t.aot import tpu as aot
+from t2t.infra import flops
 from t2t.model import TransformerConfig, abstract_params, count_params
 from tests.conftest import ROOT
 
@@ -225,7 +226,7 @@ def test_tiny_fits_a_v5e_2x2_and_a_huge_batch_does_not():
         line).groups()
     assert float(per_device) * int(devices) == pytest.approx(float(total), rel=1e-3)
     ours = flops.config_flops_per_step(_tiny())
-    assert f't2t/flops.py {ours:.4g} (matmuls and attention' in line
+    assert f't2t/infra/flops.py {ours:.4g} (matmuls and attention' in line
     assert float(total) == pytest.approx(ours, rel=0.10)  # tiny_tpu_flops has the exact checks
     assert 'each loop body counted once' in train['cost_line']
     # Data-parallel over 4 chips: the gradients are summed across them (all-reduce, or a
@@ -247,7 +248,7 @@ def test_tiny_fits_a_v5e_2x2_and_a_huge_batch_does_not():
     estimate = re.search(
         r'  XLA ESTIMATE of the step time \(its cost model, not a measurement\): optimal_seconds '
         + number + r' ms \(each loop body once\) \+ loops\' other trips ' + number + r' ms = '
-        + number + r' ms; MFU it implies ' + number + r'% \(t2t/flops.py ' + number
+        + number + r' ms; MFU it implies ' + number + r'% \(t2t/infra/flops.py ' + number
         + r' FLOP / 4 x 197 TFLOP/s\); the roofline bound allows at most ' + number + '%',
         out.stdout)
     assert estimate, out.stdout
@@ -300,7 +301,7 @@ def test_no_libtpu_noise_without_a_tpu():
 _FLOPS_SCRIPT = """
 import json, sys
 from configs import tiny
-from t2t import flops
+from t2t.infra import flops
 from t2t.aot import tpu as aot
 out = {}
 for scan in (False, True):
@@ -320,8 +321,8 @@ print('FLOPS ' + json.dumps(out))
 
 def test_tiny_tpu_flops_and_estimate_count_loops_scanned_or_not():
     """The TPU compiler's train step, scanned and unrolled (the loss's 4 chunks a loop in both):
-    the matmul FLOPs, loops counted by trip count, agree with each other and t2t/flops.py; XLA's
-    cost_analysis (one body per loop) is far below with scanned layers. So is its
+    the matmul FLOPs, loops counted by trip count, agree with each other and t2t/infra/flops.py;
+    XLA's cost_analysis (one body per loop) is far below with scanned layers. So is its
     optimal_seconds; scaled by the loops' trip counts (t2t/aot/cost.py) the two estimates agree."""
     with libtpu_lock():
         out = subprocess.run([sys.executable, '-c', _FLOPS_SCRIPT], cwd=ROOT, env=_env(),

@@ -18,9 +18,9 @@ import sys
 
 import pytest
 
-from t2t import flops
 from t2t.aot import targets
 from t2t.aot import tpu as aot
+from t2t.infra import flops
 from t2t.model import TransformerConfig, abstract_params, count_params
 from tests.conftest import ROOT
 
@@ -230,6 +230,36 @@ def test_collective_cost_is_the_bytes_a_gpu_sends_by_ring_and_across_nodes_hiera
     assert r.seconds == pytest.approx(r.nvlink_s + r.internode_s)
 
 
+def test_replica_groups_in_the_mesh_form_are_read_as_groups_not_all_devices():
+    """jax 0.10's XLA writes most replica groups of a mixed mesh as
+    mesh[axes], device_ids=(iota) {grouped axes}. A (data 8, fsdp 2) mesh over 16 GPUs, seen in
+    its compiled step: the fsdp pairs {2k, 2k + 1} and the data groups of 8 {k, k + 2, ...}.
+    Read as all 16 devices (before), a 2-GPU all-gather was costed as a 16-GPU one."""
+    from t2t.aot import gpu
+
+    pairs = [[2 * k, 2 * k + 1] for k in range(8)]
+    ids = "device_ids=([8,2]T(1,0))"
+    assert gpu.groups(f"replica_groups=mesh['axis_0'=1,'axis_1'=2,'axis_2'=8], {ids} "
+                      "{'axis_1'}, dimensions={1}", 16) == pairs
+    assert gpu.groups(f"replica_groups=mesh['axis_0'=2,'axis_1'=8], {ids} {{'axis_0'}}",
+                      16) == pairs
+    assert gpu.groups(f"replica_groups=mesh['axis_0'=1,'axis_1'=1,'axis_2'=2,'axis_3'=8], {ids} "
+                      "{'axis_3'}", 16) == [list(range(0, 16, 2)), list(range(1, 16, 2))]
+    assert gpu.groups("replica_groups=mesh['axis_0'=16,'axis_1'=1] {'axis_0'}", 16) == [
+        list(range(16))]
+    assert gpu.groups("replica_groups=mesh['a'=2,'b'=2], device_ids=(3,2,1,0) {'a','b'}", 4) == [
+        [3, 2, 1, 0]]
+    # The 2-GPU all-gather of a 1 MB shard stays in its node: 1 MB over NVLink, none across.
+    nodes = [k // 8 for k in range(16)]
+    text = _COLLECTIVES.replace('replica_groups=[2,8]<=[16]',
+                                f"replica_groups=mesh['axis_0'=2,'axis_1'=8], {ids} {{'axis_0'}}")
+    net = gpu.network(text, nodes)
+    assert net.nvlink_count == 1 and net.nvlink_sent == pytest.approx(
+        3.5e6 + 4000 + 7000 + 200)  # the shard of 4 kB sent once to the pair's other GPU
+    with pytest.raises(ValueError, match='replica groups in a form'):
+        gpu.groups('replica_groups=<unknown>', 16)
+
+
 # ----------------------------------------------------------------------------------------------
 # One H100: train.py's report, cuDNN attention, bf16
 
@@ -299,7 +329,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 from configs import tiny
-from t2t import flops
+from t2t.infra import flops
 from t2t.aot import gpu
 from t2t.aot import tpu as aot
 out = {}

@@ -10,10 +10,11 @@ import pytest
 from jax.experimental import topologies
 
 from configs import tiny
-from t2t import attention_choice, inference, optim, sharding, train_lib
+from t2t import attention_choice, optim, sharding, train_lib
 from t2t.aot import hlo
 from t2t.aot import tpu as aot
 from t2t.attention import dot_product_attention, make_attention_mask
+from t2t.eval import predict as predict_lib
 from t2t.model import TransformerConfig
 from t2t.run import cli
 from tests.conftest import ROOT
@@ -182,8 +183,8 @@ def h100_programs():
         if impl == 'xla':
             programs[dtype] = dict(impl=impl, reason=reason, train_lowered=lowered.as_text())
             continue
-        predict = inference.config_predict_fn(config, TransformerConfig.from_config(config),
-                                              num_valid_ids=config.vocab_size, mesh=mesh)
+        predict = predict_lib.config_predict_fn(config, TransformerConfig.from_config(config),
+                                                num_valid_ids=config.vocab_size, mesh=mesh)
         sources = jax.ShapeDtypeStruct((config.eval_batch_size, config.max_eval_len), jnp.int32,
                                        sharding=sharding.decode_sharding(mesh))
         programs[dtype] = dict(

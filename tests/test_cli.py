@@ -10,14 +10,15 @@ import jax
 import pytest
 
 from configs import tiny
-from t2t import inference, model, optim, train_lib
+from t2t import model, optim, train_lib
+from t2t.decode import DecodeConfig
 from t2t.infra import exits
 from t2t.run import cli, config_checks, startup
 
 ROOT = Path(__file__).resolve().parents[1]
 # The core's dataclasses of a config: each checks its own fields (the line of a bad one is theirs).
 DATACLASSES = (model.TransformerConfig, train_lib.StepConfig, optim.OptimConfig,
-               inference.DecodeConfig)
+               DecodeConfig)
 
 
 def _exit_line(fn, *args) -> str:
@@ -97,7 +98,7 @@ BAD_VALUES = [
     ('spike_skip', -1.0, 'spike_skip=-1.0 must be >= 0 (standard deviations; 0: off)'),
     ('adam_eps', 0.0, 'adam_eps=0.0 must be > 0'),
     ('clip_grad_norm', -1.0, 'clip_grad_norm=-1.0 must be >= 0 (0: off)'),
-    # decoding: inference.DecodeConfig's own check, made once at startup
+    # decoding: DecodeConfig's own check, made once at startup
     ('decode_strategy', 'nucleus',
      "decode_strategy='nucleus' must be one of ('beam', 'greedy', 'sample')"),
     ('temperature', 0.0, "temperature=0.0 must be > 0 (1: the model's distribution)"),

@@ -20,8 +20,10 @@ import pytest
 from flax import linen as nn
 from jax.sharding import PartitionSpec
 
-from t2t import attention, inference, model, sharding
+from t2t import attention, model, sharding
 from t2t.aot import tpu as aot
+from t2t.decode import DecodeConfig
+from t2t.eval import predict as predict_lib
 from t2t.ids import EOS_ID, PAD_ID
 from t2t.model import Transformer, TransformerConfig
 from tests.helpers import ROOT
@@ -33,7 +35,7 @@ pytestmark = pytest.mark.xdist_group('libtpu')
 
 CFG = TransformerConfig(vocab_size=40, d_model=16, d_ff=32, num_heads=2, num_encoder_layers=1,
                         num_decoder_layers=1, max_position=32, deterministic=True)
-DECODING = inference.DecodeConfig(beam_size=3, max_decode_len=12, max_decode_extra=4)
+DECODING = DecodeConfig(beam_size=3, max_decode_len=12, max_decode_extra=4)
 SRC_LENS = (9, 2, 6, 4, 10, 3, 7, 1, 5, 8, 2)  # EOS included; 11 rows, padded to 16 by `feed`
 
 
@@ -56,7 +58,7 @@ def inputs_BS():
 def unsharded(inputs_BS):
     """The reference: xla attention, one device, host parameters."""
     params = nn.unbox(jax.jit(_init_boxed)(jax.random.key(0)))
-    predict = inference.make_predict_fn(CFG, DECODING)
+    predict = predict_lib.make_predict_fn(CFG, DECODING)
     return params, jax.device_get(predict(params, inputs_BS))
 
 
@@ -68,13 +70,13 @@ def test_sharded_predict_equals_unsharded(impl, inputs_BS, unsharded, monkeypatc
                             functools.partial(attention.splash_attention, interpret=True))
     mesh = sharding.make_mesh((2, 2, 2))  # rows over all 8 devices: 2 each
     sharded_params, _ = sharding.init_sharded(_init_boxed, mesh, jax.random.key(0))
-    predict = inference.make_predict_fn.__wrapped__(  # uncached: traced with this kernel
+    predict = predict_lib.make_predict_fn.__wrapped__(  # uncached: traced with this kernel
         CFG.replace(attention_impl=impl), DECODING, mesh=mesh)
     B = len(SRC_LENS)
     # Traced as the training loop may call it, with the training step's mesh and axis rules
     # active: inside the shard_map they must not reach the model.
     with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.LOGICAL_AXIS_RULES):
-        got = inference.fetch(predict(sharded_params, inference.feed(inputs_BS, mesh)), B)
+        got = predict_lib.fetch(predict(sharded_params, predict_lib.feed(inputs_BS, mesh)), B)
     assert got.ids_BL.shape == want.ids_BL.shape == (B, DECODING.max_decode_len)
     np.testing.assert_array_equal(got.ids_BL, want.ids_BL)
     np.testing.assert_array_equal(got.hit_limit_B, want.hit_limit_B)

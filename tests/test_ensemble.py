@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from t2t import data, inference, optim, sharding, train_lib
+from t2t import data, optim, sharding, train_lib
 from t2t.data import identity
-from t2t.decode import length_penalty
+from t2t.decode import DecodeConfig, length_penalty
 from t2t.eval import checkpoints as eval_checkpoints
 from t2t.eval import ensemble, evaluation
+from t2t.eval import predict as predict_lib
 from t2t.ids import EOS_ID, PAD_ID
 from t2t.model import Transformer, TransformerConfig
 from t2t.run import checkpoint, checkpoint_read
@@ -28,8 +29,8 @@ CFG_A = TransformerConfig(vocab_size=40, d_model=32, d_ff=64, num_heads=4, num_e
                           num_decoder_layers=2, max_position=32, deterministic=True)
 CFG_B = CFG_A.replace(d_model=16, d_ff=48, num_heads=2, num_encoder_layers=1,
                       num_decoder_layers=1)
-DECODING = inference.DecodeConfig(beam_size=3, length_penalty_alpha=0.6, max_decode_len=12,
-                                  max_decode_extra=5)
+DECODING = DecodeConfig(beam_size=3, length_penalty_alpha=0.6, max_decode_len=12,
+                        max_decode_extra=5)
 SRC_LENS = (7, 2, 5, 3, 8, 4, 6, 2)  # EOS included
 
 
@@ -67,8 +68,8 @@ def _lengths(ids_BL):
 
 def test_an_ensemble_of_a_model_with_itself_is_the_model(members, inputs_BS):
     params = members[0]
-    alone = inference.make_predict_fn(CFG_A, DECODING)(params, inputs_BS)
-    twice = inference.make_predict_fn((CFG_A, CFG_A), DECODING)((params, params), inputs_BS)
+    alone = predict_lib.make_predict_fn(CFG_A, DECODING)(params, inputs_BS)
+    twice = predict_lib.make_predict_fn((CFG_A, CFG_A), DECODING)((params, params), inputs_BS)
     np.testing.assert_array_equal(twice.ids_BL, alone.ids_BL)
     np.testing.assert_array_equal(twice.hit_limit_B, alone.hit_limit_B)
     np.testing.assert_allclose(twice.score_B, alone.score_B, rtol=0, atol=1e-5)
@@ -87,9 +88,9 @@ def test_two_members_equal_the_hand_averaged_reference_on_8_devices(members, inp
     B = len(SRC_LENS)
     got = {}
     for strategy in ('greedy', 'beam'):
-        predict = inference.make_predict_fn(
+        predict = predict_lib.make_predict_fn(
             (CFG_A, CFG_B), DECODING.replace(decode_strategy=strategy), mesh=mesh)
-        got[strategy] = inference.fetch(predict(on_mesh, inference.feed(inputs_BS, mesh)), B)
+        got[strategy] = predict_lib.fetch(predict(on_mesh, predict_lib.feed(inputs_BS, mesh)), B)
 
     ids_BL = got['greedy'].ids_BL
     mean_BLV = np.mean([np.asarray(_forced_log_probs(cfg, p, inputs_BS, ids_BL))
@@ -104,7 +105,7 @@ def test_two_members_equal_the_hand_averaged_reference_on_8_devices(members, inp
     assert steps > 3 * B
 
     beam = got['beam']
-    alone = inference.make_predict_fn(CFG_A, DECODING)(members[0], inputs_BS)
+    alone = predict_lib.make_predict_fn(CFG_A, DECODING)(members[0], inputs_BS)
     assert (np.asarray(alone.ids_BL) != beam.ids_BL).any(axis=1).sum() >= 2  # B changes A's
     sums = [np.take_along_axis(np.asarray(_forced_log_probs(cfg, p, inputs_BS, beam.ids_BL)),
                                beam.ids_BL[..., None], -1)[..., 0]
@@ -174,7 +175,7 @@ def test_member_errors_are_one_line_before_anything_is_restored(runs, monkeypatc
         raise AssertionError('restored or compiled before the members were checked')
 
     monkeypatch.setattr(eval_checkpoints, 'load_params', refuse)
-    monkeypatch.setattr(inference, 'make_predict_fn', refuse)
+    monkeypatch.setattr(predict_lib, 'make_predict_fn', refuse)
     problems = {f'1,{runs["c"]}': 'trained with vocabulary ffffffffffff but --workdir',
                 '1': 'give two or more members', '1,7': 'no checkpoint for step 7',
                 f'1,{runs["root"]}/none': 'does not exist'}

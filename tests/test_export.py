@@ -21,8 +21,10 @@ import pytest
 import torch
 from flax.core import meta
 
-from t2t import decode, export, inference
+from t2t import decode, export
 from t2t.data.tokenizer import train_tokenizer
+from t2t.decode import DecodeConfig
+from t2t.eval import predict as predict_lib
 from t2t.export import ct2 as export_ct2
 from t2t.export import weights
 from t2t.ids import EOS_ID, PAD_ID
@@ -232,10 +234,10 @@ def _translate_three_ways(m, beam_size, alpha, their_penalty=0.0):
     from transformers import MarianMTModel
 
     x, tokenizer = m['x'], m['tokenizer']
-    decoding = inference.DecodeConfig(
+    decoding = DecodeConfig(
         decode_strategy='greedy' if beam_size == 1 else 'beam', beam_size=beam_size,
         length_penalty_alpha=alpha, max_decode_len=LIMIT, max_decode_extra=LIMIT)
-    predict = inference.make_predict_fn(m['cfg'], decoding, num_valid_ids=tokenizer.vocab_size)
+    predict = predict_lib.make_predict_fn(m['cfg'], decoding, num_valid_ids=tokenizer.vocab_size)
     prediction = predict(m['params'], x)
     assert not np.asarray(prediction.hit_limit_B).any()
     t2t = [_content(r) for r in np.asarray(prediction.ids_BL)]

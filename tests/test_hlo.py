@@ -7,10 +7,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from t2t import flops, sharding
+from t2t import sharding
 from t2t.aot import cost, hlo
 from t2t.aot import memory as hlo_memory
 from t2t.aot import tpu as aot
+from t2t.infra import flops
 from tests.conftest import tiny_config
 
 
@@ -75,8 +76,9 @@ def test_bad_text_is_an_error():
 
 @pytest.mark.parametrize('scan_layers', [False, True])
 def test_train_step_flops_match_the_analytic_count(scan_layers):
-    """The tiny model's train step on 8 CPU devices: the HLO matmul FLOPs agree with t2t/flops.py
-    scanned or not (4 loss chunks: a loop even unrolled), and XLA's cost_analysis does not."""
+    """The tiny model's train step on 8 CPU devices: the HLO matmul FLOPs agree with
+    t2t/infra/flops.py scanned or not (4 loss chunks: a loop even unrolled), and XLA's
+    cost_analysis does not."""
     config = tiny_config(scan_layers=scan_layers, loss_impl='fused', loss_chunk_len=3,
                          vocab_size=512, num_encoder_layers=3, num_decoder_layers=3)
     mesh = sharding.make_mesh(config.mesh_shape)

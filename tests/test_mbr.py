@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import sacrebleu
 
-from t2t import inference
+from t2t.decode import DecodeConfig
 from t2t.eval import mbr, translate
+from t2t.eval import predict as predict_lib
 from t2t.eval.checkpoints import EvalError
 from tests.test_evaluate import _run as _run_on_all
 from tests.test_evaluate import run_dir  # noqa: F401  (a fixture: a random tiny workdir)
@@ -68,14 +69,14 @@ def test_settings_are_checked_in_one_line():
         mbr.MBR(0)
     with pytest.raises(ValueError, match="--mbr_utility='ter'"):
         mbr.MBR(4, utility='ter')
-    beam = inference.DecodeConfig(beam_size=4)
+    beam = DecodeConfig(beam_size=4)
     with pytest.raises(ValueError, match='need beam_size >= 5'):
         mbr.MBR(5, candidates='nbest').decoding(beam)
     assert mbr.MBR(3, candidates='nbest').decoding(beam).nbest == 3
     sample = mbr.MBR(6).decoding(beam)
     assert sample.decode_strategy == 'sample' and sample.num_samples == 6
     with pytest.raises(ValueError, match='num_samples=2 needs decode_strategy=sample'):
-        inference.DecodeConfig(num_samples=2)
+        DecodeConfig(num_samples=2)
 
 
 def _hypotheses(results):
@@ -104,16 +105,16 @@ def test_one_candidate_is_beam_search_and_samples_are_chosen_by_utility(run_dir)
 
     tokenizer = evaluation.workdir_tokenizer(config, run_dir['workdir'])
     split = data.eval_split(config, tokenizer, config.test_split)
-    decoding = choice.decoding(inference.DecodeConfig.from_config(config))
-    predict = inference.make_predict_fn(TransformerConfig.from_config(config), decoding,
-                                        num_valid_ids=tokenizer.vocab_size)
+    decoding = choice.decoding(DecodeConfig.from_config(config))
+    predict = predict_lib.make_predict_fn(TransformerConfig.from_config(config), decoding,
+                                          num_valid_ids=tokenizer.vocab_size)
     params = load_params(run_dir['workdir'], [2], scan_layers=False, weights='raw')
-    single = inference.make_predict_fn(TransformerConfig.from_config(config),
-                                       decoding.replace(num_samples=1),
-                                       num_valid_ids=tokenizer.vocab_size)
+    single = predict_lib.make_predict_fn(TransformerConfig.from_config(config),
+                                         decoding.replace(num_samples=1),
+                                         num_valid_ids=tokenizer.vocab_size)
     picked_other = 0
     for batch in split.batches(config.eval_batch_size):
-        got = inference.fetch(predict(params, batch['inputs']), len(batch['index']))
+        got = predict_lib.fetch(predict(params, batch['inputs']), len(batch['index']))
         first = np.asarray(single(params, batch['inputs']).ids_BL)
         np.testing.assert_array_equal(got.samples_BNL[:, 0], first)  # draw 0: the plain sample
         for row, i in enumerate(batch['index'].tolist()):

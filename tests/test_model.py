@@ -9,8 +9,8 @@ import pytest
 from flax import linen as nn
 
 from t2t.attention import attention_mask, dot_product_attention
+from t2t.eval.predict import next_logits
 from t2t.ids import PAD_ID
-from t2t.inference import next_logits
 from t2t.model import (
     Packing,
     Transformer,

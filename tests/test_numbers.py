@@ -15,10 +15,12 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from t2t import decode, flops, inference, optim, sharding, train_lib
+from t2t import decode, optim, sharding, train_lib
 from t2t.data.pipeline import EvalSplit, sample_batches
+from t2t.decode import DecodeConfig
+from t2t.eval import predict as predict_lib
 from t2t.ids import EOS_ID, PAD_ID
-from t2t.infra import metrics
+from t2t.infra import flops, metrics
 from t2t.model import Transformer, TransformerConfig
 from t2t.run import startup
 from t2t.train.interval import Interval, log_train
@@ -289,8 +291,8 @@ def test_dropout_is_on_in_training_and_off_in_evaluation_and_decoding(small_mode
     assert _eval_sums(params, batch, config) == _eval_sums(params, batch, no_dropout)
     # Decoding: the same output as the model without dropout.
     inputs = batch['inputs'][:4]
-    greedy = inference.DecodeConfig(decode_strategy='greedy', max_decode_len=6, max_decode_extra=2)
-    outputs = [jax.device_get(inference.make_predict_fn(
+    greedy = DecodeConfig(decode_strategy='greedy', max_decode_len=6, max_decode_extra=2)
+    outputs = [jax.device_get(predict_lib.make_predict_fn(
         TransformerConfig.from_config(tiny_config(dropout_rate=rate)), greedy)(
             nn.unbox(params), inputs).ids_BL) for rate in (0.9, 0.0)]
     np.testing.assert_array_equal(outputs[0], outputs[1])

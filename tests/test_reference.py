@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from t2t import inference
+from t2t.decode import DecodeConfig
+from t2t.eval import predict as predict_lib
 from t2t.ids import EOS_ID, PAD_ID
 from t2t.model import Transformer, TransformerConfig, batch_forward_args
 from tests import reference_np as ref_np
@@ -180,9 +181,9 @@ def _sources(seed, rows=4):
 def test_wide_beam_search_equals_exhaustive_search_of_the_reference():
     alpha = 0.6  # other alphas: tests/test_settings.py
     cfg = TransformerConfig.from_config(tiny_config(**DECODE))
-    decoding = inference.DecodeConfig(beam_size=BEAM, length_penalty_alpha=alpha,
-                                      max_decode_len=MAX_LEN, max_decode_extra=EXTRA)
-    predict = inference.make_predict_fn(cfg, decoding, num_valid_ids=NUM_VALID)
+    decoding = DecodeConfig(beam_size=BEAM, length_penalty_alpha=alpha,
+                            max_decode_len=MAX_LEN, max_decode_extra=EXTRA)
+    predict = predict_lib.make_predict_fn(cfg, decoding, num_valid_ids=NUM_VALID)
     spec = spec_of(cfg)
     for seed in (0, 1, 2):
         params = random_params(cfg, seed=10 + seed)

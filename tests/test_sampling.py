@@ -8,21 +8,23 @@ import pytest
 from flax import linen as nn
 
 from configs import tiny
-from t2t import decode, inference, sharding
+from t2t import decode, sharding
+from t2t.decode import DecodeConfig
 from t2t.eval import evaluation, scoring
+from t2t.eval import predict as predict_lib
 from t2t.eval.checkpoints import EvalError
 from t2t.ids import EOS_ID
 from t2t.model import Transformer
 from t2t.run import cli
 from tests.helpers import run_script
-from tests.test_inference import CFG  # a random tiny model's config
+from tests.test_predict import CFG  # a random tiny model's config
 
 # Its module fixtures are computed once: all its tests run on one xdist worker (--dist loadgroup).
 pytestmark = pytest.mark.xdist_group(__name__)
 
 EOS_LIFT = 0.06  # the tied EOS row's value in recall_run (0 leaves hypotheses cut at the limit)
-DECODING = inference.DecodeConfig(beam_size=3, length_penalty_alpha=0.6, max_decode_len=24,
-                                  max_decode_extra=16)
+DECODING = DecodeConfig(beam_size=3, length_penalty_alpha=0.6, max_decode_len=24,
+                        max_decode_extra=16)
 GREEDY = DECODING.replace(decode_strategy='greedy')
 
 
@@ -44,13 +46,13 @@ def _sources(n, seed):
 
 def _sample(params, inputs, sampling: dict, seed=0, mesh=None):
     sample = DECODING.replace(decode_strategy='sample', decode_seed=seed, **sampling)
-    predict = inference.make_predict_fn(CFG, sample, mesh=mesh)
-    return np.asarray(predict(params, inference.feed(inputs, mesh)).ids_BL)
+    predict = predict_lib.make_predict_fn(CFG, sample, mesh=mesh)
+    return np.asarray(predict(params, predict_lib.feed(inputs, mesh)).ids_BL)
 
 
 def test_top_k_one_is_greedy(params):
     inputs = _sources(8, seed=1)
-    greedy = inference.make_predict_fn(CFG, GREEDY)
+    greedy = predict_lib.make_predict_fn(CFG, GREEDY)
     want = np.asarray(greedy(params, inputs).ids_BL)
     got = _sample(params, inputs, dict(temperature=0.7, top_k=1), seed=5)
     np.testing.assert_array_equal(got, want)
@@ -71,21 +73,20 @@ def test_a_seed_reproduces_a_sentence_whatever_its_batch_and_devices(params):
     np.testing.assert_array_equal(_sample(params, inputs, sampling, mesh=mesh), first)
     other_seed = _sample(params, inputs, sampling, seed=1)
     assert (other_seed != first).any(axis=1).sum() >= 4  # most sentences change
-    greedy = np.asarray(inference.make_predict_fn(CFG, GREEDY)(params, inputs).ids_BL)
+    greedy = np.asarray(predict_lib.make_predict_fn(CFG, GREEDY)(params, inputs).ids_BL)
     assert (first != greedy).any()  # sampling at temperature 1.5 is not the argmax
 
 
 def test_top_k_and_top_p_keep_the_most_likely_tokens():
     logits = jnp.log(jnp.array([[0.05, 0.5, 0.15, 0.3]]))
-    kept = lambda **kw: np.isfinite(np.asarray(decode.sampling_logits(logits, decode.Sampling(
-        **kw))))[0].tolist()  # noqa: E731
+    kept = lambda **kw: np.isfinite(np.asarray(decode.sampling_logits(logits, **kw)))[0].tolist()
     assert kept() == [True] * 4
     assert kept(top_k=2) == [False, True, False, True]
     assert kept(top_p=0.7) == [False, True, False, True]  # 0.5 < 0.7, 0.5 + 0.3 is not
     assert kept(top_p=0.81) == [False, True, True, True]
     assert kept(top_p=0.4) == [False, True, False, False]  # the most likely always stays
     assert kept(top_k=3, top_p=0.1) == [False, True, False, False]
-    np.testing.assert_allclose(decode.sampling_logits(logits, decode.Sampling(temperature=2.0)),
+    np.testing.assert_allclose(decode.sampling_logits(logits, temperature=2.0),
                                logits / 2.0, rtol=1e-6)
 
 
@@ -194,14 +195,15 @@ def test_config_keys_reach_the_predict_function(monkeypatch):
     config = tiny.get_config()
     config.update(decode_strategy='sample', temperature=0.5, top_k=7, top_p=0.9, decode_seed=3)
     seen = []
-    monkeypatch.setattr(inference, 'make_predict_fn',
+    monkeypatch.setattr(predict_lib, 'make_predict_fn',
                         lambda cfg, decoding, **kwargs: seen.append(decoding))
-    inference.config_predict_fn(config, CFG, num_valid_ids=48)
-    assert seen[-1].sampling == decode.Sampling(temperature=0.5, top_k=7, top_p=0.9)
+    predict_lib.config_predict_fn(config, CFG, num_valid_ids=48)
+    got = seen[-1]
+    assert (got.decode_strategy, got.temperature, got.top_k, got.top_p) == ('sample', 0.5, 7, 0.9)
     assert seen[-1].decode_seed == 3 and seen[-1].nbest == 1
     config.decode_strategy = 'greedy'
-    inference.config_predict_fn(config, CFG, num_valid_ids=48, nbest=1)
-    assert seen[-1].decode_strategy == 'greedy' and seen[-1].sampling is None
+    predict_lib.config_predict_fn(config, CFG, num_valid_ids=48, nbest=1)
+    assert seen[-1].decode_strategy == 'greedy'
     config.decode_strategy = 'beam'
-    inference.config_predict_fn(config, CFG, num_valid_ids=48, nbest=2)
-    assert seen[-1].sampling is None and seen[-1].nbest == 2
+    predict_lib.config_predict_fn(config, CFG, num_valid_ids=48, nbest=2)
+    assert seen[-1].decode_strategy == 'beam' and seen[-1].nbest == 2

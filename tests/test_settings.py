@@ -2,7 +2,7 @@
 computed here (tests/reference_np.py, NumPy formulas): not only "a different setting gives a
 different number".
 
-- beam_size, length_penalty_alpha, max_decode_extra, beam_unfinished: inference.config_predict_fn
+- beam_size, length_penalty_alpha, max_decode_extra, beam_unfinished: predict_lib.config_predict_fn
   (what training's BLEU and evaluate.py decode with) against exhaustive search of the reference
   model;
 - label_smoothing: StepConfig.from_config -> the loss value and its gradient;
@@ -23,8 +23,9 @@ import pytest
 from flax import linen as nn
 
 from t2t import dropout as dr
-from t2t import inference, optim, sharding, train_lib
+from t2t import optim, sharding, train_lib
 from t2t.attention import MultiHeadAttention
+from t2t.eval import predict as predict_lib
 from t2t.ids import EOS_ID, PAD_ID
 from t2t.model import (
     Transformer,
@@ -107,7 +108,7 @@ def test_decoding_settings_reach_the_search(decode_case, setting):
         unfinished = 'compete'
     config = _decode_config(length_penalty_alpha=alpha, max_decode_extra=extra,
                             beam_unfinished=unfinished)
-    predict = inference.config_predict_fn(config, model_config, num_valid_ids=NUM_VALID)
+    predict = predict_lib.config_predict_fn(config, model_config, num_valid_ids=NUM_VALID)
     got = np.asarray(predict(params, inputs).ids_BL)
     want = _best(ref, spec, inputs, alpha, extra, unfinished)
     for r, (seq, _) in enumerate(want):
@@ -122,8 +123,8 @@ def test_beam_size_reaches_the_search(decode_case):
     model_config, _, inputs, _, spec = decode_case
     params = random_params(model_config, seed=23)  # one beam falls short on 8 of 12 rows
     ref = reference(params, model_config)
-    predict = inference.config_predict_fn(_decode_config(beam_size=1), model_config,
-                                          num_valid_ids=NUM_VALID)
+    predict = predict_lib.config_predict_fn(_decode_config(beam_size=1), model_config,
+                                            num_valid_ids=NUM_VALID)
     got = np.asarray(predict(params, inputs).ids_BL)
     best = _best(ref, spec, inputs, 0.6, EXTRA)
     gaps = []

@@ -21,8 +21,8 @@ from t2t.attention import (
     make_attention_mask,
     splash_attention,
 )
+from t2t.eval.predict import next_logits
 from t2t.ids import PAD_ID
-from t2t.inference import next_logits
 from t2t.model import Transformer, TransformerConfig
 from t2t.run import layers_convert
 

@@ -2,6 +2,7 @@
 every output, and evaluate.py's --terminology / --constraints from the files to the report."""
 
 import json
+import os
 import random
 
 import numpy as np
@@ -9,8 +10,9 @@ import pytest
 from ml_collections import ConfigDict
 
 from configs import tiny
-from t2t import inference
+from t2t.decode import DecodeConfig
 from t2t.eval import constraints, evaluation, terms
+from t2t.eval import predict as predict_lib
 from t2t.eval.checkpoints import EvalError
 from tests import toy_corpus
 from tests.helpers import run_script
@@ -18,8 +20,8 @@ from tests.trained_tiny import GROUP, TRAIN_STEPS
 
 pytestmark = pytest.mark.xdist_group(GROUP)
 
-DECODING = inference.DecodeConfig(beam_size=4, length_penalty_alpha=0.6, max_decode_len=48,
-                                  max_decode_extra=16)
+DECODING = DecodeConfig(beam_size=4, length_penalty_alpha=0.6, max_decode_len=48,
+                        max_decode_extra=16)
 ABSENT = ('HOUSE', 'RIVER', 'STONE', 'BIRD', 'TREE', 'GREEN')  # inserted where not translated
 
 
@@ -39,7 +41,7 @@ def test_every_phrase_appears_in_every_output_of_the_trained_model(trained_tiny)
     phrases = [_phrases(s, rng) for s in m['sources'][:n]]
     ids = [[tokenizer.encode(p) for p in line] for line in phrases]
     batch = next(terms.with_constraints([{'index': np.arange(n)}], ids, terms.shape(ids)))
-    predict = inference.make_predict_fn(m['cfg'], DECODING, num_valid_ids=tokenizer.vocab_size)
+    predict = predict_lib.make_predict_fn(m['cfg'], DECODING, num_valid_ids=tokenizer.vocab_size)
     free = predict(m['params'], x)
     forced = predict(m['params'], x, constraints.Constraints(batch['constraints']))
 
@@ -77,12 +79,17 @@ def test_terminology_through_evaluate_py(trained_tiny, tmp_path):
     tsv = tmp_path / 'terms.tsv'
     tsv.write_text('dog\tHOUND\nred\tRED\n\nnowhere\tNIRGENDS\n', encoding='utf-8')
     workdir = m['workdir']
+    scores = f'{workdir}/eval-test.json'
+    before = json.load(open(scores, encoding='utf-8')) if os.path.exists(scores) else {}
     proc = run_script('evaluate.py', '--config=configs/tiny.py', f'--workdir={workdir}',
                       f'--terminology={tsv}', '--config.beam_size=3', *_flags(m['config']),
                       timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    with open(f'{workdir}/eval-test.json', encoding='utf-8') as f:
-        record = json.load(f)[f'step-{TRAIN_STEPS}']
+    with open(scores, encoding='utf-8') as f:
+        after = json.load(f)
+    record = after[f'step-{TRAIN_STEPS}-terminology']  # kept apart from a plain evaluation's
+    assert record['hypotheses_file'].endswith(f'hypotheses-test-step-{TRAIN_STEPS}-terminology.txt')
+    assert {k: after[k] for k in before} == before  # nothing evaluated before was overwritten
     with open(record['hypotheses_file'], encoding='utf-8') as f:
         hypotheses = f.read().splitlines()
     sources = [line.split('\t')[0] for line in open(m['corpus']['test'], encoding='utf-8')]

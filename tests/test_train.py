@@ -209,15 +209,16 @@ def test_train_leaves_checkpoints_events_and_metrics(corpus, tmp_path):
     assert eval_record['step'] == 4 and eval_record['eval_loss'] > 0
     # BLEU and chrF of the first 10 validation sentences, decoded again from the checkpoint and
     # scored by sacrebleu itself (sentences skipped as too long count as empty output).
-    from t2t import data, inference
+    from t2t import data
+    from t2t.eval import predict as predict_lib
     from t2t.eval import translate as eval_translate
     from t2t.model import TransformerConfig
 
     tokenizer = data.get_tokenizer(config)
     split = data.eval_split(config, tokenizer, config.eval_split)
     mesh = sharding.make_mesh(config.mesh_shape)
-    predict = inference.config_predict_fn(config, TransformerConfig.from_config(config),
-                                          num_valid_ids=tokenizer.vocab_size, mesh=mesh)
+    predict = predict_lib.config_predict_fn(config, TransformerConfig.from_config(config),
+                                            num_valid_ids=tokenizer.vocab_size, mesh=mesh)
     params = checkpoint_read.restore_params(str(workdir), 4)
     head = dataclasses.replace(split, sources=split.sources[:10], inputs=split.inputs[:10],
                                references=split.references[:10], targets=split.targets[:10],

@@ -4,10 +4,11 @@ evaluate.py --translate --truncate_long."""
 import numpy as np
 import pytest
 
-from t2t import data, inference
+from t2t import data
 from t2t.eval import evaluation, translate
+from t2t.eval import predict as predict_lib
 from tests.test_evaluate import _config, run_dir  # noqa: F401  (a fixture: a random tiny workdir)
-from tests.test_inference import _EchoTokenizer  # text '3 4 5' <-> ids [3, 4, 5]
+from tests.test_predict import _EchoTokenizer  # text '3 4 5' <-> ids [3, 4, 5]
 
 
 class _EchoPredict:
@@ -21,8 +22,8 @@ class _EchoPredict:
             raise KeyboardInterrupt('killed')
         ids_BL = np.asarray(inputs_BS)
         self.shapes.append(ids_BL.shape)
-        return inference.Prediction(ids_BL=ids_BL, hit_limit_B=np.zeros(len(ids_BL), bool),
-                                    capped_B=np.zeros(len(ids_BL), bool))
+        return predict_lib.Prediction(ids_BL=ids_BL, hit_limit_B=np.zeros(len(ids_BL), bool),
+                                      capped_B=np.zeros(len(ids_BL), bool))
 
 
 def _lines(n, seed=0):
@@ -63,7 +64,7 @@ def test_last_batch_shrinks_and_pads_with_empty_rows():
     (batch,) = translate.window_batches(ids, max_len=32, token_budget=128)
     assert batch['inputs'].shape == (8, 8)  # 16 rows halved once: 5 fit in 8
     assert batch['index'].tolist() == [0, 1, 2, 3, 4, -1, -1, -1]
-    # Padding is empty: the search decodes nothing for it (tests/test_inference.py).
+    # Padding is empty: the search decodes nothing for it (tests/test_predict.py).
     assert (batch['inputs'][5:] == 0).all()
     assert translate.tail_rows(5, 16, 4) == 8 and translate.tail_rows(3, 16, 4) == 4
     assert translate.tail_rows(1, 64, 1) == 8  # at most 3 halvings

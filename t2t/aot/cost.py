@@ -217,7 +217,7 @@ def estimate_lines(compiled, devices: int, model_flops: float | None = None,
             f'optimal_seconds {_ms(e.optimal_seconds)} (each loop body once) + loops\' other '
             f'trips {_ms(e.loop_extra_seconds)} = {_ms(e.seconds)}')
     if model_flops:
-        line += (f'; MFU it implies {100 * e.mfu(model_flops, devices):.3g}% (t2t/flops.py '
+        line += (f'; MFU it implies {100 * e.mfu(model_flops, devices):.3g}% (t2t/infra/flops.py '
                  f'{model_flops:.4g} FLOP / {devices} x {_spec(e.chip).peak_bf16_flops / 1e12:.0f}'
                  ' TFLOP/s)')
         if compiled.roofline is not None:

@@ -94,11 +94,36 @@ def largest_buffer(text, scope: str) -> tuple[str, int]:
 
 _IOTA = re.compile(r'replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?')
 _LISTS = re.compile(r'(replica_groups|source_target_pairs)=\{((?:\{[\d,]*\},?)*)\}')
+# replica_groups=mesh['axis_0'=2,'axis_1'=8], device_ids=([8,2]T(1,0)) {'axis_0'}: the devices
+# (an iota [dims]T(perm) or a list; absent: 0..N-1) laid out on the named axes, grouped along the
+# axes in braces.
+_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\((?:\[([\d,]+)\]"
+                   r"(?:T\(([\d,]+)\))?|([\d,]+))\))?\s*\{([^}]*)\}")
+
+
+def _mesh_groups(found: re.Match) -> list[list[int]]:
+    axes = re.findall(r"'(\w+)'=(\d+)", found.group(1))
+    names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+    if found.group(4):
+        ids = np.array([int(d) for d in found.group(4).split(',') if d])
+    else:
+        dims = [int(d) for d in found.group(2).split(',')] if found.group(2) else [np.prod(sizes)]
+        ids = np.arange(np.prod(dims)).reshape(dims)
+        if found.group(3):
+            ids = ids.transpose([int(d) for d in found.group(3).split(',')])
+    grouped = [names.index(a) for a in re.findall(r"'(\w+)'", found.group(5))]
+    kept = [i for i in range(len(names)) if i not in grouped]
+    ids = ids.reshape(sizes).transpose(kept + grouped)
+    return ids.reshape(-1, int(np.prod([sizes[i] for i in grouped]))).tolist()
 
 
 def groups(attributes: str, devices: int) -> list[list[int]]:
-    """The device groups of a collective: its replica groups (a list or the iota form
-    [G,S]<=[dims]T(perm)), a collective-permute's source-target pairs; none given: all devices."""
+    """The device groups of a collective: its replica groups (a list, the iota form
+    [G,S]<=[dims]T(perm) or the mesh form above), a collective-permute's source-target pairs;
+    none given: all devices. Replica groups in another form: a ValueError, not a guess."""
+    mesh = _MESH.search(attributes)
+    if mesh:
+        return _mesh_groups(mesh)
     iota = _IOTA.search(attributes)
     if iota:
         shape, dims = ([int(d) for d in g.split(',')] for g in iota.groups()[:2])
@@ -110,6 +135,10 @@ def groups(attributes: str, devices: int) -> list[list[int]]:
     if found and found.group(2):
         return [[int(d) for d in g.split(',') if d] for g in re.findall(r'\{([\d,]*)\}',
                                                                          found.group(2))]
+    if 'replica_groups=' in attributes and 'replica_groups={}' not in attributes:
+        start = attributes.index('replica_groups=')
+        raise ValueError(f'replica groups in a form t2t/aot/gpu.py does not read: '
+                         f'{attributes[start:start + 120]}')
     return [list(range(devices))]
 
 
@@ -278,7 +307,7 @@ def report_lines(compiled, devices: int, model_flops: float | None = None,
     lines.append(line)
     if model_flops:
         lines.append(f'  implied by the estimate: MFU {100 * r.mfu(model_flops, devices):.3g}% '
-                     f'(t2t/flops.py {model_flops:.4g} FLOP / {devices} x '
+                     f'(t2t/infra/flops.py {model_flops:.4g} FLOP / {devices} x '
                      f'{r.peak_flops / 1e12:.0f} TFLOP/s), {tokens / r.seconds / devices:.4g} '
                      'target tokens/s per GPU')
     return lines

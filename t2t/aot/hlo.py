@@ -23,7 +23,7 @@ convolution: 2 x batch x output features x kernel input features x the (output p
 tap) pairs that read real input, per spatial dimension (the TPU compiler writes batched matmuls
 as convolutions with dilated windows that mostly read holes; XLA's cost analysis counts the
 same). Elementwise ops, reductions and collectives are not counted: the result is the matmul
-work, the number to compare with an analytic model count (t2t/flops.py).
+work, the number to compare with an analytic model count (t2t/infra/flops.py).
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ import os
 
 import jax
 
-from t2t import flops
 from t2t.aot import cost, gpu
 from t2t.aot import tpu as aot
+from t2t.infra import flops
 
 
 def _size(num_bytes: float) -> str:
@@ -79,7 +79,7 @@ def recompute_line(ratio: float, remat: str) -> str:
     else:
         said = f'above {limit:.2f}: the recomputation remat={remat} asks for'
     return (f"  recomputation: XLA's matmul FLOPs / the model's as a dense kernel computes them "
-            f'(t2t/flops.py, causal self-attention whole) = {ratio:.3f}, {said}')
+            f'(t2t/infra/flops.py, causal self-attention whole) = {ratio:.3f}, {said}')
 
 
 def flops_lines(compiled, devices: int, config_flops: float) -> list[str]:
@@ -87,8 +87,8 @@ def flops_lines(compiled, devices: int, config_flops: float) -> list[str]:
     matmul = compiled.matmul_flops_per_device * devices
     lines = [f'  FLOPs per step: XLA matmul FLOPs (dots and convolutions of the compiled program, '
              f'loops counted by trip count) {compiled.matmul_flops_per_device:.4g} per device x '
-             f'{devices} = {matmul:.4g}; t2t/flops.py {config_flops:.4g} (matmuls and attention, '
-             f'causal self-attention half): ratio {matmul / config_flops:.3f}']
+             f'{devices} = {matmul:.4g}; t2t/infra/flops.py {config_flops:.4g} (matmuls and '
+             f'attention, causal self-attention half): ratio {matmul / config_flops:.3f}']
     if compiled.unknown_loops:
         lines.append(f'  WARNING: {compiled.unknown_loops} loop(s) of unknown trip count counted '
                      'once: the matmul FLOPs are too low')

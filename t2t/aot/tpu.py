@@ -41,12 +41,13 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from t2t import attention_choice, flops, inference, optim, sharding, train_lib
+from t2t import attention_choice, optim, sharding, train_lib
 from t2t.aot import cost, gpu, hlo, targets
 from t2t.aot import memory as hlo_memory
 from t2t.aot.cost import Estimate, Roofline, roofline_lines  # noqa: F401 (aot.roofline_lines)
 from t2t.aot.targets import CHIPS, GIB, GpuNodes, Target, TpuSlice, parse_slice  # noqa: F401
-from t2t.infra import metrics
+from t2t.eval import predict as predict_lib
+from t2t.infra import flops, metrics
 from t2t.model import TransformerConfig
 
 HBM_MARGIN = 0.05  # of HBM kept free for what memory_analysis does not count
@@ -194,7 +195,7 @@ FITS, RECOMPUTES, DOES_NOT_FIT = 'fits', 'fits only by rematerialization', 'does
 
 def recompute_ratio(compiled: Compiled, config, devices: int) -> float:
     """XLA's matmul FLOPs of the train step (all devices, loops by trip count) over the model's
-    as a dense kernel computes them (t2t/flops.py with the whole causal self-attention): above
+    as a dense kernel computes them (t2t/infra/flops.py with the whole causal self-attention): above
     1 + RECOMPUTE_MARGIN, the compiled step recomputes activations (XLA's own rematerialization
     when buffers exceed the device, or the config's remat)."""
     return (compiled.matmul_flops_per_device * devices
@@ -277,8 +278,8 @@ def compile_predict(config, mesh) -> Compiled:
     come sharded like the training state's and are gathered inside (a temporary).
     """
     state = train_lib.abstract_state(config, mesh, optim.make_optimizer(config))
-    predict = inference.config_predict_fn(config, TransformerConfig.from_config(config),
-                                          num_valid_ids=config.vocab_size, mesh=mesh)
+    predict = predict_lib.config_predict_fn(config, TransformerConfig.from_config(config),
+                                            num_valid_ids=config.vocab_size, mesh=mesh)
     rows = config.eval_batch_size + (-config.eval_batch_size % mesh.size)
     inputs = jax.ShapeDtypeStruct((rows, config.max_eval_len), jnp.int32,
                                   sharding=sharding.decode_sharding(mesh))

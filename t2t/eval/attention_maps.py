@@ -33,8 +33,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t2t import inference
+from t2t.decode import DecodeConfig
 from t2t.eval import checkpoints as eval_checkpoints
+from t2t.eval import predict as predict_lib
 from t2t.eval import translate
 from t2t.eval.checkpoints import EvalError
 from t2t.ids import EOS_ID, PAD_ID
@@ -116,8 +117,8 @@ def sentence_maps(config, workdir, sentence: str, *, step: int | None = None) ->
     if not sentence.strip() or len(source) > config.max_eval_len:
         raise EvalError(f'--sentence has {len(source)} tokens (EOS included); it must '
                         f'be non-empty and at most max_eval_len={config.max_eval_len}')
-    predict = inference.config_predict_fn(config, model_config,
-                                         num_valid_ids=tokenizer.vocab_size)
+    predict = predict_lib.config_predict_fn(config, model_config,
+                                            num_valid_ids=tokenizer.vocab_size)
     ids = np.asarray(jax.device_get(predict(params, np.asarray([source], np.int32)).ids_BL))[0]
     ends = np.flatnonzero(ids == EOS_ID)
     output = ids[:ends[0] + 1] if len(ends) else ids[ids != PAD_ID]
@@ -253,8 +254,8 @@ def recall_report(config, workdir, *, split: str = '', step: int | None = None) 
     label, params, tokenizer, model_config = _restore(config, workdir, step)
     split = split or config.test_split
     eval_split = data.eval_split(config, tokenizer, split)
-    greedy = inference.DecodeConfig.from_config(config).replace(decode_strategy='greedy')
-    predict = inference.make_predict_fn(model_config, greedy, num_valid_ids=tokenizer.vocab_size)
+    greedy = DecodeConfig.from_config(config).replace(decode_strategy='greedy')
+    predict = predict_lib.make_predict_fn(model_config, greedy, num_valid_ids=tokenizer.vocab_size)
     n = len(eval_split.sources)
     result = translate.translate_batches(predict, params, eval_split.batches(
         config.eval_batch_size), tokenizer, n, progress=False)

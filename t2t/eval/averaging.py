@@ -46,6 +46,7 @@ def validation_nll(config, tokenizer, mesh, params_by_label: dict) -> dict[str, 
     every batch of config.eval_split, with one compiled evaluation step; ValueError (one line) for
     a split that cannot be read."""
     from t2t import data, sharding, train_lib
+    from t2t.eval.validation import evaluate_loss
 
     try:
         split = data.eval_split(config, tokenizer, config.eval_split)
@@ -55,8 +56,8 @@ def validation_nll(config, tokenizer, mesh, params_by_label: dict) -> dict[str, 
     rows = -(-config.eval_batch_size // parallel) * parallel  # every device the same rows
     step_config = train_lib.StepConfig.from_config(config)
     eval_step = train_lib.jit_eval_step(step_config, sharding.replicated(mesh), mesh)
-    return {label: train_lib.evaluate_loss(eval_step, params,
-                                      split.batches(config.eval_batch_size, rows), mesh, -1)
+    return {label: evaluate_loss(eval_step, params, split.batches(config.eval_batch_size, rows),
+                                 mesh, -1)
             for label, params in params_by_label.items()}
 
 

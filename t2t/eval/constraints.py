@@ -1,6 +1,6 @@
 """Lexically constrained beam search: dynamic beam allocation (Post & Vilar 2018) in jitted JAX.
 
-`Constraints(phrases_BCP)` is what decode.beam_search (and inference's predict) take as
+`Constraints(phrases_BCP)` is what decode.beam_search (and t2t/eval/predict.py) take as
 `constraints`: started for K beams it is the search's carry, and its `step` replaces the plain
 step after the model; without constraints the search is the plain one, operation for operation.
 

@@ -2,7 +2,7 @@
 
     members = ensemble.resolve(config, workdir, 'runs/b,runs/c,3000', tokenizer)
     params = ensemble.load_params(config, members, tokenizer, mesh)   # a tuple, one per member
-    predict = inference.config_predict_fn(config, ensemble.model_configs(members), ...)
+    predict = predict_lib.config_predict_fn(config, ensemble.model_configs(members), ...)
 
 A member is a workdir (its latest checkpoint) or a step of --workdir (a bare integer); the same
 one may appear twice. Each brings its own model: its architecture (every TransformerConfig field
@@ -12,7 +12,7 @@ must have been trained with --workdir's vocabulary, the one the hypotheses are d
 its checkpoint's recorded vocabulary digest (or its WORKDIR/vocab.model's) is compared with it,
 and a difference is one line before anything is restored or compiled.
 
-The search (t2t/inference.py) reads at every step the arithmetic mean of the members'
+The search (t2t/eval/predict.py) reads at every step the arithmetic mean of the members'
 log-probabilities (log_softmax of each one's logits), as OpenNMT-py and Marian combine them; it is
 not renormalized, so the beam score of a hypothesis is the mean of its members' scores. fairseq
 averages the probabilities instead (the log of the mean of softmaxes).

@@ -37,9 +37,11 @@ from collections.abc import Callable
 import jax
 from absl import logging
 
-from t2t import inference, sharding
+from t2t import sharding
 from t2t.data import identity
+from t2t.decode import DecodeConfig
 from t2t.eval import averaging, bleu
+from t2t.eval import predict as predict_lib
 from t2t.eval.checkpoints import EvalError, check_params, load_params, select, weights_label
 from t2t.eval.translate import translate_batches
 from t2t.infra import workdir as wd
@@ -106,8 +108,8 @@ def make_bleu_eval(config, model_config, tokenizer, eval_data, mesh):
     """
     if config.eval_bleu_sentences <= 0:
         return None
-    predict = inference.config_predict_fn(config, model_config, num_valid_ids=tokenizer.vocab_size,
-                                          mesh=mesh)
+    predict = predict_lib.config_predict_fn(config, model_config,
+                                            num_valid_ids=tokenizer.vocab_size, mesh=mesh)
     n = min(config.eval_bleu_sentences, len(eval_data.references))
     head = dataclasses.replace(
         eval_data, sources=eval_data.sources[:n], references=eval_data.references[:n],
@@ -140,8 +142,8 @@ def evaluate_params(config, params, tokenizer, eval_split, *, split: str, label:
         check_params(params, model_config, tokenizer, label)
     n = len(eval_split.sources)
     decoding = _decoding(config, mbr)
-    predict = inference.make_predict_fn(model_config, decoding,
-                                        num_valid_ids=tokenizer.vocab_size, mesh=mesh)
+    predict = predict_lib.make_predict_fn(model_config, decoding,
+                                          num_valid_ids=tokenizer.vocab_size, mesh=mesh)
     batches = eval_split.batches(config.eval_batch_size)
     if constraints is not None:
         batches = constraints.batches(batches)
@@ -183,7 +185,7 @@ def evaluate_params(config, params, tokenizer, eval_split, *, split: str, label:
     if constraints is not None:
         record['constraints'] = constraints.record(hypotheses, result.unmet_constraints)
 
-    described = mbr.describe(decoding) if mbr else decoding.describe()
+    described = mbr.describe(decoding) if mbr else predict_lib.describe(decoding)
     echo(f'== {label} on {eval_split.name} ({n} sentences, {described}, '
          f'{result.sentences_per_s:.1f} sentences/s)')
     echo(bleu.format_report(scores))
@@ -210,15 +212,19 @@ def evaluate_params(config, params, tokenizer, eval_split, *, split: str, label:
     return record
 
 
-def _decoding(config, mbr=None) -> inference.DecodeConfig:
+def _decoding(config, mbr=None) -> DecodeConfig:
     """The config's decoding, or the one that yields MBR's candidates."""
-    decoding = inference.DecodeConfig.from_config(config)
+    decoding = DecodeConfig.from_config(config)
     return mbr.decoding(decoding) if mbr else decoding
 
 
-def _mbr_label(label: str, mbr) -> str:
-    """An MBR evaluation's label (step-N-mbr-sample16-chrf): its files and scores apart."""
-    return f'{label}-{mbr.tag}' if mbr else label
+def _decoding_label(label: str, mbr, phrases: tuple[str, str]) -> str:
+    """The label of an evaluation decoded by MBR (step-N-mbr-sample16-chrf) or under constraints
+    (step-N-terminology, step-N-constraints): its hypotheses and scores kept apart from beam's."""
+    constraints, terminology = phrases
+    tags = [mbr.tag] if mbr else []
+    tags += ['terminology'] if terminology else ['constraints'] if constraints else []
+    return '-'.join([label, *tags])
 
 
 def _split_tag(split: str) -> str:
@@ -288,7 +294,7 @@ def _check_request(config, *, average_last: int, write_averaged: str, translate:
     if mbr and nbest != 1:
         raise EvalError('--nbest and --mbr_samples both choose the output: give one of them')
     try:
-        inference.DecodeConfig.from_config(config, nbest=nbest)  # --nbest against the beam
+        DecodeConfig.from_config(config, nbest=nbest)  # --nbest against the beam
         _decoding(config, mbr)  # MBR's n-best against the beam
     except ValueError as e:
         raise EvalError(str(e)) from e
@@ -373,7 +379,7 @@ def run(config, workdir, *, step: int | None = None, all_steps: bool = False,
             echo(f'== {label}: corrupt: {e}')  # --all: report it and go on
             results[label] = {'corrupt': str(e), 'steps': steps}
             continue
-        label = _mbr_label(weights_label(label, used), mbr)
+        label = _decoding_label(weights_label(label, used), mbr, (constraints, terminology))
         record = evaluate_params(config, params, tokenizer, eval_split, split=split, label=label,
                                  steps=steps, workdir=workdir, progress=progress, echo=echo,
                                  mesh=mesh, weights=used, constraints=split_phrases, mbr=mbr)
@@ -411,7 +417,7 @@ def _run_ensemble(config, workdir, spec: str, *, split: str, translate: bool, in
                        truncate_long=truncate_long, nbest=nbest, members=members,
                        constraints=file_phrases, mbr=mbr)
         return {}
-    label = _mbr_label(ensemble.label(members), mbr)
+    label = _decoding_label(ensemble.label(members), mbr, phrases)
     record = evaluate_params(config, params, tokenizer, eval_split, split=split, label=label,
                              steps=[m.step for m in members], workdir=workdir,
                              progress=progress, echo=echo, mesh=mesh,
@@ -508,10 +514,9 @@ def translate_file(config, params, tokenizer, input_path: str, output_path: str,
     else:
         model_config = TransformerConfig.from_config(config)
         max_len = config.max_position
-    decoding = _decoding(config, mbr) if mbr else inference.DecodeConfig.from_config(config,
-                                                                                      nbest=nbest)
-    predict = inference.make_predict_fn(model_config, decoding,
-                                        num_valid_ids=tokenizer.vocab_size, mesh=mesh)
+    decoding = _decoding(config, mbr) if mbr else DecodeConfig.from_config(config, nbest=nbest)
+    predict = predict_lib.make_predict_fn(model_config, decoding,
+                                          num_valid_ids=tokenizer.vocab_size, mesh=mesh)
     try:
         stats = translate.translate_stream(
             predict, params, tokenizer, input_path, output_path, max_len=max_len,

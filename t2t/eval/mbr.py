@@ -1,8 +1,8 @@
 """Minimum Bayes risk decoding: of a sentence's candidates, the one the others agree with most.
 
     mbr = MBR(samples=16, candidates='sample', utility='chrf')   # evaluate.py --mbr_samples=16
-    decoding = mbr.decoding(inference.DecodeConfig.from_config(config))
-    predict = inference.make_predict_fn(model_config, decoding, ...)
+    decoding = mbr.decoding(DecodeConfig.from_config(config))
+    predict = predict_lib.make_predict_fn(model_config, decoding, ...)
     result = translate.translate_batches(predict, ..., choose=mbr.choose)
 
 Candidates: `samples` draws per sentence (decode_strategy='sample' with the config's temperature,
@@ -27,7 +27,8 @@ import dataclasses
 import numpy as np
 from sacrebleu.metrics import BLEU, CHRF
 
-from t2t import inference
+from t2t.decode import DecodeConfig
+from t2t.eval import predict as predict_lib
 
 UTILITIES = ('chrf', 'bleu')
 CANDIDATES = ('sample', 'nbest')
@@ -50,7 +51,7 @@ class MBR:
         if self.utility not in UTILITIES:
             raise ValueError(f'--mbr_utility={self.utility!r}: expected one of {UTILITIES}')
 
-    def decoding(self, base: inference.DecodeConfig) -> inference.DecodeConfig:
+    def decoding(self, base: DecodeConfig) -> DecodeConfig:
         """The decoding that yields the candidates (checked: n-best within the beam)."""
         if self.candidates == 'nbest':
             if self.samples > base.beam_size:
@@ -64,9 +65,9 @@ class MBR:
         """The suffix of an evaluation label: mbr-sample16-chrf."""
         return f'mbr-{self.candidates}{self.samples}-{self.utility}'
 
-    def describe(self, decoding: inference.DecodeConfig) -> str:
+    def describe(self, decoding: DecodeConfig) -> str:
         return (f'MBR ({self.utility}) over {self.samples} candidates from '
-                f'{decoding.describe()}')
+                f'{predict_lib.describe(decoding)}')
 
     def record(self) -> dict:
         return {'mbr_samples': self.samples, 'mbr_candidates': self.candidates,

@@ -34,7 +34,8 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import PartitionSpec
 
-from t2t import inference, sharding
+from t2t import sharding
+from t2t.eval import predict as predict_lib
 from t2t.eval import translate
 from t2t.ids import EOS_ID, PAD_ID
 from t2t.model import Transformer, TransformerConfig
@@ -57,7 +58,7 @@ class Scores:
 def make_score_fn(model_config: TransformerConfig | tuple[TransformerConfig, ...], *,
                   num_valid_ids: int | None = None, mesh=None) -> Callable:
     """A jitted score(params, inputs_BS, targets_BT) -> float32[B], each row's log_prob (targets
-    end in EOS, then PAD). With a mesh, each device scores its own rows (as inference's predict);
+    end in EOS, then PAD). With a mesh, each device scores its own rows (as predict.py's predict);
     rows must divide by mesh.size. An ensemble (evaluate.py --score --ensemble): model_config a
     tuple of its members' configs, params the tuple of theirs; each token's log-probability is
     the mean of the members' (over the vocabulary rows all have), as its beam search reads it."""
@@ -112,8 +113,8 @@ def score_pairs(score, params, tokenizer, sources: list[str], targets: list[str]
                   key=lambda i: max(len(src[i]), len(tgt[i])))
     pending = None
     for batch in _batches(todo, src, tgt, max_len, token_budget, multiple):
-        out = score(params, inference.feed(batch['inputs'], mesh),
-                    inference.feed(batch['targets'], mesh))  # asynchronous dispatch
+        out = score(params, predict_lib.feed(batch['inputs'], mesh),
+                    predict_lib.feed(batch['targets'], mesh))  # asynchronous dispatch
         if pending is not None:
             _collect(*pending, log_probs)
         pending = (batch['index'], out)

@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 from tqdm import tqdm
 
-from t2t import inference
+from t2t.eval import predict as predict_lib
 from t2t.eval import terms
 from t2t.eval.constraints import Constraints
 from t2t.ids import EOS_ID, PAD_ID
@@ -95,8 +95,8 @@ class Translations:
 Choose = Callable[[list[list[str]]], list[int]]
 
 
-def _chosen(got: inference.Prediction, rows: list[int], tokenizer,
-            choose: Choose) -> inference.Prediction:
+def _chosen(got: predict_lib.Prediction, rows: list[int], tokenizer,
+            choose: Choose) -> predict_lib.Prediction:
     """A fetched prediction whose output at each of `rows` is the candidate `choose` picks among
     the row's draws (samples_BNL), else its n-best, else its one output; the limit flags follow
     the chosen candidate, and score_B is dropped (a draw has none)."""
@@ -118,7 +118,7 @@ def _chosen(got: inference.Prediction, rows: list[int], tokenizer,
                        score_B=None)
 
 
-def translate_batches(predict: inference.Predict, params, batches: Iterable[dict], tokenizer,
+def translate_batches(predict: predict_lib.Predict, params, batches: Iterable[dict], tokenizer,
                       num_examples: int, *, progress: bool = True, mesh=None,
                       choose: Choose | None = None) -> Translations:
     """Decodes every batch; the hypothesis of the row with `index` i lands at position i.
@@ -140,8 +140,8 @@ def translate_batches(predict: inference.Predict, params, batches: Iterable[dict
     bar = tqdm(total=num_examples, unit='sent', desc='decoding', disable=not progress,
                dynamic_ncols=True)
 
-    def collect(index_B, prediction: inference.Prediction):
-        got = inference.fetch(prediction, len(index_B))
+    def collect(index_B, prediction: predict_lib.Prediction):
+        got = predict_lib.fetch(prediction, len(index_B))
         if choose is not None:
             got = _chosen(got, [r for r, i in enumerate(np.asarray(index_B).tolist()) if i >= 0],
                           tokenizer, choose)
@@ -171,10 +171,10 @@ def translate_batches(predict: inference.Predict, params, batches: Iterable[dict
     for batch in batches:
         if 'constraints' in batch:
             constrained = True
-            prediction = predict(params, inference.feed(batch['inputs'], mesh),
-                                 Constraints(inference.feed(batch['constraints'], mesh)))
+            prediction = predict(params, predict_lib.feed(batch['inputs'], mesh),
+                                 Constraints(predict_lib.feed(batch['constraints'], mesh)))
         else:  # asynchronous dispatch
-            prediction = predict(params, inference.feed(batch['inputs'], mesh))
+            prediction = predict(params, predict_lib.feed(batch['inputs'], mesh))
         if pending is not None:
             collect(*pending)
         pending = (batch['index'], prediction)
@@ -223,7 +223,7 @@ def window_batches(ids: list[list[int]], *, max_len: int, token_budget: int,
     TAIL_HALVINGS smaller ones (fewer rows of padding to decode).
 
     Padding rows are empty (all PAD): the search decodes nothing for them and drops them from
-    the batch at its first compaction (inference.DecodeConfig's beam_shrink_floor). Rows are
+    the batch at its first compaction (DecodeConfig's beam_shrink_floor). Rows are
     independent, so the real rows' outputs do not change."""
     todo = sorted((i for i, row in enumerate(ids) if row), key=lambda i: len(ids[i]))
     for length, group in itertools.groupby(todo, key=lambda i: bucket_length(len(ids[i]),
@@ -303,7 +303,7 @@ def _write_progress(path: str, input_path: str, lines: int, size: int) -> None:
                                       'bytes': size}))
 
 
-def translate_stream(predict: inference.Predict, params, tokenizer, input_path: str,
+def translate_stream(predict: predict_lib.Predict, params, tokenizer, input_path: str,
                      output_path: str, *, max_len: int, token_budget: int = DEFAULT_TOKEN_BUDGET,
                      window: int = DEFAULT_WINDOW, truncate_long: bool = False,
                      progress: bool = True, write: bool = True, nbest_alpha: float | None = None,

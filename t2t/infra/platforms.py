@@ -14,10 +14,17 @@ missing); neither, 'cpu'. A JAX_PLATFORMS set by the user always wins.
 `compile_only_tpu` / `compile_only_gpu` are the environments of ahead-of-time compiles for a TPU
 slice or GPU nodes (t2t/aot/targets.py): the process runs on the CPU backend and uses libtpu or
 the CUDA plugin only as XLA's compiler.
+
+`reuse_freed_memory` (a CPU run, before its first jax computation) keeps the memory glibc's malloc
+frees for the next allocation: XLA's CPU runtime mallocs each execution's temporaries (all of a
+train step's activations) in one block and frees it after the step, and glibc maps and unmaps
+blocks that large, so every step faulted in fresh pages that the kernel zeroed first
+(bench/RESULTS.md, "The CPU step against PyTorch").
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
 import sys
@@ -53,6 +60,45 @@ def skip_absent_tpu() -> str | None:
     if platforms is not None:
         jax.config.update('jax_platforms', platforms)
     return platforms
+
+
+def cpu_only() -> bool:
+    """Whether this process's jax platforms are the CPU alone (JAX_PLATFORMS or jax_platforms)."""
+    if 'JAX_PLATFORMS' in os.environ:
+        return os.environ['JAX_PLATFORMS'] == 'cpu'
+    import jax
+
+    return jax.config.jax_platforms == 'cpu'
+
+
+# mallopt's parameters (glibc's malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
+
+
+def reuse_freed_memory() -> bool:
+    """glibc's malloc keeps freed memory in its one heap for the next allocation, in a CPU run.
+
+    One arena (a thread's own arena maps a block this large whatever the settings), no mmap for
+    large blocks, no trimming of the heap's top: the next step's temporaries take the pages the
+    last step's left, with no page fault. The process keeps its peak memory. Call it before the
+    first jax computation (XLA's threads take their arena at their first allocation). Returns
+    whether glibc took the settings (False elsewhere: another libc has no mallopt to ask).
+    """
+    try:
+        libc = ctypes.CDLL(None)
+    except (OSError, TypeError):  # no C library to load this way (Windows)
+        return False
+    if not hasattr(libc, 'gnu_get_libc_version'):
+        return False
+    settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1))
+    return all(libc.mallopt(param, value) == 1 for param, value in settings)
+
+
+def prepare_cpu_host() -> None:
+    """The CPU host's setting of a CPU-only run (reuse_freed_memory); accelerator hosts, whose
+    steps keep their temporaries on the device, stay as they are."""
+    if cpu_only():
+        reuse_freed_memory()
 
 
 def compile_only_tpu(accelerator_type: str) -> None:

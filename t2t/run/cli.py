@@ -108,10 +108,12 @@ def parse_flags(argv, prog: str):
 
 def run(main, prog: str) -> None:
     """app.run(main) with parse_flags, after choosing the jax platforms (before any jax
-    computation: no TPU backend, and none of libtpu's start-up errors, without TPU chips)."""
+    computation: no TPU backend, and none of libtpu's start-up errors, without TPU chips) and
+    preparing a CPU-only host (platforms.prepare_cpu_host)."""
     from t2t.infra import platforms
 
     platforms.skip_absent_tpu()
+    platforms.prepare_cpu_host()
     app.run(main, flags_parser=functools.partial(parse_flags, prog=prog))
 
 

@@ -7,7 +7,7 @@ The first value a config gets wrong is one line naming the key, its value and wh
 
 Every rule lives once. The keys of the core's frozen dataclasses are checked by the dataclasses
 themselves when `problem` makes them from the config: model.TransformerConfig, train_lib.StepConfig,
-optim.OptimConfig and inference.DecodeConfig (their ValueError is already the one line). The
+optim.OptimConfig and decode.DecodeConfig (their ValueError is already the one line). The
 table below holds the rest: keys no dataclass has (data, loop, checkpoints, storage, trackers,
 the mesh), values only a config has (attention_impl='auto') and rules between keys of different
 objects (max_len against max_position); it answers first. `cli.check_values` prints the line for
@@ -21,9 +21,10 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from t2t import attention_choice, inference, optim, sharding, train_lib
+from t2t import attention_choice, optim, sharding, train_lib
 from t2t.data import hf, mixture, sources
 from t2t.data.tokenizer import MIN_VOCAB_SIZE
+from t2t.decode import DecodeConfig
 from t2t.infra import trackers, uploads
 from t2t.run import best
 
@@ -221,7 +222,7 @@ def problem(config, keys=None) -> str | None:
             config = config.copy_and_resolve_references()
             config.attention_impl = 'xla'
         for make in (train_lib.StepConfig.from_config, optim.OptimConfig.from_config,
-                     inference.DecodeConfig.from_config):
+                     DecodeConfig.from_config):
             try:
                 make(config)
             except ValueError as e:

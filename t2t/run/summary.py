@@ -4,7 +4,7 @@ The TPU ahead-of-time report (`--dry_run --topology`) is t2t/aot/report.py."""
 
 from __future__ import annotations
 
-from t2t import flops
+from t2t.infra import flops
 from t2t.model import TransformerConfig, abstract_params, count_params
 
 

@@ -27,10 +27,11 @@ import json
 import os
 from collections.abc import Callable
 
-from t2t import inference
 from t2t.data import sources
+from t2t.decode import DecodeConfig
 from t2t.eval import checkpoints as eval_checkpoints
 from t2t.eval import evaluation
+from t2t.eval import predict as predict_lib
 from t2t.eval.translate import count_lines, one_line
 from t2t.infra import workdir as wd
 
@@ -127,10 +128,10 @@ def run(teacher_config, teacher_workdir: str, student, workdir: str, *, ensemble
     tokenizer = evaluation.workdir_tokenizer(teacher_config, teacher_workdir)
     empty, too_long = empty_translations(src, hyp, tokenizer, teacher_config.max_position)
     vocab = tokenizer.path
-    decoding = inference.DecodeConfig.from_config(teacher_config)
+    decoding = DecodeConfig.from_config(teacher_config)
+    described = mbr.describe(mbr.decoding(decoding)) if mbr else predict_lib.describe(decoding)
     record = {'teacher_workdir': str(teacher_workdir), 'ensemble': ensemble, 'step': step,
-              'average_last': average_last, 'weights': weights,
-              'decoding': mbr.describe(mbr.decoding(decoding)) if mbr else decoding.describe(),
+              'average_last': average_last, 'weights': weights, 'decoding': described,
               'sources': total, 'empty_translations': empty,
               'sources_over_max_position': too_long, 'vocab_path': vocab}
     wd.write_atomic(os.path.join(directory, 'distill.json'), json.dumps(record, indent=2) + '\n')

@@ -29,15 +29,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from t2t import flops, goodput, optim, sharding, train_lib
+from t2t import goodput, optim, sharding, train_lib
 from t2t.data import identity
-from t2t.infra import distributed, metrics, trackers, uploads, watchdog
+from t2t.eval.validation import evaluate_loss  # the loop's validation loss (a name tests replace)
+from t2t.infra import distributed, flops, metrics, trackers, uploads, watchdog
 from t2t.infra import workdir as wd
 from t2t.infra.preemption import Interrupted, PreemptionFlag
 from t2t.run import best, checkpoint, compile_cache, outage, profiling, run_record, startup
 from t2t.train import guards
 from t2t.train.interval import Interval, NonFiniteLossError, log_train
-from t2t.train_lib import evaluate_loss  # the loop's validation loss (a name tests replace)
 
 
 @dataclasses.dataclass

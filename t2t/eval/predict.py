@@ -1,6 +1,6 @@
 """Model glue for decoding: a jitted predict function over one batch.
 
-    decoding = DecodeConfig.from_config(config)   # or DecodeConfig(beam_size=4, ...): checked
+    decoding = DecodeConfig.from_config(config)   # t2t/decode.py; or DecodeConfig(beam_size=4)
     predict = make_predict_fn(model_config, decoding, mesh=mesh)
     prediction = predict(params, feed(inputs_BS, mesh))   # Prediction(ids_BL, hit_limit_B, ...)
 
@@ -24,7 +24,6 @@ greedy), L generated positions, D d_model, V vocabulary.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 
@@ -37,7 +36,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec
 
 from t2t import decode, sharding
-from t2t.ids import EOS_ID, PAD_ID
+from t2t.decode import DecodeConfig
+from t2t.ids import PAD_ID
 from t2t.model import Transformer, TransformerConfig
 
 
@@ -175,106 +175,29 @@ def _ensemble_step(members: Sequence[_Member], params, ids_N1, caches, constants
     return jnp.mean(log_probs_MNV, axis=0), tuple(cache for _, cache in stepped)
 
 
-@dataclasses.dataclass(frozen=True)
-class DecodeConfig:
-    """How make_predict_fn decodes: the decoding keys of configs/common.py under their names,
-    checked when made (one line naming the key and what it needs). Hashable: make_predict_fn's
-    cache key. The defaults are the paper's beam search, without compaction."""
-
-    decode_strategy: str = 'beam'  # one of decode.STRATEGIES: beam search, argmax, sampling
-    beam_size: int = 4  # 1 is still beam search (alive / finished, the length penalty)
-    length_penalty_alpha: float = 0.6
-    beam_unfinished: str = 'fallback'  # decode.beam_search's `unfinished` rule
-    beam_stop: str = 'bound'  # decode.beam_search's `stop` rule
-    # Compaction: beam search drops ended examples, to quarters down to this many (`shrink_ladder`)
-    beam_shrink_floor: int = 0
-    max_decode_len: int = 256  # the decode buffers' length: the most tokens of any hypothesis
-    max_decode_extra: int = 50  # an example's limit: its source length + this
-    temperature: float = 1.0  # decode_strategy='sample': what decode.Sampling draws from
-    top_k: int = 0
-    top_p: float = 1.0
-    decode_seed: int = 0  # decode_strategy='sample': with its source, a sentence's key
-    num_samples: int = 1  # decode_strategy='sample': draws per sentence (`draw_keys`; MBR)
-    nbest: int = 1  # beam search's best nbest too (evaluate.py --nbest; no config key)
-    eos_id: int = EOS_ID  # -1: no EOS, every hypothesis runs to its limit (benchmarks)
-
-    def __post_init__(self):
-        rules = (  # (holds, key, what the key needs), in the order a config is checked
-            (self.decode_strategy in decode.STRATEGIES, 'decode_strategy',
-             f'must be one of {decode.STRATEGIES}'),
-            (self.temperature > 0, 'temperature', "must be > 0 (1: the model's distribution)"),
-            (self.top_k >= 0, 'top_k', 'must be >= 0 (0: every token)'),
-            (0 < self.top_p <= 1, 'top_p', 'must be in (0, 1] (1: every token)'),
-            (self.decode_seed >= 0, 'decode_seed', 'must be >= 0'),
-            (self.beam_size >= 1, 'beam_size', 'must be >= 1'),
-            (self.length_penalty_alpha >= 0, 'length_penalty_alpha', 'must be >= 0'),
-            (self.beam_unfinished in decode.UNFINISHED_RULES, 'beam_unfinished',
-             f'must be one of {decode.UNFINISHED_RULES}'),
-            (self.beam_stop in decode.STOP_RULES, 'beam_stop',
-             f'must be one of {decode.STOP_RULES}'),
-            (self.max_decode_extra >= 0, 'max_decode_extra', 'must be >= 0'),
-            (self.beam_shrink_floor >= 0, 'beam_shrink_floor', 'must be >= 0 (0: no compaction)'),
-            (self.max_decode_len >= 1, 'max_decode_len', 'must be >= 1'),
-            (1 <= self.nbest <= self.beam_size, 'nbest',
-             f'must be in [1, beam_size={self.beam_size}]'),
-            (self.nbest == 1 or self.decode_strategy == 'beam', 'nbest',
-             f'needs decode_strategy=beam (decode_strategy={self.decode_strategy!r} keeps one '
-             'hypothesis)'),
-            (self.num_samples >= 1, 'num_samples', 'must be >= 1'),
-            (self.num_samples == 1 or self.decode_strategy == 'sample', 'num_samples',
-             f'needs decode_strategy=sample (not {self.decode_strategy!r})'),
-        )
-        for holds, key, needs in rules:
-            if not holds:
-                raise ValueError(f'{key}={getattr(self, key)!r} {needs}')
-
-    @classmethod
-    def from_config(cls, config, nbest: int = 1) -> DecodeConfig:
-        return cls(decode_strategy=config.decode_strategy,
-                   beam_size=config.beam_size,
-                   length_penalty_alpha=config.length_penalty_alpha,
-                   beam_unfinished=config.beam_unfinished,
-                   beam_stop=config.beam_stop,
-                   beam_shrink_floor=config.beam_shrink_floor,
-                   max_decode_len=config.max_decode_len,
-                   max_decode_extra=config.max_decode_extra,
-                   temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
-                   decode_seed=config.decode_seed,
-                   nbest=nbest)
-
-    def replace(self, **changes) -> DecodeConfig:
-        return dataclasses.replace(self, **changes)
-
-    @property
-    def sampling(self) -> decode.Sampling | None:
-        """What decode.sample_search draws from when decode_strategy='sample', else None."""
-        if self.decode_strategy != 'sample':
-            return None
-        return decode.Sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
-
-    def describe(self) -> str:
-        """The settings for a report line."""
-        if self.decode_strategy == 'greedy':
-            return 'greedy'
-        if self.decode_strategy == 'sample':
-            draws = f'{self.num_samples} draws, ' if self.num_samples > 1 else ''
-            return (f'sampling: {draws}temperature {self.temperature}, top_k {self.top_k}, top_p '
-                    f'{self.top_p}, seed {self.decode_seed}')
-        stop = '' if self.beam_stop == 'bound' else f', stop {self.beam_stop}'
-        return f'beam {self.beam_size}, alpha {self.length_penalty_alpha}{stop}'
+def describe(decoding: DecodeConfig) -> str:
+    """The decoding settings for a report line."""
+    if decoding.decode_strategy == 'greedy':
+        return 'greedy'
+    if decoding.decode_strategy == 'sample':
+        draws = f'{decoding.num_samples} draws, ' if decoding.num_samples > 1 else ''
+        return (f'sampling: {draws}temperature {decoding.temperature}, top_k {decoding.top_k}, '
+                f'top_p {decoding.top_p}, seed {decoding.decode_seed}')
+    stop = '' if decoding.beam_stop == 'bound' else f', stop {decoding.beam_stop}'
+    return f'beam {decoding.beam_size}, alpha {decoding.length_penalty_alpha}{stop}'
 
 
 def _search(decoding: DecodeConfig, tokens_to_logits, cache, constants, *, keys_B,
             batch_size: int, L: int, limit_B, first: int, log_probs: bool, constraints):
     """The decoding.decode_strategy search of one bucket: (ids_BL, score_B, nbest_ids_BNL,
     nbest_scores_BN), the last three None where the strategy has none."""
-    strategy, sampling, eos_id = decoding.decode_strategy, decoding.sampling, decoding.eos_id
+    strategy, eos_id = decoding.decode_strategy, decoding.eos_id
     score_B = nbest_ids_BNL = nbest_scores_BN = None
     if strategy == 'sample':
         ids_BL = decode.sample_search(
-            tokens_to_logits, cache, keys_B=keys_B,
-            sampling=sampling, batch_size=batch_size, eos_id=eos_id, max_decode_len=L,
-            max_lengths=limit_B, constants=constants)
+            tokens_to_logits, cache, keys_B=keys_B, batch_size=batch_size, eos_id=eos_id,
+            max_decode_len=L, max_lengths=limit_B, constants=constants,
+            temperature=decoding.temperature, top_k=decoding.top_k, top_p=decoding.top_p)
     elif strategy == 'greedy':
         ids_BL = decode.greedy_search(
             tokens_to_logits, cache, batch_size=batch_size, eos_id=eos_id,

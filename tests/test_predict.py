@@ -12,8 +12,10 @@ import pytest
 from flax import linen as nn
 
 from configs import tiny
-from t2t import decode, inference, sharding
+from t2t import decode, sharding
 from t2t.data.pipeline import EvalSplit
+from t2t.decode import DecodeConfig
+from t2t.eval import predict as predict_lib
 from t2t.eval import translate
 from t2t.ids import EOS_ID, PAD_ID
 from t2t.model import Transformer, TransformerConfig
@@ -24,8 +26,8 @@ pytestmark = pytest.mark.xdist_group(__name__)
 CFG = TransformerConfig(vocab_size=48, d_model=32, d_ff=64, num_heads=4, num_encoder_layers=2,
                         num_decoder_layers=2, max_position=64, deterministic=True)
 # One decode setting for every compiled test, so the cached predict functions are shared.
-BEAM = inference.DecodeConfig(beam_size=1, length_penalty_alpha=0.6, max_decode_len=10,
-                              max_decode_extra=3)
+BEAM = DecodeConfig(beam_size=1, length_penalty_alpha=0.6, max_decode_len=10,
+                    max_decode_extra=3)
 GREEDY = BEAM.replace(decode_strategy='greedy')
 SRC_LENS = (8, 2, 5, 3)  # EOS included; bucket 8; the first one's limit 8 + 3 is capped at 10
 
@@ -86,7 +88,7 @@ def _limits():
 
 def test_greedy_equals_argmax_rollout_of_full_forward_passes(params, inputs_BS):
     params = _suppress(params, [PAD_ID])  # a PAD mid-sentence would be masked by teacher forcing
-    predict = inference.make_predict_fn(CFG, GREEDY)
+    predict = predict_lib.make_predict_fn(CFG, GREEDY)
     got = jax.device_get(predict(params, inputs_BS))
 
     B, L = inputs_BS.shape[0], GREEDY.max_decode_len
@@ -106,8 +108,8 @@ def test_greedy_equals_argmax_rollout_of_full_forward_passes(params, inputs_BS):
 
 def test_beam_of_one_scores_at_least_greedy(params, inputs_BS):
     params = _suppress(params, [PAD_ID])
-    greedy = inference.make_predict_fn(CFG, GREEDY)
-    beam = inference.make_predict_fn(CFG, BEAM)
+    greedy = predict_lib.make_predict_fn(CFG, GREEDY)
+    beam = predict_lib.make_predict_fn(CFG, BEAM)
     greedy_ids = np.asarray(greedy(params, inputs_BS).ids_BL)
     beam_ids = np.asarray(beam(params, inputs_BS).ids_BL)
     alpha = BEAM.length_penalty_alpha
@@ -119,7 +121,7 @@ def test_beam_of_one_scores_at_least_greedy(params, inputs_BS):
 @pytest.mark.parametrize('greedy', [True, False])
 def test_each_example_stops_at_source_length_plus_extra(params, inputs_BS, greedy):
     params = _suppress(params, [PAD_ID, EOS_ID])  # never ends by itself: every limit is reached
-    predict = inference.make_predict_fn(CFG, GREEDY if greedy else BEAM)
+    predict = predict_lib.make_predict_fn(CFG, GREEDY if greedy else BEAM)
     got = jax.device_get(predict(params, inputs_BS))
     lengths = (got.ids_BL != PAD_ID).sum(1)
     np.testing.assert_array_equal(lengths, _limits())
@@ -139,10 +141,10 @@ def test_compaction_short_cache_and_padding_rows_decode_like_one_plain_search(
     padded_BS = np.zeros((8, inputs_BS.shape[1]), np.int32)
     padded_BS[::2] = inputs_BS
     plain_search = BEAM.replace(max_decode_len=40, max_decode_extra=32, beam_size=2)
-    staged = jax.device_get(inference.make_predict_fn(
+    staged = jax.device_get(predict_lib.make_predict_fn(
         CFG, plain_search.replace(beam_shrink_floor=1))(params, padded_BS))
-    monkeypatch.setattr(inference, 'SHORT_CACHE_OVER_SOURCE', 100)  # no short cache
-    plain = jax.device_get(inference.make_predict_fn(CFG, plain_search)(params, padded_BS))
+    monkeypatch.setattr(predict_lib, 'SHORT_CACHE_OVER_SOURCE', 100)  # no short cache
+    plain = jax.device_get(predict_lib.make_predict_fn(CFG, plain_search)(params, padded_BS))
     np.testing.assert_array_equal(staged.ids_BL, plain.ids_BL)
     np.testing.assert_allclose(staged.score_B, plain.score_B, rtol=1e-5)
     np.testing.assert_array_equal(staged.hit_limit_B, plain.hit_limit_B)
@@ -151,19 +153,20 @@ def test_compaction_short_cache_and_padding_rows_decode_like_one_plain_search(
     np.testing.assert_array_equal(lengths[1::2], 0)  # padding: nothing decoded, not flagged
     assert plain.hit_limit_B[::2].all() and not plain.hit_limit_B[1::2].any()
     assert np.all(np.isfinite(plain.score_B[::2])) and np.all(plain.score_B[1::2] == -np.inf)
-    assert inference.shrink_ladder(512, 8) == (128, 32, 8) and inference.shrink_ladder(8, 1) == (2,)
-    assert inference.shrink_ladder(8, 0) == () and inference.shrink_ladder(6, 1) == ()
+    ladder = predict_lib.shrink_ladder
+    assert ladder(512, 8) == (128, 32, 8) and ladder(8, 1) == (2,)
+    assert ladder(8, 0) == () and ladder(6, 1) == ()
 
 
 def test_config_decoding_keys_reach_the_predict_function(monkeypatch):
     config = tiny.get_config()
     config.update(beam_stop='k_finished', beam_shrink_floor=2, beam_unfinished='compete')
     seen = []
-    monkeypatch.setattr(inference, 'make_predict_fn',
+    monkeypatch.setattr(predict_lib, 'make_predict_fn',
                         lambda cfg, decoding, **kwargs: seen.append((decoding, kwargs)))
-    inference.config_predict_fn(config, CFG, num_valid_ids=48)
+    predict_lib.config_predict_fn(config, CFG, num_valid_ids=48)
     (decoding, kwargs), = seen
-    assert decoding == inference.DecodeConfig.from_config(config)
+    assert decoding == DecodeConfig.from_config(config)
     assert decoding.beam_stop == 'k_finished' and decoding.beam_shrink_floor == 2
     assert decoding.beam_unfinished == 'compete' and decoding.beam_size == config.beam_size
     assert kwargs == {'num_valid_ids': 48, 'mesh': None}
@@ -179,10 +182,10 @@ def _decoding_block_keys() -> list[str]:
 @pytest.mark.parametrize('name', ['wmt14_ende_base', 'wmt14_ende_big', 'wmt14_enfr_big'])
 def test_decode_config_holds_every_decoding_key_of_the_paper_configs(name):
     config = importlib.import_module(f'configs.{name}').get_config()
-    decoding = inference.DecodeConfig.from_config(config)
+    decoding = DecodeConfig.from_config(config)
     keys = _decoding_block_keys()
     assert {'decode_strategy', 'beam_size', 'top_p', 'max_decode_len'} <= set(keys)  # parsed
-    fields = {f.name for f in dataclasses.fields(inference.DecodeConfig)}
+    fields = {f.name for f in dataclasses.fields(DecodeConfig)}
     # a new decoding key is a field, and back; nbest and num_samples are set by evaluate.py's
     # flags (--nbest, --mbr_samples), not by the config
     assert fields == {*keys, 'nbest', 'eos_id', 'num_samples'}
@@ -190,7 +193,7 @@ def test_decode_config_holds_every_decoding_key_of_the_paper_configs(name):
     assert decoding.nbest == 1 and decoding.num_samples == 1 and decoding.eos_id == EOS_ID
     assert (decoding.beam_size, decoding.length_penalty_alpha, decoding.max_decode_extra) == (
         4, 0.6, 50)  # the paper's decoding
-    assert decoding.describe() == 'beam 4, alpha 0.6' and decoding.sampling is None
+    assert predict_lib.describe(decoding) == 'beam 4, alpha 0.6'
     hash(decoding)  # make_predict_fn's cache key
 
 
@@ -199,7 +202,7 @@ def test_sharded_params_decode_like_unsharded(inputs_BS):
     sharded, _ = sharding.init_sharded(_init_boxed, mesh, jax.random.key(0))
     assert len(sharded['embedder']['embedding'].sharding.device_set) == 8
     host = jax.device_get(sharded)
-    predict = inference.make_predict_fn(CFG, GREEDY)
+    predict = predict_lib.make_predict_fn(CFG, GREEDY)
     np.testing.assert_array_equal(predict(sharded, inputs_BS).ids_BL,
                                   predict(host, inputs_BS).ids_BL)
 
@@ -219,8 +222,8 @@ class _EchoTokenizer:
 def _echo_predict(params, inputs_BS):
     """Copies the source: hypothesis i is the source of example i, so order is checkable."""
     ids_BL = np.asarray(inputs_BS)
-    return inference.Prediction(ids_BL=ids_BL, hit_limit_B=ids_BL[:, 0] == 7,
-                                capped_B=np.zeros(len(ids_BL), bool))
+    return predict_lib.Prediction(ids_BL=ids_BL, hit_limit_B=ids_BL[:, 0] == 7,
+                                  capped_B=np.zeros(len(ids_BL), bool))
 
 
 def test_translate_batches_keeps_the_original_order():
