@@ -73,3 +73,18 @@ def start_script(*args, devices: int = 1, env: dict | None = None,
     """run_script's process, started and not waited for; popen: stdout, stderr, text ..."""
     return subprocess.Popen(_argv(args), cwd=ROOT, env={**script_env(devices), **(env or {})},
                             **popen)
+
+
+def source_rows(lengths, width: int, vocab_size: int, seed: int):
+    """int32 [len(lengths), width] sources: row i holds lengths[i] - 1 random non-special ids,
+    then EOS, then PAD."""
+    import numpy as np
+
+    from t2t.ids import EOS_ID, PAD_ID
+
+    rng = np.random.default_rng(seed)
+    inputs = np.full((len(lengths), width), PAD_ID, np.int32)
+    for row, n in enumerate(lengths):
+        inputs[row, :n - 1] = rng.integers(3, vocab_size, n - 1)
+        inputs[row, n - 1] = EOS_ID
+    return inputs

@@ -24,9 +24,9 @@ from t2t import attention, model, sharding
 from t2t.aot import tpu as aot
 from t2t.decode import DecodeConfig
 from t2t.eval import predict as predict_lib
-from t2t.ids import EOS_ID, PAD_ID
+from t2t.ids import EOS_ID
 from t2t.model import Transformer, TransformerConfig
-from tests.helpers import ROOT
+from tests.helpers import ROOT, source_rows
 from tests.test_aot import _env, libtpu_lock
 
 # One xdist worker runs every test that compiles with libtpu (--dist loadgroup), one at a time
@@ -46,12 +46,7 @@ def _init_boxed(rng):
 
 @pytest.fixture(scope='module')
 def inputs_BS():
-    rng = np.random.default_rng(3)
-    inputs = np.full((len(SRC_LENS), 10), PAD_ID, np.int32)
-    for row, n in enumerate(SRC_LENS):
-        inputs[row, :n - 1] = rng.integers(3, CFG.vocab_size, n - 1)
-        inputs[row, n - 1] = EOS_ID
-    return inputs
+    return source_rows(SRC_LENS, 10, CFG.vocab_size, seed=3)
 
 
 @pytest.fixture(scope='module')

@@ -19,6 +19,7 @@ from t2t.eval import predict as predict_lib
 from t2t.ids import EOS_ID, PAD_ID
 from t2t.model import Transformer, TransformerConfig
 from t2t.run import checkpoint, checkpoint_read
+from tests.helpers import source_rows
 from tests.test_evaluate import _config, _read_lines
 
 # Its module fixtures are computed once: all its tests run on one xdist worker (--dist loadgroup).
@@ -46,12 +47,7 @@ def members():
 
 @pytest.fixture(scope='module')
 def inputs_BS():
-    rng = np.random.default_rng(2)
-    inputs = np.zeros((len(SRC_LENS), 8), np.int32)
-    for row, n in enumerate(SRC_LENS):
-        inputs[row, :n - 1] = rng.integers(3, CFG_A.vocab_size, n - 1)
-        inputs[row, n - 1] = EOS_ID
-    return inputs
+    return source_rows(SRC_LENS, 8, CFG_A.vocab_size, seed=2)
 
 
 @functools.partial(jax.jit, static_argnums=0)

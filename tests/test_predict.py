@@ -19,6 +19,7 @@ from t2t.eval import predict as predict_lib
 from t2t.eval import translate
 from t2t.ids import EOS_ID, PAD_ID
 from t2t.model import Transformer, TransformerConfig
+from tests.helpers import source_rows
 
 # Its module fixtures are computed once: all its tests run on one xdist worker (--dist loadgroup).
 pytestmark = pytest.mark.xdist_group(__name__)
@@ -63,12 +64,7 @@ def params():
 
 @pytest.fixture(scope='module')
 def inputs_BS():
-    rng = np.random.default_rng(1)
-    inputs = np.zeros((len(SRC_LENS), 8), np.int32)
-    for row, n in enumerate(SRC_LENS):
-        inputs[row, :n - 1] = rng.integers(3, CFG.vocab_size, n - 1)
-        inputs[row, n - 1] = EOS_ID
-    return inputs
+    return source_rows(SRC_LENS, 8, CFG.vocab_size, seed=1)
 
 
 def _scores(params, inputs_BS, ids_BL, alpha):

@@ -101,16 +101,20 @@ _MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\((?:\[([\
                    r"(?:T\(([\d,]+)\))?|([\d,]+))\))?\s*\{([^}]*)\}")
 
 
+def _iota(dims: str, perm: str | None) -> np.ndarray:
+    """XLA's iota device list [dims]T(perm): 0..N-1 laid out as dims, then transposed."""
+    shape = [int(d) for d in dims.split(',')]
+    ids = np.arange(np.prod(shape)).reshape(shape)
+    return ids.transpose([int(d) for d in perm.split(',')]) if perm else ids
+
+
 def _mesh_groups(found: re.Match) -> list[list[int]]:
     axes = re.findall(r"'(\w+)'=(\d+)", found.group(1))
     names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
     if found.group(4):
         ids = np.array([int(d) for d in found.group(4).split(',') if d])
     else:
-        dims = [int(d) for d in found.group(2).split(',')] if found.group(2) else [np.prod(sizes)]
-        ids = np.arange(np.prod(dims)).reshape(dims)
-        if found.group(3):
-            ids = ids.transpose([int(d) for d in found.group(3).split(',')])
+        ids = _iota(found.group(2) or str(np.prod(sizes)), found.group(3))
     grouped = [names.index(a) for a in re.findall(r"'(\w+)'", found.group(5))]
     kept = [i for i in range(len(names)) if i not in grouped]
     ids = ids.reshape(sizes).transpose(kept + grouped)
@@ -126,11 +130,8 @@ def groups(attributes: str, devices: int) -> list[list[int]]:
         return _mesh_groups(mesh)
     iota = _IOTA.search(attributes)
     if iota:
-        shape, dims = ([int(d) for d in g.split(',')] for g in iota.groups()[:2])
-        ids = np.arange(np.prod(dims)).reshape(dims)
-        if iota.group(3):
-            ids = ids.transpose([int(d) for d in iota.group(3).split(',')])
-        return ids.reshape(shape).tolist()
+        shape = [int(d) for d in iota.group(1).split(',')]
+        return _iota(iota.group(2), iota.group(3)).reshape(shape).tolist()
     found = _LISTS.search(attributes)
     if found and found.group(2):
         return [[int(d) for d in g.split(',') if d] for g in re.findall(r'\{([\d,]*)\}',
