@@ -66,10 +66,13 @@ demo: $(STAMP)
 	$(BIN)/python evaluate.py --config=configs/default.py --workdir=$(WORKDIR) --average_final
 	$(BIN)/python bench/learning_curve.py --workdir=$(WORKDIR)
 
-# --max-worker-restart=0: a worker that crashes ends the run with its test named; a replacement
-# worker would wait forever for the crashed one's group under --dist loadgroup.
+# Four workers on two cores: the storage, chaos and hang must-shows spend much of their time
+# waiting on purpose (outages, guards, other processes), and two more workers compile meanwhile
+# (bench/RESULTS.md, "The test suite"). --max-worker-restart=0: a worker that crashes ends the
+# run with its test named; a replacement worker would wait forever for the crashed one's group
+# under --dist loadgroup.
 test: $(STAMP) $(TPU_STAMP) $(GPU_AOT_STAMP) $(EXPORT_STAMP) $(EXTRAS_STAMP)
-	JAX_PLATFORMS=cpu $(BIN)/pytest -n 2 --dist loadgroup --max-worker-restart=0 --durations=15 tests
+	JAX_PLATFORMS=cpu $(BIN)/pytest -n 4 --dist loadgroup --max-worker-restart=0 --durations=15 tests
 
 # The core and what an edit of the model, the loss, decoding or the optimizer can break, in
 # minutes (docs/development.md): the paper's reference, the layers' floor, the settings' wiring.

@@ -59,10 +59,16 @@ LAUNCH_ID = f'launch-{uuid.uuid4().hex[:12]}'  # this launcher's, in T2T_ATTEMPT
 TERM_WAIT_S = 120.0  # after a forwarded SIGTERM: processes that have not saved by then are killed
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
+def free_port(used: set[int]) -> int:
+    """A free port none of the earlier attempts had (the system may hand one back): a process of
+    an earlier attempt still exiting never meets the new coordinator. Added to used."""
+    while True:
+        with socket.socket() as s:
+            s.bind(('127.0.0.1', 0))
+            port = s.getsockname()[1]
+        if port not in used:
+            used.add(port)
+            return port
 
 
 def process_env(base: dict, devices: int, job_id: str) -> dict:
@@ -128,10 +134,10 @@ def classify(statuses: list) -> tuple[int, int] | None:
 class Attempt:
     """The N processes of one attempt, their logs, and process 0's stdout streamed."""
 
-    def __init__(self, args, passthrough, number: int, stream):
+    def __init__(self, args, passthrough, number: int, stream, used_ports: set[int]):
         import subprocess
 
-        self.port, self.job_id = free_port(), f'local-{uuid.uuid4().hex[:12]}'
+        self.port, self.job_id = free_port(used_ports), f'local-{uuid.uuid4().hex[:12]}'
         env = process_env(dict(os.environ), args.devices_per_process, self.job_id)
         env['T2T_ATTEMPT'] = f'{LAUNCH_ID}:{number}'  # the goodput ledger counts attempts by it
         self.procs, self.files = [], []
@@ -235,13 +241,13 @@ def supervise(args, passthrough, stream=None, say=None) -> int:
         stop.append(signum)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    start, restarts = time.monotonic(), 0
+    start, restarts, used_ports = time.monotonic(), 0, set()
     try:
         while True:
             if stop:  # between two attempts: nothing is running
                 say('stopped between attempts; run again to resume')
                 return exits.OK
-            attempt = Attempt(args, passthrough, restarts, stream)
+            attempt = Attempt(args, passthrough, restarts, stream, used_ports)
             try:
                 outcome = run_attempt(attempt, args.hang_timeout_s,
                                       args.startup_hang_timeout_s, stop)

@@ -12,11 +12,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-# LLVM without optimization for XLA's CPU code (TEST_XLA_FLAGS): the tests run tiny models, a few
-# steps each, so compiling is most of their time; at level 0 it takes about a third less and the
-# programs run slower, which tiny models do not notice. Every CPU process of the tests uses it
-# (tests compare runs bit for bit): the scripts they start get it from tests/helpers.py. The TPU
-# ahead-of-time tests compile in processes without XLA_FLAGS.
+# XLA's CPU compiler at its quickest (TEST_XLA_FLAGS): the tests run tiny models, a few steps each,
+# so compiling is most of their time. LLVM without optimization, and the legacy fusion emitters in
+# one codegen module instead of the MLIR emitters split in parallel modules, compile a tiny run's
+# programs in under half the time (bench/RESULTS.md, "The test suite"); the programs run slower,
+# which tiny models do not notice. Every CPU process of the tests uses them (tests compare runs bit
+# for bit): the scripts they start get them from tests/helpers.py. The TPU and GPU ahead-of-time
+# tests compile in processes without XLA_FLAGS.
 from tests import gcs_server  # noqa: E402
 from tests.helpers import TEST_XLA_FLAGS, script_env, tiny_config  # noqa: E402, F401
 
@@ -64,10 +66,10 @@ def one_device_env() -> dict:
 
 # --dist loadgroup (make test) hands each worker a whole group at a time, in the order of the
 # collection here (pytest_configure turns xdist's own reordering by test count off: it put the
-# groups of one or two long tests last, where two of them met on one worker). The longest groups
-# go first, two to each worker (xdist's first assignment), paired so that each worker gets about
-# the same; every other test follows, the larger groups first, and fills in wherever a worker is
-# free. Their times: bench/RESULTS.md, "The test suite".
+# groups of one or two long tests last, where two of them met on one worker). The four longest
+# groups go first, one to each of make test's four workers (xdist's first assignment); every
+# other test follows, the larger groups first, and fills in wherever a worker is free. Their
+# times: bench/RESULTS.md, "The test suite".
 LONGEST_FIRST = ('tests.test_chaos', 'tests.test_bucket_faults', 'libtpu',
                  'tests.test_multiprocess')
 

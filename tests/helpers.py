@@ -19,8 +19,9 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# LLVM without optimization for XLA's CPU code (tests/conftest.py says why).
-TEST_XLA_FLAGS = '--xla_backend_optimization_level=0'
+# XLA's CPU compiler at its quickest (tests/conftest.py says why).
+TEST_XLA_FLAGS = ('--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false '
+                  '--xla_cpu_parallel_codegen_split_count=1')
 DEVICE_FLAG = '--xla_force_host_platform_device_count'
 
 
