@@ -20,10 +20,10 @@ if ROOT not in sys.path:
 # for bit): the scripts they start get them from tests/helpers.py. The TPU and GPU ahead-of-time
 # tests compile in processes without XLA_FLAGS.
 from tests import gcs_server  # noqa: E402
-from tests.helpers import TEST_XLA_FLAGS, script_env, tiny_config  # noqa: E402, F401
+from tests.helpers import DEVICE_FLAG, TEST_XLA_FLAGS, script_env, tiny_config  # noqa: E402, F401
 
 os.environ['XLA_FLAGS'] = (
-    os.environ.get('XLA_FLAGS', '') + f' {TEST_XLA_FLAGS} --xla_force_host_platform_device_count=8'
+    os.environ.get('XLA_FLAGS', '') + f' {TEST_XLA_FLAGS} {DEVICE_FLAG}=8'
 ).strip()
 os.environ['JAX_PLATFORMS'] = 'cpu'
 os.environ.update(gcs_server.GCSFS_HTTP_ONLY)  # before any test imports gcsfs
